@@ -1,0 +1,210 @@
+//! The one name table between the published HF checkpoint layout and our module paths.
+//!
+//! Each rule pairs a checkpoint name pattern with the Burn module path that holds the tensor
+//! (`{i}` = layer index, `{e}` = expert index) and says how the tensor changes on the way in
+//! (and, inverted, on the way out). Module paths mirror the checkpoint tree, so most rules
+//! only strip the `model.` prefix and transpose `nn.Linear` weights. The table is used in
+//! both directions: loading (checkpoint → module) and saving (module → checkpoint).
+
+/// How a checkpoint tensor maps onto a module tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transform {
+    /// Same shape and layout.
+    Identity,
+    /// `nn.Linear` weight `[out, in]` ↔ Burn `Linear` weight `[in, out]`.
+    Transpose,
+    /// Depthwise `nn.Conv1d` weight `[C, 1, W]` ↔ taps `[C, W]`.
+    SqueezeConv,
+    /// Per-expert `nn.Linear` weight `[out, in]` ↔ slice `e` of a stacked `[E, in, out]`.
+    ExpertSlice,
+}
+
+/// One row of the table.
+#[derive(Debug, Clone, Copy)]
+pub struct Rule {
+    /// Checkpoint name pattern.
+    pub hf: &'static str,
+    /// Module path pattern (Burn paths, enum variants skipped).
+    pub ours: &'static str,
+    pub transform: Transform,
+    /// Kept in fp32 whatever the model dtype (HF `_keep_in_fp32_modules_strict`).
+    pub keep_f32: bool,
+}
+
+const fn r(hf: &'static str, ours: &'static str, transform: Transform) -> Rule {
+    Rule { hf, ours, transform, keep_f32: false }
+}
+
+const fn f32_rule(hf: &'static str, ours: &'static str, transform: Transform) -> Rule {
+    Rule { hf, ours, transform, keep_f32: true }
+}
+
+use Transform::*;
+
+/// The checkpoint ↔ module table of the text model and LM head.
+pub const RULES: &[Rule] = &[
+    // LM head and embeddings (nn.Embedding keeps [V, D] in both)
+    r("lm_head.weight", "lm_head.weight", Transpose),
+    r("model.language_model.embed_tokens.weight", "language_model.embed_tokens.weight", Identity),
+    r("model.language_model.norm.weight", "language_model.norm.weight", Identity),
+    // Per-layer norms
+    r("model.language_model.layers.{i}.input_layernorm.weight", "language_model.layers.{i}.input_layernorm.weight", Identity),
+    r("model.language_model.layers.{i}.post_attention_layernorm.weight", "language_model.layers.{i}.post_attention_layernorm.weight", Identity),
+    // mHC sites: flat names in the checkpoint (HF module `attn_hc.fn` etc.); base/scale fp32
+    r("model.language_model.layers.{i}.hc_attn_fn", "language_model.layers.{i}.attn_hc.fn_weight", Identity),
+    f32_rule("model.language_model.layers.{i}.hc_attn_base", "language_model.layers.{i}.attn_hc.base", Identity),
+    f32_rule("model.language_model.layers.{i}.hc_attn_scale", "language_model.layers.{i}.attn_hc.scale", Identity),
+    r("model.language_model.layers.{i}.hc_ffn_fn", "language_model.layers.{i}.ffn_hc.fn_weight", Identity),
+    f32_rule("model.language_model.layers.{i}.hc_ffn_base", "language_model.layers.{i}.ffn_hc.base", Identity),
+    f32_rule("model.language_model.layers.{i}.hc_ffn_scale", "language_model.layers.{i}.ffn_hc.scale", Identity),
+    // KDA: separate q/k/v convs (HF fuses them into `conv1d` in memory); gate tensors flat
+    r("model.language_model.layers.{i}.self_attn.q_proj.weight", "language_model.layers.{i}.self_attn.q_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.k_proj.weight", "language_model.layers.{i}.self_attn.k_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.v_proj.weight", "language_model.layers.{i}.self_attn.v_proj.weight", Transpose),
+    f32_rule("model.language_model.layers.{i}.self_attn.q_conv1d.weight", "language_model.layers.{i}.self_attn.q_conv1d.weight", SqueezeConv),
+    f32_rule("model.language_model.layers.{i}.self_attn.k_conv1d.weight", "language_model.layers.{i}.self_attn.k_conv1d.weight", SqueezeConv),
+    f32_rule("model.language_model.layers.{i}.self_attn.v_conv1d.weight", "language_model.layers.{i}.self_attn.v_conv1d.weight", SqueezeConv),
+    r("model.language_model.layers.{i}.self_attn.f_a_proj.weight", "language_model.layers.{i}.self_attn.f_a_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.f_b_proj.weight", "language_model.layers.{i}.self_attn.f_b_proj.weight", Transpose),
+    f32_rule("model.language_model.layers.{i}.self_attn.dt_bias", "language_model.layers.{i}.self_attn.dt_bias", Identity),
+    f32_rule("model.language_model.layers.{i}.self_attn.A_log", "language_model.layers.{i}.self_attn.A_log", Identity),
+    r("model.language_model.layers.{i}.self_attn.b_proj.weight", "language_model.layers.{i}.self_attn.b_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.g_a_proj.weight", "language_model.layers.{i}.self_attn.g_a_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.g_b_proj.weight", "language_model.layers.{i}.self_attn.g_b_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.o_norm.weight", "language_model.layers.{i}.self_attn.o_norm.weight", Identity),
+    // KDA and MLA share `o_proj`; MLA projections carry biases when `attention_bias`
+    r("model.language_model.layers.{i}.self_attn.o_proj.weight", "language_model.layers.{i}.self_attn.o_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.o_proj.bias", "language_model.layers.{i}.self_attn.o_proj.bias", Identity),
+    // MLA (NoPE)
+    r("model.language_model.layers.{i}.self_attn.q_a_proj.weight", "language_model.layers.{i}.self_attn.q_a_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.q_a_proj.bias", "language_model.layers.{i}.self_attn.q_a_proj.bias", Identity),
+    r("model.language_model.layers.{i}.self_attn.q_a_layernorm.weight", "language_model.layers.{i}.self_attn.q_a_layernorm.weight", Identity),
+    r("model.language_model.layers.{i}.self_attn.q_b_proj.weight", "language_model.layers.{i}.self_attn.q_b_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", "language_model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.kv_a_proj_with_mqa.bias", "language_model.layers.{i}.self_attn.kv_a_proj_with_mqa.bias", Identity),
+    r("model.language_model.layers.{i}.self_attn.kv_a_layernorm.weight", "language_model.layers.{i}.self_attn.kv_a_layernorm.weight", Identity),
+    r("model.language_model.layers.{i}.self_attn.kv_b_proj.weight", "language_model.layers.{i}.self_attn.kv_b_proj.weight", Transpose),
+    // KPool indexer (`compress_gate` is a raw [d, D] matrix used as x·gateᵀ: kept as stored)
+    r("model.language_model.layers.{i}.self_attn.indexer.wq_b.weight", "language_model.layers.{i}.self_attn.indexer.wq_b.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.indexer.wk.weight", "language_model.layers.{i}.self_attn.indexer.wk.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.indexer.k_norm.weight", "language_model.layers.{i}.self_attn.indexer.k_norm.weight", Identity),
+    r("model.language_model.layers.{i}.self_attn.indexer.k_norm.bias", "language_model.layers.{i}.self_attn.indexer.k_norm.bias", Identity),
+    r("model.language_model.layers.{i}.self_attn.indexer.weights_proj.weight", "language_model.layers.{i}.self_attn.indexer.weights_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.self_attn.indexer.index_kpool_compress_ape", "language_model.layers.{i}.self_attn.indexer.index_kpool_compress_ape", Identity),
+    r("model.language_model.layers.{i}.self_attn.indexer.index_kpool_compress_gate", "language_model.layers.{i}.self_attn.indexer.index_kpool_compress_gate", Identity),
+    // Dense FFN and shared expert
+    r("model.language_model.layers.{i}.mlp.gate_proj.weight", "language_model.layers.{i}.mlp.gate_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.mlp.up_proj.weight", "language_model.layers.{i}.mlp.up_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.mlp.down_proj.weight", "language_model.layers.{i}.mlp.down_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.mlp.shared_experts.gate_proj.weight", "language_model.layers.{i}.mlp.shared_experts.gate_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.mlp.shared_experts.up_proj.weight", "language_model.layers.{i}.mlp.shared_experts.up_proj.weight", Transpose),
+    r("model.language_model.layers.{i}.mlp.shared_experts.down_proj.weight", "language_model.layers.{i}.mlp.shared_experts.down_proj.weight", Transpose),
+    // Router (the correction bias is an fp32 buffer)
+    r("model.language_model.layers.{i}.mlp.gate.weight", "language_model.layers.{i}.mlp.gate.weight", Identity),
+    f32_rule("model.language_model.layers.{i}.mlp.gate.e_score_correction_bias", "language_model.layers.{i}.mlp.gate.e_score_correction_bias", Identity),
+    // Routed experts: one tensor per expert in the checkpoint, stacked [E, in, out] in the module
+    r("model.language_model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "language_model.layers.{i}.mlp.experts.gate_proj", ExpertSlice),
+    r("model.language_model.layers.{i}.mlp.experts.{e}.up_proj.weight", "language_model.layers.{i}.mlp.experts.up_proj", ExpertSlice),
+    r("model.language_model.layers.{i}.mlp.experts.{e}.down_proj.weight", "language_model.layers.{i}.mlp.experts.down_proj", ExpertSlice),
+];
+
+/// Checkpoint keys the reference ignores on load: the MTP block stored at index
+/// `num_hidden_layers` and any `shared_head` (HF `_keys_to_ignore_on_load_unexpected`).
+pub fn is_ignored(name: &str, num_hidden_layers: usize) -> bool {
+    let mtp = format!("model.language_model.layers.{num_hidden_layers}.");
+    name.starts_with(&mtp) || (name.contains(".shared_head.") && name.starts_with("model.language_model.layers."))
+}
+
+/// Checkpoint keys of the vision tower (not loaded by the text-only model).
+pub fn is_vision(name: &str) -> bool {
+    name.starts_with("model.visual.")
+}
+
+/// A module tensor resolved against the table.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub rule: Rule,
+    /// Layer index, when the pattern has `{i}`.
+    pub layer: Option<usize>,
+}
+
+impl Resolved {
+    /// Checkpoint names feeding this module tensor (one per expert for stacked experts).
+    pub fn hf_names(&self, n_experts: usize) -> Vec<String> {
+        let base = match self.layer {
+            Some(i) => self.rule.hf.replace("{i}", &i.to_string()),
+            None => self.rule.hf.to_string(),
+        };
+        if self.rule.transform == Transform::ExpertSlice {
+            (0..n_experts).map(|e| base.replace("{e}", &e.to_string())).collect()
+        } else {
+            vec![base]
+        }
+    }
+
+    /// Checkpoint shape of one source tensor given the module tensor's shape.
+    pub fn hf_shape(&self, ours: &[usize]) -> Vec<usize> {
+        match self.rule.transform {
+            Transform::Identity => ours.to_vec(),
+            Transform::Transpose => vec![ours[1], ours[0]],
+            Transform::SqueezeConv => vec![ours[0], 1, ours[1]],
+            Transform::ExpertSlice => vec![ours[2], ours[1]],
+        }
+    }
+}
+
+/// Find the rule for a module path (`None`: the path is not in the table).
+pub fn resolve(path: &str) -> Option<Resolved> {
+    for rule in RULES {
+        if let Some(layer) = match_pattern(rule.ours, path) {
+            return Some(Resolved { rule: *rule, layer });
+        }
+    }
+    None
+}
+
+/// Match `path` against a pattern with an optional `{i}`; returns `Some(layer)` on a match.
+fn match_pattern(pattern: &str, path: &str) -> Option<Option<usize>> {
+    match pattern.split_once("{i}") {
+        None => (pattern == path).then_some(None),
+        Some((pre, post)) => {
+            let rest = path.strip_prefix(pre)?;
+            let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+            if digits == 0 || &rest[digits..] != post {
+                return None;
+            }
+            rest[..digits].parse().ok().map(Some)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resolves_layer_and_expert_paths() {
+        let r = resolve("language_model.layers.12.mlp.experts.down_proj").expect("rule");
+        assert_eq!(r.layer, Some(12));
+        assert_eq!(r.rule.transform, Transform::ExpertSlice);
+        assert_eq!(r.hf_names(2)[1], "model.language_model.layers.12.mlp.experts.1.down_proj.weight");
+        assert_eq!(r.hf_shape(&[3, 16, 32]), vec![32, 16]);
+        assert!(resolve("language_model.layers.x.mlp.gate.weight").is_none());
+        assert!(resolve("lm_head.weight").is_some());
+    }
+
+    #[test]
+    fn every_rule_has_one_layer_placeholder_at_most() {
+        for rule in RULES {
+            assert!(rule.ours.matches("{i}").count() <= 1, "{}", rule.ours);
+            assert_eq!(rule.hf.contains("{e}"), rule.transform == Transform::ExpertSlice, "{}", rule.hf);
+        }
+    }
+
+    #[test]
+    fn mtp_and_shared_head_are_ignored() {
+        assert!(is_ignored("model.language_model.layers.45.eh_proj.weight", 45));
+        assert!(is_ignored("model.language_model.layers.3.shared_head.norm.weight", 45));
+        assert!(!is_ignored("model.language_model.layers.44.eh_proj.weight", 45));
+    }
+}

@@ -1,0 +1,296 @@
+//! HF checkpoints in and out.
+//!
+//! [`load_causal_lm`] reads a checkpoint directory (`config.json` + `model.safetensors` or a
+//! sharded `model.safetensors.index.json`) in the published layout, checks every tensor
+//! against the model built from the config — failing with one report that lists **every**
+//! missing, unexpected and mis-shaped key — and loads the weights through the name table
+//! in [`hf_map`]. [`save_causal_lm`] writes the same layout back, atomically.
+
+pub mod hf_map;
+pub mod safetensors_io;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use burn::module::ParamId;
+use burn::store::{ModuleSnapshot, TensorSnapshot, TensorSnapshotError};
+use burn::tensor::{backend::Backend, DType, Shape, TensorData};
+use safetensors::tensor::Dtype;
+use serde_json::Value;
+
+use crate::config::Glm5Config;
+use crate::error::CheckpointError;
+use crate::model::Glm5ForCausalLM;
+use hf_map::{resolve, Resolved, Transform};
+use safetensors_io::{decode_f32, serialize, write_atomic, OwnedTensor, SafetensorsFiles};
+
+/// How to load.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Dtype of the loaded weights (`F32` or `BF16`); fp32-kept tensors stay `F32`.
+    pub dtype: DType,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self { dtype: DType::F32 }
+    }
+}
+
+/// A loaded text model with its configuration.
+pub struct LoadedModel<B: Backend> {
+    pub config: Glm5Config,
+    /// The `config.json` as read (written back unchanged by [`save_causal_lm`]).
+    pub config_json: Value,
+    pub model: Glm5ForCausalLM<B>,
+    /// Checkpoint tensors present but not used (vision tower, MTP layer, `shared_head`).
+    pub skipped: Vec<String>,
+}
+
+/// Read and validate `dir/config.json`.
+pub fn read_config(dir: &Path) -> Result<(Glm5Config, Value), CheckpointError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::Io { path: path.clone(), source: e })?;
+    let json: Value = serde_json::from_str(&text).map_err(|e| crate::error::ConfigError::Json {
+        path: path.display().to_string(),
+        source: e,
+    })?;
+    let config = Glm5Config::from_hf_value(&json).map_err(|e| match e {
+        crate::error::ConfigError::Invalid { field, message } => crate::error::ConfigError::Invalid {
+            field: format!("{}: {field}", path.display()),
+            message,
+        },
+        other => other,
+    })?;
+    Ok((config, json))
+}
+
+/// One module tensor and where it comes from in the checkpoint.
+struct Planned {
+    path: String,
+    shape: Vec<usize>,
+    resolved: Resolved,
+    sources: Vec<String>,
+}
+
+fn plan<B: Backend>(model: &Glm5ForCausalLM<B>, n_experts: usize) -> Result<Vec<Planned>, CheckpointError> {
+    let mut out = Vec::new();
+    for snap in model.collect(None, None, true) {
+        let path = snap.full_path();
+        let resolved = resolve(&path).ok_or_else(|| {
+            CheckpointError::Other(format!("internal: module tensor {path} has no rule in checkpoint::hf_map::RULES"))
+        })?;
+        let shape = snap.shape.to_vec();
+        out.push(Planned { sources: resolved.hf_names(n_experts), path, shape, resolved });
+    }
+    Ok(out)
+}
+
+fn dtype_name(d: Dtype) -> String {
+    format!("{d:?}")
+}
+
+/// Load the text model and LM head from an HF checkpoint directory.
+pub fn load_causal_lm<B: Backend>(
+    dir: impl AsRef<Path>,
+    device: &B::Device,
+    opts: &LoadOptions,
+) -> Result<LoadedModel<B>, CheckpointError> {
+    let dir = dir.as_ref();
+    let (config, config_json) = read_config(dir)?;
+    let files = Rc::new(SafetensorsFiles::open_dir(dir)?);
+    let mut model = Glm5ForCausalLM::<B>::new(&config, device);
+    let tc = &config.text_config;
+    let planned = plan(&model, tc.n_routed_experts)?;
+
+    // --- validation: every problem in one report ---
+    let mut expected: BTreeMap<&str, (Vec<usize>, &str)> = BTreeMap::new();
+    for p in &planned {
+        for s in &p.sources {
+            expected.insert(s, (p.resolved.hf_shape(&p.shape), p.path.as_str()));
+        }
+    }
+    let mut missing = Vec::new();
+    let mut misshaped = Vec::new();
+    let mut bad_dtype = Vec::new();
+    for (name, (shape, _)) in &expected {
+        match files.tensors.get(*name) {
+            None => missing.push(format!("  missing     {name} (expected shape {shape:?})")),
+            Some(e) => {
+                if &e.shape != shape {
+                    misshaped.push(format!("  wrong shape {name}: checkpoint {:?}, model expects {shape:?}", e.shape));
+                }
+                if !matches!(e.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
+                    bad_dtype.push(format!(
+                        "  bad dtype   {name}: {} (supported: F32, BF16, F16)",
+                        dtype_name(e.dtype)
+                    ));
+                }
+            }
+        }
+    }
+    let mut unexpected = Vec::new();
+    let mut skipped = Vec::new();
+    for name in files.tensors.keys() {
+        if expected.contains_key(name.as_str()) {
+            continue;
+        }
+        let tied_head = config.tie_word_embeddings && name == "lm_head.weight";
+        if hf_map::is_ignored(name, tc.num_hidden_layers) || hf_map::is_vision(name) || tied_head {
+            skipped.push(name.clone());
+        } else {
+            let shard = files.shard_path(name).map(|p| p.display().to_string()).unwrap_or_default();
+            unexpected.push(format!("  unexpected  {name} (in {shard})"));
+        }
+    }
+    let problems: Vec<String> = missing.into_iter().chain(unexpected).chain(misshaped).chain(bad_dtype).collect();
+    if !problems.is_empty() {
+        return Err(CheckpointError::Mismatch {
+            dir: dir.to_path_buf(),
+            report: format!("{} problem(s):\n{}", problems.len(), problems.join("\n")),
+        });
+    }
+    if !skipped.is_empty() {
+        log::info!(
+            "{}: skipped {} tensors not used by the text model (vision tower, MTP layer {}, shared_head)",
+            dir.display(),
+            skipped.len(),
+            tc.num_hidden_layers
+        );
+    }
+
+    // --- lazy snapshots in module layout ---
+    let snapshots: Vec<TensorSnapshot> = planned
+        .into_iter()
+        .map(|p| {
+            let dtype = if p.resolved.rule.keep_f32 { DType::F32 } else { opts.dtype };
+            let files = files.clone();
+            let shape = p.shape.clone();
+            let transform = p.resolved.rule.transform;
+            let sources = p.sources.clone();
+            let data_fn = Rc::new(move || {
+                let mut parts = Vec::with_capacity(sources.len());
+                for s in &sources {
+                    parts.push(files.read_f32(s).map_err(|e| TensorSnapshotError::DataError(e.to_string()))?);
+                }
+                let values = to_module_layout(transform, &parts, &shape);
+                Ok(TensorData::new(values, shape.clone()).convert_dtype(dtype))
+            });
+            let path_stack: Vec<String> = p.path.split('.').map(str::to_string).collect();
+            TensorSnapshot::from_closure(data_fn, dtype, Shape::from(p.shape), path_stack, Vec::new(), ParamId::new())
+        })
+        .collect();
+    let result = model.apply(snapshots, None, None, true);
+    if !result.errors.is_empty() || !result.missing.is_empty() || !result.unused.is_empty() {
+        return Err(CheckpointError::Other(format!(
+            "{}: loading failed: errors {:?}, missing {:?}, unused {:?}",
+            dir.display(),
+            result.errors,
+            result.missing,
+            result.unused
+        )));
+    }
+    Ok(LoadedModel { config, config_json, model, skipped })
+}
+
+/// Checkpoint tensor(s) (f32, checkpoint layout) → module layout.
+fn to_module_layout(t: Transform, parts: &[Vec<f32>], shape: &[usize]) -> Vec<f32> {
+    match t {
+        Transform::Identity | Transform::SqueezeConv => parts[0].clone(),
+        Transform::Transpose => transpose(&parts[0], shape[1], shape[0]),
+        Transform::ExpertSlice => {
+            let (rows_in, cols_out) = (shape[1], shape[2]); // module [E, in, out]; checkpoint [out, in]
+            let mut out = Vec::with_capacity(shape.iter().product());
+            for p in parts {
+                out.extend(transpose(p, cols_out, rows_in));
+            }
+            out
+        }
+    }
+}
+
+/// Module tensor (f32) → checkpoint tensors (f32, checkpoint layout), one per source name.
+fn to_checkpoint_layout(t: Transform, values: &[f32], shape: &[usize]) -> Vec<Vec<f32>> {
+    match t {
+        Transform::Identity | Transform::SqueezeConv => vec![values.to_vec()],
+        Transform::Transpose => vec![transpose(values, shape[0], shape[1])],
+        Transform::ExpertSlice => {
+            let (e, rows_in, cols_out) = (shape[0], shape[1], shape[2]);
+            let n = rows_in * cols_out;
+            (0..e).map(|x| transpose(&values[x * n..(x + 1) * n], rows_in, cols_out)).collect()
+        }
+    }
+}
+
+/// Row-major `[rows, cols]` → `[cols, rows]`.
+fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = x[r * cols + c];
+        }
+    }
+    out
+}
+
+fn encode(values: &[f32], dtype: Dtype) -> Vec<u8> {
+    match dtype {
+        Dtype::BF16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()).collect(),
+        Dtype::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes()).collect(),
+        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+fn st_dtype(d: DType) -> Dtype {
+    match d {
+        DType::BF16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
+        _ => Dtype::F32,
+    }
+}
+
+/// Save the text model in the published HF layout: `dir/config.json` (the given JSON) and
+/// `dir/model.safetensors`, each written atomically. Tensors keep the module's dtype.
+pub fn save_causal_lm<B: Backend>(
+    model: &Glm5ForCausalLM<B>,
+    config_json: &Value,
+    dir: impl AsRef<Path>,
+) -> Result<PathBuf, CheckpointError> {
+    let dir = dir.as_ref();
+    std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), source: e })?;
+    let n_experts = model.num_experts;
+    let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
+    let mut seen = BTreeSet::new();
+    for snap in model.collect(None, None, true) {
+        let path = snap.full_path();
+        let resolved = resolve(&path)
+            .ok_or_else(|| CheckpointError::Other(format!("internal: module tensor {path} has no checkpoint rule")))?;
+        let data = snap.to_data().map_err(|e| CheckpointError::Other(format!("{path}: {e}")))?;
+        let dtype = st_dtype(data.dtype);
+        let shape = data.shape.clone();
+        let values: Vec<f32> = data
+            .convert::<f32>()
+            .into_vec()
+            .map_err(|e| CheckpointError::Other(format!("{path}: {e:?}")))?;
+        let names = resolved.hf_names(n_experts);
+        let hf_shape = resolved.hf_shape(&shape);
+        for (name, vals) in names.into_iter().zip(to_checkpoint_layout(resolved.rule.transform, &values, &shape)) {
+            if !seen.insert(name.clone()) {
+                return Err(CheckpointError::Other(format!("internal: {name} produced twice")));
+            }
+            tensors.insert(name, OwnedTensor { dtype, shape: hf_shape.clone(), data: encode(&vals, dtype) });
+        }
+    }
+    let bytes = serialize(&tensors)?;
+    let st_path = dir.join("model.safetensors");
+    write_atomic(&st_path, &bytes)?;
+    let cfg = serde_json::to_vec_pretty(config_json).map_err(|e| CheckpointError::Other(e.to_string()))?;
+    write_atomic(&dir.join("config.json"), &cfg)?;
+    Ok(st_path)
+}
+
+/// Decode helper re-exported for tests and tools.
+pub fn decode(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    decode_f32(dtype, bytes)
+}

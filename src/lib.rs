@@ -1,0 +1,24 @@
+//! # glm5-burn
+//!
+//! GLM-5.3-Flash (`Glm5NextForConditionalGeneration`) as generic Burn modules: HF
+//! `config.json` and safetensors in and out, with numerical parity against the Hugging Face
+//! reference (`transformers==5.23.0`, `models/glm5_next`).
+//!
+//! * [`config`]: `config.json` parsing with the reference's derived defaults and validation.
+//! * [`text`]: the language model (mHC, KDA, KPool-DSA, MoE) — module paths mirror the
+//!   checkpoint tree.
+//! * [`ops`]: the reference (pure tensor-op) paths of the hot spots, the kernels' oracle.
+//! * [`model`]: LM head and losses.
+//! * [`checkpoint`]: the HF name table, safetensors loading and saving.
+
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod model;
+pub mod ops;
+pub mod text;
+
+pub use config::{Glm5Config, TextConfig, VisionConfig};
+pub use error::{CheckpointError, ConfigError, ModelError};
+pub use model::Glm5ForCausalLM;
+pub use text::{AttentionImpl, ForwardOptions, KdaImpl, TokenMask};

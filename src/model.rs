@@ -1,0 +1,155 @@
+//! The causal LM head on the text model (the text path of HF
+//! `Glm5NextForConditionalGeneration`): logits, the shifted cross-entropy with `-100`
+//! ignored, and the optional Switch-style load-balancing loss.
+//!
+//! ```text
+//! logits = W_lm h                                 (W_lm = E when tie_word_embeddings)
+//! loss   = mean_{t: label_{t+1} ≠ −100} CE(logits_t, label_{t+1})  [+ coef · aux]
+//! aux    = E · Σ_e f_e P_e,  f_e = share of top-k slots routed to e,  P_e = mean softmax prob
+//! ```
+//!
+//! HF: `Glm5NextForConditionalGeneration.forward`, `ForCausalLMLoss`,
+//! `load_balancing_loss_func` (computed over all MoE layers, padding excluded).
+
+use burn::module::Module;
+use burn::nn::Linear;
+use burn::tensor::activation::{log_softmax, softmax};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+
+use crate::config::Glm5Config;
+use crate::error::ModelError;
+use crate::text::mlp::linear;
+use crate::text::model::{TextModel, TextOutput};
+use crate::text::{ForwardOptions, TokenMask};
+
+/// Text-only GLM-5.3-Flash with its LM head.
+#[derive(Module, Debug)]
+pub struct Glm5ForCausalLM<B: Backend> {
+    pub language_model: TextModel<B>,
+    /// `None` when the head is tied to the embedding.
+    pub lm_head: Option<Linear<B>>,
+    pub vocab_size: usize,
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub router_aux_loss_coef: f64,
+}
+
+/// Output of [`Glm5ForCausalLM::forward`].
+pub struct CausalLmOutput<B: Backend> {
+    /// `[B, S, V]`.
+    pub logits: Tensor<B, 3>,
+    pub text: TextOutput<B>,
+}
+
+impl<B: Backend> Glm5ForCausalLM<B> {
+    /// Randomly initialised model (weights are replaced by a checkpoint load).
+    pub fn new(config: &Glm5Config, device: &B::Device) -> Self {
+        let c = &config.text_config;
+        Self {
+            language_model: TextModel::new(c, device),
+            lm_head: (!config.tie_word_embeddings).then(|| linear(c.hidden_size, c.vocab_size, false, device)),
+            vocab_size: c.vocab_size,
+            num_experts: c.n_routed_experts,
+            top_k: c.num_experts_per_tok,
+            router_aux_loss_coef: c.router_aux_loss_coef,
+        }
+    }
+
+    /// Check token ids against the vocabulary before they reach an embedding lookup.
+    pub fn check_ids(&self, ids: &[i64]) -> Result<(), ModelError> {
+        if let Some((pos, &id)) = ids.iter().enumerate().find(|(_, &x)| x < 0 || x as usize >= self.vocab_size) {
+            return Err(ModelError::Input {
+                name: "input_ids".into(),
+                message: format!("token id {id} at flat position {pos} is outside the vocabulary (size {})", self.vocab_size),
+            });
+        }
+        Ok(())
+    }
+
+    /// `hidden` `[B, S, D]` → logits `[B, S, V]`.
+    pub fn head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        match &self.lm_head {
+            Some(h) => h.forward(hidden),
+            None => {
+                let w = self.language_model.embed_tokens.weight.val(); // [V, D]
+                let [b, s, d] = hidden.dims();
+                hidden.reshape([b * s, d]).matmul(w.transpose()).reshape([b, s, self.vocab_size])
+            }
+        }
+    }
+
+    /// Forward over token ids `[B, S]` with an optional `[B, S]` validity mask.
+    pub fn forward(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        mask: Option<TokenMask<B>>,
+        opts: &ForwardOptions,
+        record: bool,
+    ) -> CausalLmOutput<B> {
+        let [b, s] = input_ids.dims();
+        let device = input_ids.device();
+        let mask = mask.unwrap_or_else(|| TokenMask::all(b, s, &device));
+        let embeds = self.language_model.embed(input_ids);
+        let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
+        CausalLmOutput {
+            logits: self.head(text.hidden.clone()),
+            text,
+        }
+    }
+
+    /// Shifted next-token cross-entropy (mean over labels ≠ −100). `labels` `[B, S]` host.
+    pub fn lm_loss(logits: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1> {
+        let [b, s, v] = logits.dims();
+        let device = logits.device();
+        let mut target = Vec::with_capacity(b * s);
+        let mut weight = Vec::with_capacity(b * s);
+        for bi in 0..b {
+            for t in 0..s {
+                let l = if t + 1 < s { labels[bi * s + t + 1] } else { -100 };
+                let ok = l >= 0 && (l as usize) < v;
+                target.push(if ok { l } else { 0 });
+                weight.push(if ok { 1.0f32 } else { 0.0 });
+            }
+        }
+        let count = weight.iter().sum::<f32>().max(1.0);
+        let target = Tensor::<B, 2, Int>::from_data(TensorData::new(target, [b * s, 1]), &device);
+        let weight = Tensor::<B, 1>::from_data(TensorData::new(weight, [b * s]), &device);
+        let logp = log_softmax(logits.cast(DType::F32).reshape([b * s, v]), 1);
+        let nll = logp.gather(1, target).reshape([b * s]).neg();
+        (nll * weight).sum() / count as f64
+    }
+
+    /// Load-balancing loss over the MoE layers' router logits (`[B·S, E]` each); `mask`
+    /// `[B·S]` excludes padding like the reference.
+    pub fn aux_loss(&self, router_logits: &[Tensor<B, 2>], mask: &[bool]) -> Option<Tensor<B, 1>> {
+        let first = router_logits.first()?;
+        let device = first.device();
+        let e = self.num_experts;
+        let rows = first.dims()[0];
+        let m: Vec<f32> = mask.iter().map(|&x| if x { 1.0 } else { 0.0 }).collect();
+        let total: f32 = m.iter().sum::<f32>() * router_logits.len() as f32;
+        let m = Tensor::<B, 2>::from_data(TensorData::new(m.clone(), [rows, 1]), &device);
+        let mut tokens = vec![0f32; e];
+        let mut probs_sum: Option<Tensor<B, 1>> = None;
+        for logits in router_logits {
+            let p = softmax(logits.clone().cast(DType::F32), 1);
+            let host: Vec<f32> = p.clone().detach().into_data().convert::<f32>().into_vec().expect("f32 probabilities");
+            let mask_host: Vec<f32> = m.clone().into_data().convert::<f32>().into_vec().expect("f32 mask");
+            for (r, row) in host.chunks(e).enumerate() {
+                let mut order: Vec<usize> = (0..e).collect();
+                order.sort_by(|a, b| row[*b].total_cmp(&row[*a]).then(a.cmp(b)));
+                for &x in order.iter().take(self.top_k) {
+                    tokens[x] += mask_host[r];
+                }
+            }
+            let s = (p * m.clone()).sum_dim(0).reshape([e]);
+            probs_sum = Some(match probs_sum {
+                None => s,
+                Some(acc) => acc + s,
+            });
+        }
+        let f = Tensor::<B, 1>::from_data(TensorData::new(tokens, [e]), &device) / total as f64;
+        let p = probs_sum? / total as f64;
+        Some((f * p).sum() * e as f64)
+    }
+}

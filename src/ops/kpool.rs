@@ -1,0 +1,199 @@
+//! KPool top-k selection of the DSA indexer (MODEL_SPEC §6.3 steps 3–8; HF
+//! `Glm5NextTextIndexer.forward`, `get_pooled_states`, `append_visible_tail`).
+//!
+//! Given per-query pool scores `I[b, t, p]`, this picks, for every non-padding query `t`,
+//! the `min(index_topk / kpool, #selectable)` best *selectable* pools — complete pools (all
+//! `kpool` tokens present and not padding, anchored at the first valid token `f`) whose last
+//! token is `≤ t` — expands them to their raw token indices, appends the visible tail (the
+//! `n_vis(t) mod kpool` most recent tokens) when `always_select_tail`, and pads with −1 to
+//! the output width. Padding queries get a row of −1.
+//!
+//! Ties are broken toward the **lower pool index** (documented; `torch.topk` on CPU follows
+//! no rule). The selection runs on the host: it is cheap next to the scoring, it is the
+//! specification the indexer kernel is tested against, and the indexer takes no gradient.
+
+/// Geometry of the pools of one batch row.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolLayout {
+    /// First non-padding position (`seq_len` when the row is all padding).
+    pub first: usize,
+    /// Number of pools `ceil(seq_len / kpool)` (pools past the end are never complete).
+    pub n_pools: usize,
+}
+
+/// Pool layout of every row of a `[B, S]` validity mask (row-major).
+pub fn pool_layouts(mask: &[bool], batch: usize, seq: usize, kpool: usize) -> Vec<PoolLayout> {
+    (0..batch)
+        .map(|b| {
+            let row = &mask[b * seq..(b + 1) * seq];
+            let first = row.iter().position(|&m| m).unwrap_or(seq);
+            PoolLayout {
+                first,
+                n_pools: seq.div_ceil(kpool),
+            }
+        })
+        .collect()
+}
+
+/// Token index of slot `j` of pool `p` (may be past the end).
+#[inline]
+pub fn pool_token(layout: &PoolLayout, kpool: usize, p: usize, j: usize) -> usize {
+    layout.first + p * kpool + j
+}
+
+/// Selection parameters.
+#[derive(Debug, Clone, Copy)]
+pub struct KpoolSelect {
+    pub kpool: usize,
+    pub index_topk: usize,
+    pub always_select_tail: bool,
+}
+
+impl KpoolSelect {
+    /// Output width: `index_topk (+ kpool − 1 with the tail)`.
+    pub fn width(&self) -> usize {
+        if self.always_select_tail {
+            self.index_topk + self.kpool - 1
+        } else {
+            self.index_topk
+        }
+    }
+
+    /// Select token indices.
+    ///
+    /// * `scores`: `[B, S, P]` row-major pool scores (`P = ceil(S / kpool)`).
+    /// * `mask`: `[B, S]` validity (true = token).
+    ///
+    /// Returns `[B, S, width]` row-major indices, −1 = none.
+    pub fn select(&self, scores: &[f32], mask: &[bool], batch: usize, seq: usize) -> Vec<i64> {
+        let kp = self.kpool;
+        let n_pools = seq.div_ceil(kp);
+        assert_eq!(scores.len(), batch * seq * n_pools, "pool score buffer has the wrong size");
+        let width = self.width();
+        let budget = self.index_topk / kp;
+        let layouts = pool_layouts(mask, batch, seq, kp);
+        let mut out = vec![-1i64; batch * seq * width];
+        let mut cand: Vec<(f32, usize)> = Vec::with_capacity(n_pools);
+        for (b, lay) in layouts.iter().enumerate() {
+            let row_mask = &mask[b * seq..(b + 1) * seq];
+            // complete pools: all kpool tokens inside the sequence and valid
+            let complete: Vec<bool> = (0..n_pools)
+                .map(|p| (0..kp).all(|j| pool_token(lay, kp, p, j) < seq && row_mask[pool_token(lay, kp, p, j)]))
+                .collect();
+            let mut visible_count = 0usize;
+            for t in 0..seq {
+                if row_mask[t] {
+                    visible_count += 1;
+                }
+                if !row_mask[t] {
+                    continue;
+                }
+                let srow = &scores[(b * seq + t) * n_pools..(b * seq + t + 1) * n_pools];
+                cand.clear();
+                for p in 0..n_pools {
+                    if complete[p] && pool_token(lay, kp, p, kp - 1) <= t {
+                        cand.push((srow[p], p));
+                    }
+                }
+                // descending score, then ascending pool index
+                cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                let o = &mut out[(b * seq + t) * width..(b * seq + t + 1) * width];
+                let mut w = 0;
+                for &(_, p) in cand.iter().take(budget) {
+                    for j in 0..kp {
+                        o[w] = pool_token(lay, kp, p, j) as i64;
+                        w += 1;
+                    }
+                }
+                if self.always_select_tail {
+                    let tail = visible_count % kp;
+                    let start = lay.first + visible_count - tail;
+                    for j in 0..tail {
+                        let idx = start + j;
+                        if idx < seq && idx <= t && row_mask[idx] {
+                            o[w] = idx as i64;
+                            w += 1;
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+impl KpoolSelect {
+    /// Smallest gap, over all rows, between the last selected and the best rejected
+    /// candidate pool (`f32::INFINITY` when no row rejects anything). A gap of 0 is a tie at
+    /// the top-k boundary, where the choice depends on the tie rule.
+    pub fn boundary_margin(&self, scores: &[f32], mask: &[bool], batch: usize, seq: usize) -> f32 {
+        let kp = self.kpool;
+        let n_pools = seq.div_ceil(kp);
+        let budget = self.index_topk / kp;
+        let layouts = pool_layouts(mask, batch, seq, kp);
+        let mut margin = f32::INFINITY;
+        for (b, lay) in layouts.iter().enumerate() {
+            let row_mask = &mask[b * seq..(b + 1) * seq];
+            let complete: Vec<bool> = (0..n_pools)
+                .map(|p| (0..kp).all(|j| pool_token(lay, kp, p, j) < seq && row_mask[pool_token(lay, kp, p, j)]))
+                .collect();
+            for t in (0..seq).filter(|&t| row_mask[t]) {
+                let srow = &scores[(b * seq + t) * n_pools..(b * seq + t + 1) * n_pools];
+                let mut c: Vec<f32> = (0..n_pools)
+                    .filter(|&p| complete[p] && pool_token(lay, kp, p, kp - 1) <= t)
+                    .map(|p| srow[p])
+                    .collect();
+                if c.len() > budget && budget > 0 {
+                    c.sort_by(|a, b| b.total_cmp(a));
+                    margin = margin.min(c[budget - 1] - c[budget]);
+                }
+            }
+        }
+        margin
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dense_when_budget_covers_all_pools() {
+        // 10 tokens, kpool 4, budget 4 pools: every complete pool plus the tail is selected
+        let sel = KpoolSelect { kpool: 4, index_topk: 16, always_select_tail: true };
+        let seq = 10;
+        let scores = vec![0.0; seq * 3];
+        let mask = vec![true; seq];
+        let out = sel.select(&scores, &mask, 1, seq);
+        for t in 0..seq {
+            let mut row: Vec<i64> = out[t * 19..(t + 1) * 19].iter().copied().filter(|&x| x >= 0).collect();
+            row.sort();
+            assert_eq!(row, (0..=t as i64).collect::<Vec<_>>(), "row {t}");
+        }
+    }
+
+    #[test]
+    fn ties_go_to_the_lower_pool() {
+        let sel = KpoolSelect { kpool: 2, index_topk: 2, always_select_tail: false };
+        let seq = 6; // pools {0,1} {2,3} {4,5}
+        let scores = vec![1.0; seq * 3];
+        let out = sel.select(&scores, &[true; 6], 1, seq);
+        assert_eq!(&out[5 * 2..6 * 2], &[0, 1]);
+    }
+
+    #[test]
+    fn left_padding_anchors_pools_at_the_first_token() {
+        let sel = KpoolSelect { kpool: 2, index_topk: 2, always_select_tail: true };
+        let seq = 5;
+        let mask = [false, true, true, true, true];
+        // pools anchored at 1: {1,2} {3,4} {5,..}; pool 1 scores higher
+        let mut scores = vec![0.0; seq * 3];
+        for t in 0..seq {
+            scores[t * 3 + 1] = 1.0;
+        }
+        let out = sel.select(&scores, &mask, 1, seq);
+        assert_eq!(&out[0..3], &[-1, -1, -1]); // padding query
+        assert_eq!(&out[3 * 3..4 * 3], &[1, 2, 3]); // pool {1,2} + tail {3}
+        assert_eq!(&out[4 * 3..5 * 3], &[3, 4, -1]); // best pool {3,4}, no tail
+    }
+}

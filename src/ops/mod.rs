@@ -1,0 +1,12 @@
+//! Reference paths of the model's hot spots, written with ordinary Burn tensor ops.
+//!
+//! They are the readable specification: the CubeCL kernels (`cubecl_kernels/`) are tested
+//! against them, and they run on every backend.
+//!
+//! * [`kda`]: Kimi Delta Attention, chunked (default) and token-recurrent (oracle) forms.
+//! * [`kpool`]: KPool top-k selection of the DSA indexer (host-side, deterministic ties).
+//! * [`sparse_attn`]: MLA over the selected indices, dense-masked and absorbed-latent sparse.
+
+pub mod kda;
+pub mod kpool;
+pub mod sparse_attn;

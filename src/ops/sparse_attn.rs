@@ -1,0 +1,120 @@
+//! Multi-head latent attention over selected key indices (MODEL_SPEC §6.2).
+//!
+//! Per query `t`, head `h`, over the selected set `Sel(t)` (indices ≥ 0 of its index row):
+//!
+//! ```text
+//! o_{t,h} = Σ_{s∈Sel(t)} softmax_s(q_{t,h}·k_{s,h} · scale) v_{s,h},
+//! k_{s,h} = W_UK,h c_s,  v_{s,h} = W_UV,h c_s   (c_s: the normalised KV latent, width R)
+//! ```
+//!
+//! A query with an empty selection outputs zeros (SDPA's behaviour for a fully masked row).
+//!
+//! * [`dense_masked`]: expands K/V for every token and masks a dense `S×S` score matrix —
+//!   the reference's own form (HF `build_attention_mask_from_topk` + SDPA), `O(S²)` memory.
+//! * [`sparse_absorbed`]: pulls queries into the latent (`q̃ = W_UKᵀ q`), gathers the
+//!   selected latent rows per query, and expands values after the weighted sum
+//!   (`o = W_UV Σ p c`). Memory `O(S_blk · W · R)` per query block of `S_blk` rows.
+//!
+//! Shapes: `q`: `[B, S, H, dq]`, `latent`: `[B, S, R]`, `w_uk`: `[H, dq, R]`,
+//! `w_uv`: `[H, dv, R]`, `indices`: `[B, S, W]` host buffer (−1 = none). Output `[B, S, H, dv]`.
+
+use burn::tensor::activation::softmax;
+use burn::tensor::{backend::Backend, Bool, Int, Tensor, TensorData};
+
+/// Dense `[B, S, S]` visibility mask from an index buffer (true = attend).
+pub fn index_mask<B: Backend>(indices: &[i64], batch: usize, seq: usize, width: usize, device: &B::Device) -> Tensor<B, 3, Bool> {
+    let mut m = vec![false; batch * seq * seq];
+    for b in 0..batch {
+        for t in 0..seq {
+            for &i in &indices[(b * seq + t) * width..(b * seq + t + 1) * width] {
+                if i >= 0 && (i as usize) < seq {
+                    m[(b * seq + t) * seq + i as usize] = true;
+                }
+            }
+        }
+    }
+    Tensor::from_data(TensorData::new(m, [batch, seq, seq]), device)
+}
+
+/// Softmax over the last dim restricted to `visible`; rows with nothing visible give zeros.
+fn masked_softmax<B: Backend, const D: usize>(scores: Tensor<B, D>, visible: Tensor<B, D, Bool>) -> Tensor<B, D> {
+    let any = visible.clone().any_dim(D - 1); // [.., 1]
+    // A large finite fill rather than −∞: fully masked rows stay finite (uniform) in the
+    // forward and in the softmax backward, and are zeroed below.
+    let p = softmax(scores.mask_fill(visible.bool_not(), MASKED), D - 1);
+    let dims = p.dims();
+    p.mask_fill(any.bool_not().expand(dims), 0.0)
+}
+
+/// Score of a masked pair; `exp(MASKED − max)` underflows to exactly 0 in f32 and bf16.
+const MASKED: f32 = -1.0e30;
+
+/// Reference dense form. `k`: `[B, S, H, dq]`, `v`: `[B, S, H, dv]` (already expanded).
+pub fn dense_masked<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    indices: &[i64],
+    width: usize,
+    scale: f64,
+) -> Tensor<B, 4> {
+    let [b, s, h, _] = q.dims();
+    let device = q.device();
+    let visible = index_mask::<B>(indices, b, s, width, &device).unsqueeze_dim::<4>(1).expand([b, h, s, s]);
+    let q = q.swap_dims(1, 2); // [B,H,S,dq]
+    let k = k.swap_dims(1, 2);
+    let v = v.swap_dims(1, 2);
+    let scores = q.matmul(k.swap_dims(2, 3)) * scale;
+    let p = masked_softmax(scores, visible).cast(v.dtype());
+    p.matmul(v).swap_dims(1, 2)
+}
+
+/// Absorbed-latent sparse form, processed in blocks of `block` queries.
+pub fn sparse_absorbed<B: Backend>(
+    q: Tensor<B, 4>,
+    latent: Tensor<B, 3>,
+    w_uk: Tensor<B, 3>,
+    w_uv: Tensor<B, 3>,
+    indices: &[i64],
+    width: usize,
+    scale: f64,
+    block: usize,
+) -> Tensor<B, 4> {
+    let [b, s, h, dq] = q.dims();
+    let r = latent.dims()[2];
+    let dv = w_uv.dims()[1];
+    let device = q.device();
+    let block = block.max(1);
+    // q̃ = W_UKᵀ q per head: [H, B·S, dq] @ [H, dq, R] -> [H, B·S, R]
+    let q_lat = q.reshape([b * s, h, dq]).swap_dims(0, 1).matmul(w_uk);
+    let q_lat = q_lat.swap_dims(0, 1).reshape([b, s, h, r]);
+    let lat_flat = latent.reshape([b * s, r]);
+    let mut outs = Vec::new();
+    for lo in (0..s).step_by(block) {
+        let hi = (lo + block).min(s);
+        let n = hi - lo;
+        // flat gather positions and validity for this block: [B, n, W]
+        let mut pos = Vec::with_capacity(b * n * width);
+        let mut valid = Vec::with_capacity(b * n * width);
+        for bi in 0..b {
+            for t in lo..hi {
+                for &i in &indices[(bi * s + t) * width..(bi * s + t + 1) * width] {
+                    let ok = i >= 0 && (i as usize) < s;
+                    valid.push(ok);
+                    pos.push(if ok { (bi * s) as i64 + i } else { (bi * s) as i64 });
+                }
+            }
+        }
+        let pos = Tensor::<B, 1, Int>::from_data(TensorData::new(pos, [b * n * width]), &device);
+        let valid = Tensor::<B, 3, Bool>::from_data(TensorData::new(valid, [b * n, 1, width]), &device);
+        let kv = lat_flat.clone().select(0, pos).reshape([b * n, width, r]); // [B·n, W, R]
+        let qb = q_lat.clone().slice([0..b, lo..hi, 0..h, 0..r]).reshape([b * n, h, r]);
+        let scores = qb.matmul(kv.clone().swap_dims(1, 2)) * scale; // [B·n, H, W]
+        let p = masked_softmax(scores, valid.expand([b * n, h, width])).cast(kv.dtype());
+        let o_lat = p.matmul(kv); // [B·n, H, R]
+        // o = W_UV õ per head: [H, B·n, R] @ [H, R, dv]
+        let o = o_lat.swap_dims(0, 1).matmul(w_uv.clone().swap_dims(1, 2)); // [H, B·n, dv]
+        outs.push(o.swap_dims(0, 1).reshape([b, n, h, dv]));
+    }
+    Tensor::cat(outs, 1)
+}

@@ -1,0 +1,23 @@
+//! `hidden_act` as a function (HF `ACT2FN`).
+
+use burn::tensor::activation::{gelu, relu, sigmoid, silu, tanh};
+use burn::tensor::{backend::Backend, Tensor};
+
+use crate::config::Activation;
+
+impl Activation {
+    pub fn apply<B: Backend, const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        match self {
+            Activation::Silu => silu(x),
+            Activation::Gelu => gelu(x),
+            Activation::GeluTanh => {
+                // 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), as torch's approximate="tanh"
+                let inner = (x.clone() + x.clone().powi_scalar(3) * 0.044715) * (2.0f64 / std::f64::consts::PI).sqrt();
+                x * (tanh(inner) + 1.0) * 0.5
+            }
+            Activation::Relu => relu(x),
+            Activation::Sigmoid => sigmoid(x),
+            Activation::Tanh => tanh(x),
+        }
+    }
+}

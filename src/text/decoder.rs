@@ -1,0 +1,119 @@
+//! Decoder layer: two mHC sites around a token mixer and a feed-forward block.
+//!
+//! ```text
+//! (w_a, h) = attn_hc.pre(X);  y = Attn(RMSNorm_in(h));   X = attn_hc.post(w_a, y, X)
+//! (w_f, h) = ffn_hc.pre(X);   y = FFN(RMSNorm_post(h));  X = ffn_hc.post(w_f, y, X)
+//! ```
+//!
+//! HF: `Glm5NextTextDecoderLayer.forward`. Streams `[B, S, n, D]`.
+
+use burn::module::Module;
+use burn::tensor::{backend::Backend, Tensor};
+
+use super::kda::KdaAttention;
+use super::mhc::HyperConnection;
+use super::mla::MlaAttention;
+use super::mlp::Mlp;
+use super::moe::Moe;
+use super::norm::RmsNorm;
+use super::{ForwardOptions, TokenMask};
+use crate::config::{IndexerType, LayerType, MlpType, TextConfig};
+
+/// Token mixer of a layer.
+#[derive(Module, Debug)]
+pub enum Mixer<B: Backend> {
+    Kda(KdaAttention<B>),
+    Mla(MlaAttention<B>),
+}
+
+/// Feed-forward block of a layer.
+#[derive(Module, Debug)]
+pub enum Ffn<B: Backend> {
+    Dense(Mlp<B>),
+    Moe(Moe<B>),
+}
+
+#[derive(Module, Debug)]
+pub struct DecoderLayer<B: Backend> {
+    pub self_attn: Mixer<B>,
+    pub mlp: Ffn<B>,
+    pub input_layernorm: RmsNorm<B>,
+    pub post_attention_layernorm: RmsNorm<B>,
+    pub attn_hc: HyperConnection<B>,
+    pub ffn_hc: HyperConnection<B>,
+}
+
+/// What a layer hands to the next ones.
+pub struct LayerOutput<B: Backend> {
+    pub streams: Tensor<B, 4>,
+    /// Router logits `[B·S, E]` of a MoE layer.
+    pub router_logits: Option<Tensor<B, 2>>,
+    /// Top-k boundary margin of this layer's indexer, when it ran one.
+    pub index_margin: Option<f32>,
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    pub fn new(c: &TextConfig, i: usize, device: &B::Device) -> Self {
+        let d = c.hidden_size;
+        let self_attn = match c.layer_types[i] {
+            LayerType::LinearAttention => Mixer::Kda(KdaAttention::new(c, device)),
+            LayerType::IndexedAttention => {
+                Mixer::Mla(MlaAttention::new(c, c.indexer_types[i] == IndexerType::Full, device))
+            }
+        };
+        let mlp = match c.mlp_layer_types[i] {
+            MlpType::Dense => Ffn::Dense(Mlp::new(d, c.intermediate_size, c.hidden_act, c.swiglu_limit, device)),
+            MlpType::Sparse => Ffn::Moe(Moe::new(c, device)),
+        };
+        let hc = || HyperConnection::new(c.hc_mult, d, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters, device);
+        Self {
+            self_attn,
+            mlp,
+            input_layernorm: RmsNorm::new(d, c.rms_norm_eps, device),
+            post_attention_layernorm: RmsNorm::new(d, c.rms_norm_eps, device),
+            attn_hc: hc(),
+            ffn_hc: hc(),
+        }
+    }
+
+    /// `streams` `[B, S, n, D]`; `indices` holds the most recent full DSA selection and is
+    /// replaced when this layer runs its own indexer.
+    pub fn forward(
+        &self,
+        streams: Tensor<B, 4>,
+        mask: &TokenMask<B>,
+        indices: &mut Option<Vec<i64>>,
+        opts: &ForwardOptions,
+    ) -> LayerOutput<B> {
+        let (w, h) = self.attn_hc.pre(streams.clone());
+        let h = self.input_layernorm.forward(h);
+        let mut index_margin = None;
+        let y = match &self.self_attn {
+            Mixer::Kda(kda) => kda.forward(h, mask, opts),
+            Mixer::Mla(mla) => {
+                let (y, idx, margin) = mla.forward(h, mask, indices.as_deref(), opts);
+                if mla.indexer.is_some() {
+                    *indices = Some(idx);
+                }
+                index_margin = margin;
+                y
+            }
+        };
+        let streams = HyperConnection::post(w, y, streams);
+
+        let (w, h) = self.ffn_hc.pre(streams.clone());
+        let h = self.post_attention_layernorm.forward(h);
+        let (y, router_logits) = match &self.mlp {
+            Ffn::Dense(mlp) => (mlp.forward(h), None),
+            Ffn::Moe(moe) => {
+                let (y, logits) = moe.forward(h);
+                (y, Some(logits))
+            }
+        };
+        LayerOutput {
+            streams: HyperConnection::post(w, y, streams),
+            router_logits,
+            index_margin,
+        }
+    }
+}

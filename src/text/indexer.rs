@@ -1,0 +1,118 @@
+//! KPool lightning indexer of a DSA layer (`self_attn.indexer`).
+//!
+//! For the normalised input `x` `[B, S, D]` and the MLA query latent `c^Q` `[B, S, q_lora]`:
+//!
+//! ```text
+//! q^I_t = reshape(wq_b c^Q_t)            [H_I, d]       k^I_s = LayerNorm(wk x_s)  [d] (ε 1e-6)
+//! γ_s   = compress_gate · x_s             [d]
+//! K̄_p[c] = Σ_j softmax_j(γ_{f+kp+j}[c] + ape[j][c]) · k^I_{f+kp+j}[c]     (pools anchored at f)
+//! I_{t,p} = Σ_h w_{t,h} ReLU(q^I_{t,h}·K̄_p / √d),   w_t = weights_proj(x_t) / √H_I
+//! ```
+//!
+//! then [`crate::ops::kpool::KpoolSelect`] picks pools and expands them to token indices.
+//! HF: `Glm5NextTextIndexer.forward` / `get_pooled_states`. No gradient flows through it
+//! (the reference runs it under `no_grad`): inputs are detached.
+
+use burn::module::{Initializer, Module, Param};
+use burn::nn::Linear;
+use burn::tensor::activation::{relu, softmax};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+
+use super::mlp::linear;
+use super::norm::LayerNorm;
+use super::TokenMask;
+use crate::config::TextConfig;
+use crate::ops::kpool::{pool_layouts, pool_token, KpoolSelect};
+
+#[derive(Module, Debug)]
+pub struct Indexer<B: Backend> {
+    pub wq_b: Linear<B>,
+    pub wk: Linear<B>,
+    pub k_norm: LayerNorm<B>,
+    pub weights_proj: Linear<B>,
+    /// `[kpool, d]`.
+    pub index_kpool_compress_ape: Param<Tensor<B, 2>>,
+    /// `[d, D]` (a linear map applied as `x · gateᵀ`).
+    pub index_kpool_compress_gate: Param<Tensor<B, 2>>,
+    pub n_heads: usize,
+    pub head_dim: usize,
+    pub index_topk: usize,
+    pub kpool: usize,
+    pub always_select_tail: bool,
+}
+
+impl<B: Backend> Indexer<B> {
+    pub fn new(c: &TextConfig, device: &B::Device) -> Self {
+        let (d, hi, hd) = (c.hidden_size, c.index_n_heads, c.index_head_dim);
+        Self {
+            wq_b: linear(c.q_lora_rank, hi * hd, false, device),
+            wk: linear(d, hd, false, device),
+            k_norm: LayerNorm::new(hd, 1e-6, device),
+            weights_proj: linear(d, hi, false, device),
+            index_kpool_compress_ape: Initializer::Zeros.init([c.index_kpool, hd], device),
+            index_kpool_compress_gate: Initializer::Ones.init([hd, d], device),
+            n_heads: hi,
+            head_dim: hd,
+            index_topk: c.index_topk,
+            kpool: c.index_kpool,
+            always_select_tail: c.index_kpool_always_select_tail,
+        }
+    }
+
+    pub fn selector(&self) -> KpoolSelect {
+        KpoolSelect {
+            kpool: self.kpool,
+            index_topk: self.index_topk,
+            always_select_tail: self.always_select_tail,
+        }
+    }
+
+    /// Pool scores `[B, S, P]` (fp32), `P = ceil(S / kpool)`; scores of pools that are not
+    /// complete are meaningless and never selected.
+    pub fn pool_scores(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>) -> Tensor<B, 3> {
+        let x = x.detach();
+        let q_resid = q_resid.detach();
+        let [b, s, _] = x.dims();
+        let (h, d, kp) = (self.n_heads, self.head_dim, self.kpool);
+        let device = x.device();
+        let n_pools = s.div_ceil(kp);
+
+        let q = self.wq_b.forward(q_resid).cast(DType::F32).reshape([b, s * h, d]);
+        let k = self.k_norm.forward(self.wk.forward(x.clone())).cast(DType::F32); // [B,S,d]
+        let gate = x.clone().cast(DType::F32).matmul(
+            self.index_kpool_compress_gate.val().cast(DType::F32).transpose().unsqueeze::<3>(),
+        ); // [B,S,d]
+
+        // gather pool members (clamped; incomplete pools are never selected)
+        let layouts = pool_layouts(&mask.host, b, s, kp);
+        let mut idx = Vec::with_capacity(b * n_pools * kp * d);
+        for lay in &layouts {
+            for p in 0..n_pools {
+                for j in 0..kp {
+                    let tok = pool_token(lay, kp, p, j).min(s - 1) as i64;
+                    idx.extend(std::iter::repeat_n(tok, d));
+                }
+            }
+        }
+        let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(idx, [b, n_pools * kp, d]), &device);
+        let gk = k.gather(1, idx.clone()).reshape([b, n_pools, kp, d]);
+        let gg = gate.gather(1, idx).reshape([b, n_pools, kp, d]);
+        let ape = self.index_kpool_compress_ape.val().cast(DType::F32).reshape([1, 1, kp, d]);
+        let probs = softmax(gg + ape, 2);
+        let pooled = (probs * gk).sum_dim(2).reshape([b, n_pools, d]);
+
+        let scores = relu(q.matmul(pooled.swap_dims(1, 2)) * (d as f64).powf(-0.5)).reshape([b, s, h, n_pools]);
+        let w = self.weights_proj.forward(x).cast(DType::F32) * (h as f64).powf(-0.5); // [B,S,H]
+        (scores * w.unsqueeze_dim::<4>(3)).sum_dim(2).reshape([b, s, n_pools])
+    }
+
+    /// Selected token indices `[B, S, width]` (host buffer, −1 = none) and the smallest
+    /// score gap at any row's top-k boundary (see [`KpoolSelect::boundary_margin`]).
+    pub fn forward(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>) -> (Vec<i64>, f32) {
+        let [b, s, _] = x.dims();
+        let scores = self.pool_scores(x, q_resid, mask);
+        let host: Vec<f32> = scores.into_data().convert::<f32>().into_vec().expect("pool scores are f32");
+        let sel = self.selector();
+        (sel.select(&host, &mask.host, b, s), sel.boundary_margin(&host, &mask.host, b, s))
+    }
+}

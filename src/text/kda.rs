@@ -1,0 +1,153 @@
+//! KDA token mixer (`self_attn` of a `linear_attention` layer).
+//!
+//! For the normalised mHC collapse `u` `[B, T, D]` (padded positions zeroed first):
+//!
+//! ```text
+//! q, k, v = act(causal_depthwise_conv(W_{q,k,v} u))          (act = hidden_act, W = 4 taps)
+//! g = λ·σ(e^{A_log} (f_b(f_a u) + dt_bias))                   (safe gate; λ = linear_lower_bound)
+//!   | −e^{A_log}·softplus(f_b(f_a u) + dt_bias)               (when the bound is null)
+//! β = σ(b_proj u)
+//! o = KDA(q, k, v, g, β)                                      (ops::kda, L2-normalised q/k)
+//! y = o_proj( RMSNorm_gated(o, g_b(g_a u)) )                  (per head, ε = rms_norm_eps)
+//! ```
+//!
+//! HF: `Glm5NextTextLinearAttention.forward`, `Glm5NextTextForgetGate.forward`,
+//! `causal_conv1d_fn`. The checkpoint keeps the three conv weights separate
+//! (`{q,k,v}_conv1d.weight` `[P, 1, W]`) and the gate tensors flat on `self_attn`.
+//! Shapes: heads `H = linear_num_heads`, head dim `d = linear_head_dim`, `P = H·d`.
+
+#![allow(non_snake_case)]
+
+use burn::module::{Initializer, Module, Param};
+use burn::nn::Linear;
+use burn::tensor::activation::{sigmoid, softplus};
+use burn::tensor::{backend::Backend, DType, Tensor};
+
+use super::mlp::linear;
+use super::norm::GatedRmsNorm;
+use super::{ForwardOptions, KdaImpl, TokenMask};
+use crate::config::{Activation, TextConfig};
+use crate::ops::kda::{kda_chunked, kda_recurrent};
+
+/// Causal depthwise conv taps (`weight` `[C, W]`; tap `W−1` multiplies the current token).
+#[derive(Module, Debug)]
+pub struct DepthwiseConv<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> DepthwiseConv<B> {
+    /// `x` `[B, T, C]` → `[B, T, C]` in fp32 (the taps are fp32 in the reference).
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, t, c] = x.dims();
+        let [_, w] = self.weight.dims();
+        let x = x.cast(DType::F32);
+        let taps = self.weight.val().cast(DType::F32); // [C, W]
+        let xp = Tensor::cat(vec![Tensor::zeros([b, w - 1, c], (&x.device(), DType::F32)), x], 1);
+        let mut acc: Option<Tensor<B, 3>> = None;
+        for i in 0..w {
+            let term = xp.clone().slice([0..b, i..i + t, 0..c]) * taps.clone().slice([0..c, i..i + 1]).reshape([1, 1, c]);
+            acc = Some(match acc {
+                None => term,
+                Some(a) => a + term,
+            });
+        }
+        acc.expect("conv kernel has at least one tap")
+    }
+}
+
+/// The KDA layer.
+#[derive(Module, Debug)]
+pub struct KdaAttention<B: Backend> {
+    pub q_proj: Linear<B>,
+    pub k_proj: Linear<B>,
+    pub v_proj: Linear<B>,
+    pub q_conv1d: DepthwiseConv<B>,
+    pub k_conv1d: DepthwiseConv<B>,
+    pub v_conv1d: DepthwiseConv<B>,
+    pub f_a_proj: Linear<B>,
+    pub f_b_proj: Linear<B>,
+    /// `[P]`, fp32.
+    pub dt_bias: Param<Tensor<B, 1>>,
+    /// `[H]`, fp32.
+    pub A_log: Param<Tensor<B, 1>>,
+    pub b_proj: Linear<B>,
+    pub g_a_proj: Linear<B>,
+    pub g_b_proj: Linear<B>,
+    pub o_norm: GatedRmsNorm<B>,
+    pub o_proj: Linear<B>,
+    pub num_heads: usize,
+    pub head_dim: usize,
+    pub act: Activation,
+    pub lower_bound: Option<f64>,
+}
+
+impl<B: Backend> KdaAttention<B> {
+    pub fn new(c: &TextConfig, device: &B::Device) -> Self {
+        let (d, h, hd, w) = (c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim);
+        let p = h * hd;
+        let conv = || DepthwiseConv { weight: Initializer::KaimingUniform { gain: 1.0, fan_out_only: false }.init_with([p, w], Some(w), None, device) };
+        Self {
+            q_proj: linear(d, p, false, device),
+            k_proj: linear(d, p, false, device),
+            v_proj: linear(d, p, false, device),
+            q_conv1d: conv(),
+            k_conv1d: conv(),
+            v_conv1d: conv(),
+            f_a_proj: linear(d, hd, false, device),
+            f_b_proj: linear(hd, p, false, device),
+            dt_bias: Initializer::Zeros.init([p], device),
+            A_log: Initializer::Zeros.init([h], device),
+            b_proj: linear(d, h, false, device),
+            g_a_proj: linear(d, hd, false, device),
+            g_b_proj: linear(hd, p, false, device),
+            o_norm: GatedRmsNorm::new(hd, c.rms_norm_eps, device),
+            o_proj: linear(p, d, false, device),
+            num_heads: h,
+            head_dim: hd,
+            act: c.hidden_act,
+            lower_bound: c.linear_lower_bound,
+        }
+    }
+
+    /// Log-space forget gate `g` `[B, T, H, d]` (fp32, ≤ 0).
+    pub fn forget_gate(&self, u: Tensor<B, 3>) -> Tensor<B, 4> {
+        let [b, t, _] = u.dims();
+        let (h, hd) = (self.num_heads, self.head_dim);
+        let f = self.f_b_proj.forward(self.f_a_proj.forward(u)).cast(DType::F32);
+        let g = (f + self.dt_bias.val().cast(DType::F32).reshape([1, 1, h * hd])).reshape([b, t, h, hd]);
+        let a = self.A_log.val().cast(DType::F32).exp().reshape([1, 1, h, 1]);
+        match self.lower_bound {
+            Some(lambda) => sigmoid(g * a) * lambda,
+            // softplus with the reference's threshold: x for x > 20
+            None => {
+                let sp = softplus(g.clone(), 1.0);
+                let sp = sp.mask_where(g.clone().greater_elem(20.0), g);
+                sp * a.neg()
+            }
+        }
+    }
+
+    /// `u` `[B, T, D]` → `[B, T, D]`.
+    pub fn forward(&self, u: Tensor<B, 3>, mask: &TokenMask<B>, opts: &ForwardOptions) -> Tensor<B, 3> {
+        let u = if mask.has_padding() { u.clone() * mask.float.clone().cast(u.dtype()) } else { u };
+        let [b, t, _] = u.dims();
+        let (h, hd) = (self.num_heads, self.head_dim);
+        let dtype = u.dtype();
+        let branch = |proj: &Linear<B>, conv: &DepthwiseConv<B>| {
+            let x = conv.forward(proj.forward(u.clone()));
+            self.act.apply(x).cast(dtype).reshape([b, t, h, hd])
+        };
+        let q = branch(&self.q_proj, &self.q_conv1d);
+        let k = branch(&self.k_proj, &self.k_conv1d);
+        let v = branch(&self.v_proj, &self.v_conv1d);
+        let g = self.forget_gate(u.clone());
+        let beta = sigmoid(self.b_proj.forward(u.clone()));
+        let (o, _state) = match opts.kda {
+            KdaImpl::Chunked(c) => kda_chunked(q, k, v, g, beta, None, c),
+            KdaImpl::Recurrent => kda_recurrent(q, k, v, g, beta, None),
+        };
+        let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([b, t, h, hd]);
+        let o = self.o_norm.forward(o, gate).reshape([b, t, h * hd]);
+        self.o_proj.forward(o)
+    }
+}

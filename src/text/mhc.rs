@@ -1,0 +1,98 @@
+//! mHC — manifold-constrained hyper-connections (one site per sublayer).
+//!
+//! Streams `X ∈ R^{n×D}` per token (`n = hc_mult`). With `x̃ = RMSNorm(vec X)` (unweighted,
+//! ε = `rms_norm_eps`, over `n·D`) and `m = fn · x̃ ∈ R^{(2+n)n}` split `[pre | post | comb]`:
+//!
+//! ```text
+//! pre  = σ(s₀ m_pre + b_pre) + ε_hc            h    = Σ_i pre_i X_i            (sublayer input)
+//! post = 2 σ(s₁ m_post + b_post)               C    = Sinkhorn(softmax_row(s₂ m_comb + b_comb) + ε_hc)
+//! X'   = post ⊗ y + Cᵀ X                        (new stream j mixes old streams with column j)
+//! ```
+//!
+//! Sinkhorn follows the reference exactly: one column normalisation, then
+//! `hc_sinkhorn_iters − 1` rounds of (row, column), each `C / (Σ + ε_hc)`.
+//! HF: `Glm5NextTextHyperConnection.forward` and the update in
+//! `Glm5NextTextDecoderLayer.forward`; all mapping math in fp32.
+//! Shapes: streams `[B, S, n, D]`; `fn`: `[(2+n)n, n·D]`, `base`: `[(2+n)n]`, `scale`: `[3]`.
+
+use burn::module::{Initializer, Module, Param};
+use burn::tensor::activation::{sigmoid, softmax};
+use burn::tensor::{backend::Backend, DType, Tensor};
+
+use super::norm::rms_normalize;
+
+/// One mHC site. `fn_weight` is the checkpoint's `hc_{attn,ffn}_fn`.
+#[derive(Module, Debug)]
+pub struct HyperConnection<B: Backend> {
+    pub fn_weight: Param<Tensor<B, 2>>,
+    pub base: Param<Tensor<B, 1>>,
+    pub scale: Param<Tensor<B, 1>>,
+    pub n: usize,
+    pub rms_eps: f64,
+    pub hc_eps: f64,
+    pub iters: usize,
+}
+
+/// Mixing weights of one site: `post` `[B·S, n]`, `comb` `[B·S, n, n]` (fp32).
+pub struct HcWeights<B: Backend> {
+    pub post: Tensor<B, 2>,
+    pub comb: Tensor<B, 3>,
+}
+
+impl<B: Backend> HyperConnection<B> {
+    pub fn new(n: usize, hidden: usize, rms_eps: f64, hc_eps: f64, iters: usize, device: &B::Device) -> Self {
+        let m = (2 + n) * n;
+        Self {
+            fn_weight: Initializer::Normal { mean: 0.0, std: 0.02 }.init([m, n * hidden], device),
+            base: Initializer::Zeros.init([m], device),
+            scale: Initializer::Ones.init([3], device),
+            n,
+            rms_eps,
+            hc_eps,
+            iters,
+        }
+    }
+
+    /// Returns the mixing weights and the collapsed sublayer input `[B, S, D]` (input dtype).
+    pub fn pre(&self, streams: Tensor<B, 4>) -> (HcWeights<B>, Tensor<B, 3>) {
+        let [b, s, n, d] = streams.dims();
+        let dtype = streams.dtype();
+        let bs = b * s;
+        let flat = rms_normalize(streams.clone().reshape([bs, n * d]), self.rms_eps);
+        let m = flat.matmul(self.fn_weight.val().cast(DType::F32).transpose()); // [BS, (2+n)n]
+        let base = self.base.val().cast(DType::F32);
+        let scale = self.scale.val().cast(DType::F32);
+        let sc = |i: usize| scale.clone().slice([i..i + 1]).reshape([1, 1]);
+
+        let pre_w = m.clone().slice([0..bs, 0..n]);
+        let post_w = m.clone().slice([0..bs, n..2 * n]);
+        let comb_w = m.slice([0..bs, 2 * n..(2 + n) * n]).reshape([bs, n, n]);
+        let pre_b = base.clone().slice([0..n]).reshape([1, n]);
+        let post_b = base.clone().slice([n..2 * n]).reshape([1, n]);
+        let comb_b = base.slice([2 * n..(2 + n) * n]).reshape([1, n, n]);
+
+        let pre = sigmoid(pre_w * sc(0) + pre_b) + self.hc_eps; // [BS, n]
+        let post = sigmoid(post_w * sc(1) + post_b) * 2.0;
+        let mut comb = softmax(comb_w * sc(2).reshape([1, 1, 1]) + comb_b, 2) + self.hc_eps;
+        comb = comb.clone() / (comb.sum_dim(1) + self.hc_eps);
+        for _ in 1..self.iters {
+            comb = comb.clone() / (comb.sum_dim(2) + self.hc_eps);
+            comb = comb.clone() / (comb.sum_dim(1) + self.hc_eps);
+        }
+
+        let x = streams.reshape([bs, n, d]).cast(DType::F32);
+        let collapsed = (x * pre.unsqueeze_dim::<3>(2)).sum_dim(1).reshape([b, s, d]).cast(dtype);
+        (HcWeights { post, comb }, collapsed)
+    }
+
+    /// `X' = post ⊗ y + Cᵀ X` (in the activation dtype, like the reference).
+    pub fn post(weights: HcWeights<B>, y: Tensor<B, 3>, residual: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [b, s, n, d] = residual.dims();
+        let dtype = residual.dtype();
+        let post = weights.post.cast(dtype).reshape([b * s, n, 1]);
+        let comb_t = weights.comb.cast(dtype).swap_dims(1, 2); // [BS, n(j), n(i)]
+        let y = y.reshape([b * s, 1, d]);
+        let mixed = comb_t.matmul(residual.reshape([b * s, n, d]));
+        (post * y + mixed).reshape([b, s, n, d])
+    }
+}

@@ -1,0 +1,109 @@
+//! KPool-DSA token mixer: NoPE multi-head latent attention over the indexer's selection
+//! (`self_attn` of an `indexed_attention` layer).
+//!
+//! ```text
+//! c^Q = RMSNorm(W_qa x),  q = W_qb c^Q            [B, S, H, dq]
+//! c   = RMSNorm(W_kva x)                          [B, S, R]    (R = kv_lora_rank)
+//! k_h = W_UK,h c,  v_h = W_UV,h c                 (kv_b_proj rows: per head dq then dv)
+//! o_{t,h} = Σ_{s∈Sel(t)} softmax(q_{t,h}·k_{s,h} / √dq) v_{s,h};   y = W_o concat_h o
+//! ```
+//!
+//! `Sel(t)` comes from this layer's indexer, or — for an `indexer_types[i] == "shared"`
+//! layer — from the most recent full DSA layer (the reference only supports that directly
+//! after a full layer; we also carry it across KDA layers, see MODEL_SPEC §6.3).
+//! HF: `Glm5NextTextAttention.forward`. The two attention forms are in
+//! [`crate::ops::sparse_attn`]; [`crate::text::AttentionImpl`] picks one.
+
+use burn::module::Module;
+use burn::nn::Linear;
+use burn::tensor::{backend::Backend, Tensor};
+
+use super::indexer::Indexer;
+use super::mlp::linear;
+use super::norm::RmsNorm;
+use super::{AttentionImpl, ForwardOptions, TokenMask};
+use crate::config::TextConfig;
+use crate::ops::sparse_attn::{dense_masked, sparse_absorbed};
+
+#[derive(Module, Debug)]
+pub struct MlaAttention<B: Backend> {
+    pub q_a_proj: Linear<B>,
+    pub q_a_layernorm: RmsNorm<B>,
+    pub q_b_proj: Linear<B>,
+    pub kv_a_proj_with_mqa: Linear<B>,
+    pub kv_a_layernorm: RmsNorm<B>,
+    pub kv_b_proj: Linear<B>,
+    pub o_proj: Linear<B>,
+    pub indexer: Option<Indexer<B>>,
+    pub num_heads: usize,
+    pub qk_head_dim: usize,
+    pub v_head_dim: usize,
+    pub kv_lora_rank: usize,
+    pub index_width: usize,
+}
+
+impl<B: Backend> MlaAttention<B> {
+    pub fn new(c: &TextConfig, with_indexer: bool, device: &B::Device) -> Self {
+        let (d, h) = (c.hidden_size, c.num_attention_heads);
+        let dq = c.qk_nope_head_dim + c.qk_rope_head_dim;
+        Self {
+            q_a_proj: linear(d, c.q_lora_rank, c.attention_bias, device),
+            q_a_layernorm: RmsNorm::new(c.q_lora_rank, c.rms_norm_eps, device),
+            q_b_proj: linear(c.q_lora_rank, h * dq, false, device),
+            kv_a_proj_with_mqa: linear(d, c.kv_lora_rank + c.qk_rope_head_dim, c.attention_bias, device),
+            kv_a_layernorm: RmsNorm::new(c.kv_lora_rank, c.rms_norm_eps, device),
+            kv_b_proj: linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), false, device),
+            o_proj: linear(h * c.v_head_dim, d, c.attention_bias, device),
+            indexer: with_indexer.then(|| Indexer::new(c, device)),
+            num_heads: h,
+            qk_head_dim: dq,
+            v_head_dim: c.v_head_dim,
+            kv_lora_rank: c.kv_lora_rank,
+            index_width: c.index_width(),
+        }
+    }
+
+    /// `x` `[B, S, D]` → (`[B, S, D]`, the index rows used, the indexer's boundary margin).
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        mask: &TokenMask<B>,
+        shared_indices: Option<&[i64]>,
+        opts: &ForwardOptions,
+    ) -> (Tensor<B, 3>, Vec<i64>, Option<f32>) {
+        let [b, s, _] = x.dims();
+        let (h, dq, dv, r) = (self.num_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank);
+        let q_resid = self.q_a_layernorm.forward(self.q_a_proj.forward(x.clone()));
+        let q = self.q_b_proj.forward(q_resid.clone()).reshape([b, s, h, dq]);
+        let latent = self.kv_a_layernorm.forward(self.kv_a_proj_with_mqa.forward(x.clone()));
+
+        let (indices, margin) = match (&self.indexer, shared_indices) {
+            (Some(ix), _) => {
+                let (idx, m) = ix.forward(x, q_resid, mask);
+                (idx, Some(m))
+            }
+            (None, Some(prev)) => (prev.to_vec(), None),
+            (None, None) => panic!("shared DSA layer without a preceding full indexer (rejected by config validation)"),
+        };
+        let width = indices.len() / (b * s).max(1);
+        let scale = (dq as f64).powf(-0.5);
+        let sparse = match opts.attention {
+            AttentionImpl::Dense => false,
+            AttentionImpl::Sparse => true,
+            AttentionImpl::Auto { dense_max_len } => s > dense_max_len,
+        };
+        let o = if sparse {
+            // kv_b_proj weight is [R, H·(dq+dv)] (Burn layout): split per head
+            let wkv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]); // [H, dq+dv, R]
+            let w_uk = wkv.clone().slice([0..h, 0..dq, 0..r]);
+            let w_uv = wkv.slice([0..h, dq..dq + dv, 0..r]);
+            sparse_absorbed(q, latent, w_uk, w_uv, &indices, width, scale, opts.sparse_block)
+        } else {
+            let kv = self.kv_b_proj.forward(latent).reshape([b, s, h, dq + dv]);
+            let k = kv.clone().slice([0..b, 0..s, 0..h, 0..dq]);
+            let v = kv.slice([0..b, 0..s, 0..h, dq..dq + dv]);
+            dense_masked(q, k, v, &indices, width, scale)
+        };
+        (self.o_proj.forward(o.reshape([b, s, h * dv])), indices, margin)
+    }
+}

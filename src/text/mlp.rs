@@ -1,0 +1,52 @@
+//! Clamped SwiGLU feed-forward (dense layers and the shared expert).
+//!
+//! `y = W_down( act(min(W_gate x, L)) ⊙ clamp(W_up x, −L, L) )` with `L = swiglu_limit`;
+//! the gate is clamped above only, up on both sides, both before the activation.
+//! HF: `Glm5NextTextMLP.forward`. Shapes `[..., D] -> [..., D]`, hidden `[..., I]`.
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::{backend::Backend, Tensor};
+
+use crate::config::Activation;
+
+/// Dense clamped SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`, no biases).
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    pub gate_proj: Linear<B>,
+    pub up_proj: Linear<B>,
+    pub down_proj: Linear<B>,
+    pub act: Activation,
+    pub limit: f64,
+}
+
+pub(crate) fn linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Linear<B> {
+    LinearConfig::new(d_in, d_out).with_bias(bias).init(device)
+}
+
+/// `act(min(gate, L)) ⊙ clamp(up, −L, L)`.
+pub fn clamped_swiglu<B: Backend, const D: usize>(
+    gate: Tensor<B, D>,
+    up: Tensor<B, D>,
+    limit: f64,
+    act: Activation,
+) -> Tensor<B, D> {
+    act.apply(gate.clamp_max(limit)) * up.clamp(-limit, limit)
+}
+
+impl<B: Backend> Mlp<B> {
+    pub fn new(hidden: usize, intermediate: usize, act: Activation, limit: f64, device: &B::Device) -> Self {
+        Self {
+            gate_proj: linear(hidden, intermediate, false, device),
+            up_proj: linear(hidden, intermediate, false, device),
+            down_proj: linear(intermediate, hidden, false, device),
+            act,
+            limit,
+        }
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let h = clamped_swiglu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x), self.limit, self.act);
+        self.down_proj.forward(h)
+    }
+}

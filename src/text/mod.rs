@@ -1,0 +1,86 @@
+//! The GLM-5.3-Flash language model (HF `Glm5NextTextModel` and its parts).
+//!
+//! Module paths mirror the checkpoint tree (`layers.N.self_attn.q_proj`, `layers.N.mlp.gate`,
+//! …) so the name table in `checkpoint::hf_map` is mostly the identity.
+
+pub mod activation;
+pub mod decoder;
+pub mod indexer;
+pub mod kda;
+pub mod mhc;
+pub mod mla;
+pub mod mlp;
+pub mod model;
+pub mod moe;
+pub mod norm;
+
+use burn::tensor::{backend::Backend, Tensor, TensorData};
+
+/// Which attention form the DSA layers use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionImpl {
+    /// Dense `S×S` masked attention (the reference's own form).
+    Dense,
+    /// Absorbed-latent attention over the selected indices.
+    Sparse,
+    /// Dense up to `dense_max_len` tokens, sparse above.
+    Auto { dense_max_len: usize },
+}
+
+/// Which KDA form the linear-attention layers use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KdaImpl {
+    /// Chunked WY form with this chunk size (64 by default).
+    Chunked(usize),
+    /// Token recurrence (the oracle; slow).
+    Recurrent,
+}
+
+/// Options of a forward pass (paths only; they never change the maths beyond rounding).
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardOptions {
+    pub attention: AttentionImpl,
+    pub kda: KdaImpl,
+    /// Query block size of the sparse attention path (bounds its memory).
+    pub sparse_block: usize,
+}
+
+impl Default for ForwardOptions {
+    fn default() -> Self {
+        Self {
+            attention: AttentionImpl::Auto { dense_max_len: 1024 },
+            kda: KdaImpl::Chunked(64),
+            sparse_block: 256,
+        }
+    }
+}
+
+/// The token layout of a batch: which positions are real tokens (left/right padding).
+#[derive(Debug, Clone)]
+pub struct TokenMask<B: Backend> {
+    /// `[B, S]` row-major, true = token.
+    pub host: Vec<bool>,
+    pub batch: usize,
+    pub seq: usize,
+    /// `[B, S, 1]` float 1/0, for zeroing padded inputs.
+    pub float: Tensor<B, 3>,
+}
+
+impl<B: Backend> TokenMask<B> {
+    /// Build from a host `[B, S]` validity buffer.
+    pub fn new(host: Vec<bool>, batch: usize, seq: usize, device: &B::Device) -> Self {
+        assert_eq!(host.len(), batch * seq, "token mask has the wrong length");
+        let f: Vec<f32> = host.iter().map(|&m| if m { 1.0 } else { 0.0 }).collect();
+        let float = Tensor::from_data(TensorData::new(f, [batch, seq, 1]), device);
+        Self { host, batch, seq, float }
+    }
+
+    /// Every position is a token.
+    pub fn all(batch: usize, seq: usize, device: &B::Device) -> Self {
+        Self::new(vec![true; batch * seq], batch, seq, device)
+    }
+
+    pub fn has_padding(&self) -> bool {
+        self.host.iter().any(|&m| !m)
+    }
+}

@@ -1,0 +1,96 @@
+//! The text decoder (HF `Glm5NextTextModel`): embedding, stream expansion, decoder layers,
+//! stream mean and final norm.
+//!
+//! ```text
+//! X⁰_t[i] = E[token_t]   (i < n: copied into every mHC stream; no learned expansion)
+//! Xˡ = layer_l(Xˡ⁻¹)     h_t = RMSNorm((1/n) Σ_i X^L_t[i])
+//! ```
+//!
+//! Shapes: ids `[B, S]` → hidden `[B, S, D]`. No positional encoding anywhere (NoPE).
+
+use burn::module::Module;
+use burn::nn::{Embedding, EmbeddingConfig};
+use burn::tensor::{backend::Backend, Int, Tensor};
+
+use super::decoder::{DecoderLayer, Mixer};
+use super::norm::RmsNorm;
+use super::{ForwardOptions, TokenMask};
+use crate::config::TextConfig;
+
+#[derive(Module, Debug)]
+pub struct TextModel<B: Backend> {
+    pub embed_tokens: Embedding<B>,
+    pub layers: Vec<DecoderLayer<B>>,
+    pub norm: RmsNorm<B>,
+    pub hc_mult: usize,
+}
+
+/// Everything a forward can report besides the final hidden state.
+pub struct TextOutput<B: Backend> {
+    /// `[B, S, D]` after the final norm.
+    pub hidden: Tensor<B, 3>,
+    /// Streams after each layer `[B, S, n, D]` (when requested).
+    pub layer_streams: Vec<Tensor<B, 4>>,
+    /// Router logits of each MoE layer `[B·S, E]`.
+    pub router_logits: Vec<Tensor<B, 2>>,
+    /// Index rows of each DSA layer (layer, `[B, S, W]` host buffer), when requested.
+    pub indices: Vec<(usize, Vec<i64>)>,
+    /// Top-k boundary margin of each layer that ran an indexer (layer, margin).
+    pub index_margins: Vec<(usize, f32)>,
+}
+
+impl<B: Backend> TextModel<B> {
+    pub fn new(c: &TextConfig, device: &B::Device) -> Self {
+        Self {
+            embed_tokens: EmbeddingConfig::new(c.vocab_size, c.hidden_size).init(device),
+            layers: (0..c.num_hidden_layers).map(|i| DecoderLayer::new(c, i, device)).collect(),
+            norm: RmsNorm::new(c.hidden_size, c.rms_norm_eps, device),
+            hc_mult: c.hc_mult,
+        }
+    }
+
+    /// Embedding lookup `[B, S]` → `[B, S, D]`.
+    pub fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.embed_tokens.forward(ids)
+    }
+
+    /// Run the decoder on input embeddings `[B, S, D]`.
+    pub fn forward_embeds(
+        &self,
+        embeds: Tensor<B, 3>,
+        mask: &TokenMask<B>,
+        opts: &ForwardOptions,
+        record: bool,
+    ) -> TextOutput<B> {
+        let [b, s, d] = embeds.dims();
+        let n = self.hc_mult;
+        let mut x = embeds.unsqueeze_dim::<4>(2).expand([b, s, n, d]);
+        let mut indices: Option<Vec<i64>> = None;
+        let mut out = TextOutput {
+            hidden: Tensor::zeros([1, 1, 1], &x.device()),
+            layer_streams: Vec::new(),
+            router_logits: Vec::new(),
+            indices: Vec::new(),
+            index_margins: Vec::new(),
+        };
+        for (i, layer) in self.layers.iter().enumerate() {
+            let o = layer.forward(x, mask, &mut indices, opts);
+            x = o.streams;
+            if let Some(l) = o.router_logits {
+                out.router_logits.push(l);
+            }
+            if let Some(m) = o.index_margin {
+                out.index_margins.push((i, m));
+            }
+            if record {
+                out.layer_streams.push(x.clone());
+                if let (Mixer::Mla(_), Some(idx)) = (&layer.self_attn, &indices) {
+                    out.indices.push((i, idx.clone()));
+                }
+            }
+        }
+        let mean = x.mean_dim(2).reshape([b, s, d]);
+        out.hidden = self.norm.forward(mean);
+        out
+    }
+}

@@ -1,0 +1,437 @@
+#!/usr/bin/env python3
+"""Build the parity fixtures under tests/fixtures/ from the Hugging Face reference.
+
+Pinned reference: transformers==5.23.0 (models/glm5_next), run on CPU in float32 with
+attn_implementation="sdpa" (the reference's default). Set-up (see README):
+
+    python3 -m venv .venv && .venv/bin/pip install -r tests/reference/requirements.txt
+    .venv/bin/python tests/reference/make_fixtures.py            # writes tests/fixtures/
+
+Every model fixture is a checkpoint directory written by HF's own `save_pretrained`
+(published layout: per-expert tensors, q/k/v_conv1d, hc_attn_fn, ...), with the vision
+tensors dropped so it exercises text-only loading, plus `io.safetensors` holding the inputs
+and the reference outputs: `input_ids`, `attention_mask`, `logits`, `hidden_states.{i}`
+(the mHC streams after decoder layer i, [B, S, n, D]) and `indices.{i}` (the DSA top-k
+indices of layer i, sorted per row, -1 last).
+
+Weights are initialised away from the reference's training init (larger scales, non-zero
+mHC bases, router correction bias, pooling APE and gates) so every path moves the logits.
+The script asserts that no indexer row and no router row has a near-tie at its top-k
+boundary, so tie-breaking order cannot matter.
+"""
+import copy
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import transformers
+from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+from transformers.models.glm5_next import modeling_glm5_next as M
+
+assert transformers.__version__ == "5.23.0", f"pinned transformers==5.23.0, found {transformers.__version__}"
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "tests" / "fixtures"
+MARGIN = 1e-4  # minimum gap at every top-k boundary (absolute, scores are O(1))
+
+TINY_VISION = {
+    "depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32,
+    "out_hidden_size": 24, "projection_intermediate_size": 32,
+}
+
+
+def base_text(**over):
+    t = {
+        "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+        "intermediate_size": 48, "moe_intermediate_size": 16,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "swiglu_limit": 10.0, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "num_attention_heads": 2, "num_key_value_heads": 2,
+        "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 0,
+        "v_head_dim": 8, "index_n_heads": 8, "index_head_dim": 8, "index_topk": 8, "index_kpool": 4,
+        "index_kpool_always_select_tail": True, "indexer_types": ["full"] * 4,
+        "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20,
+        "linear_attn_config": {"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4,
+                               "gate_lower_bound": -5.0},
+        "max_position_embeddings": 4096, "pad_token_id": 0,
+    }
+    t.update(over)
+    return t
+
+
+# name -> (text_config overrides, top-level extras, batch, seq, left-padding per row)
+CASES = {
+    # chunk > 64, not a multiple of 64; topk 8 of up to 32 pools -> selection really drops pools
+    "base_k4": (base_text(), {}, 1, 130, None),
+    # kpool 16: 9 pools, 2 selected, tail up to 15 tokens
+    "kpool16": (base_text(index_topk=32, index_kpool=16), {}, 1, 150, None),
+    # tail not appended: the first kpool-1 rows select nothing and output zeros
+    "notail": (base_text(index_kpool_always_select_tail=False), {}, 1, 70, None),
+    # consecutive full -> shared DSA pair
+    "shared_pair": (base_text(
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"]), {}, 1, 80, None),
+    # group-limited routing
+    "ngroup": (base_text(n_group=2, topk_group=1, num_experts_per_tok=2), {}, 1, 66, None),
+    # clamps fire everywhere
+    "clamp": (base_text(swiglu_limit=0.5), {}, 1, 66, None),
+    # batch of two, left padding on row 0
+    "leftpad": (base_text(), {}, 2, 90, [23, 0]),
+    # softplus forget gate (linear_lower_bound: null, reached through safe_gate: false)
+    "softplus": (base_text(linear_attn_config={"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4,
+                                               "gate_lower_bound": None, "safe_gate": False}), {}, 1, 70, None),
+    # hidden_act drives the conv and dense/shared MLPs only; MLA biases; tied LM head
+    "quirks": (base_text(hidden_act="gelu_pytorch_tanh", attention_bias=True), {"tie_word_embeddings": True},
+               1, 70, None),
+    # the release's 4-layer slice convention: dense, dense, dense, sparse
+    "release_slice": (base_text(mlp_layer_types=["dense", "dense", "dense", "sparse"]), {}, 1, 100, None),
+}
+
+
+def build_config(text, extra):
+    cfg = {
+        "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+        "tie_word_embeddings": False,
+        "image_token_id": 120, "video_token_id": 121, "image_start_token_id": 122,
+        "image_end_token_id": 123, "video_start_token_id": 124, "video_end_token_id": 125,
+        "text_config": text, "vision_config": TINY_VISION,
+    }
+    cfg.update(extra)
+    return Glm5NextConfig(**cfg)
+
+
+@torch.no_grad()
+def init_weights(model, gen):
+    """Scales chosen so each path changes the logits measurably (default init gives std ~0.16)."""
+    def normal(p, std, mean=0.0):
+        p.copy_(torch.randn(p.shape, generator=gen) * std + mean)
+
+    for name, p in model.named_parameters():
+        if name.startswith("model.visual"):
+            continue
+        if p.dim() == 2 and name.endswith("weight") and "embed_tokens" not in name:
+            normal(p, 1.0 / math.sqrt(p.shape[1]))
+        if "embed_tokens" in name:
+            # a tied head reads logits off the embedding: keep them O(1) there too
+            normal(p, 1.5 / math.sqrt(p.shape[1]) if model.config.tie_word_embeddings else 1.0)
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight") or "k_norm.weight" in name:
+            normal(p, 0.2, 1.0)
+        elif "k_norm.bias" in name:
+            normal(p, 0.2)
+        elif name.endswith("hc.fn"):
+            normal(p, 1.0 / math.sqrt(p.shape[1]))
+        elif name.endswith("hc.base"):
+            normal(p, 0.5)
+        elif name.endswith("hc.scale"):
+            p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+        elif name.endswith("e_score_correction_bias"):
+            normal(p, 0.2)
+        elif "compress_ape" in name:
+            normal(p, 1.0)
+        elif "compress_gate" in name:
+            normal(p, 1.0 / math.sqrt(p.shape[1]))
+        elif name.endswith("A_log"):
+            normal(p, 0.5)
+        elif name.endswith("dt_bias"):
+            normal(p, 1.0)
+        elif name.endswith("conv1d.weight"):
+            normal(p, 0.5)
+        elif name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            normal(p, 1.0 / math.sqrt(p.shape[2]))
+        elif name.endswith("bias") and p.dim() == 1:
+            normal(p, 0.1)
+        elif name.endswith("gate.weight") and "mlp.gate" in name:
+            normal(p, 1.0 / math.sqrt(p.shape[1]))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
+
+
+class Recorder:
+    """Records the inputs of the reference's top-k calls to check boundary margins."""
+
+    def __init__(self):
+        self.calls = []
+        self.orig = torch.Tensor.topk
+
+    def __enter__(self):
+        rec = self
+
+        def topk(t, k, *args, **kwargs):
+            frame = sys._getframe(1)
+            owner = frame.f_locals.get("self")
+            kind = None
+            if isinstance(owner, M.Glm5NextTextIndexer):
+                kind = "indexer"
+            elif isinstance(owner, M.Glm5NextTextTopkRouter) and frame.f_code.co_name == "forward":
+                kind = "router"
+            if kind is not None:
+                rec.calls.append((kind, t.detach().clone(), k, owner))
+            return rec.orig(t, k, *args, **kwargs)
+
+        torch.Tensor.topk = topk
+        return self
+
+    def __exit__(self, *a):
+        torch.Tensor.topk = self.orig
+
+
+def boundary_margin(scores, k):
+    """Smallest gap between the k-th and (k+1)-th largest finite value per row."""
+    finite = torch.where(scores > torch.finfo(scores.dtype).min / 2, scores, torch.tensor(float("-inf")))
+    s, _ = finite.sort(dim=-1, descending=True)
+    if s.shape[-1] <= k:
+        return float("inf")
+    a, b = s[..., k - 1], s[..., k]
+    gap = torch.where(torch.isfinite(b), a - b, torch.tensor(float("inf")))
+    return gap.min().item()
+
+
+def make_inputs(gen, text, batch, seq, pad):
+    ids = torch.randint(1, text["vocab_size"], (batch, seq), generator=gen)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if pad is not None:
+        for b, n in enumerate(pad):
+            ids[b, :n] = text["pad_token_id"]
+            mask[b, :n] = 0
+    return ids, mask
+
+
+def run_case(name, text, extra, batch, seq, pad):
+    for attempt in range(50):
+        seed = 1000 * (1 + list(CASES).index(name)) + attempt
+        gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        config = build_config(text, extra)
+        model = Glm5NextForConditionalGeneration(config).eval()
+        init_weights(model, gen)
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        ids, mask = make_inputs(gen, text, batch, seq, pad)
+        with Recorder() as rec:
+            out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        bad = []
+        for kind, scores, k, owner in rec.calls:
+            if kind == "indexer":
+                m = boundary_margin(scores.float(), k)
+            else:
+                m = boundary_margin(scores.float(), k)
+            if m < MARGIN:
+                bad.append((kind, m))
+        if not bad:
+            return seed, config, model, ids, mask, out
+        print(f"  {name}: seed {seed} has top-k boundary near-ties {bad[:3]}, reseeding")
+    raise SystemExit(f"{name}: no seed without boundary ties")
+
+
+def capture_indices(model):
+    store = {}
+    hooks = []
+    for i, layer in enumerate(model.model.language_model.layers):
+        hooks.append(layer.register_forward_hook(
+            lambda mod, args, out, i=i: store.__setitem__(("h", i), out[0] if isinstance(out, tuple) else out)))
+        attn = layer.self_attn
+        if isinstance(attn, M.Glm5NextTextAttention) and attn.indexer is not None:
+            hooks.append(attn.indexer.register_forward_hook(
+                lambda mod, args, kwargs_out, i=i: store.__setitem__(i, kwargs_out)))
+    return store, hooks
+
+
+def save_text_only_checkpoint(model, directory):
+    tmp = directory.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    st = load_file(tmp / "model.safetensors")
+    kept = {k: v.contiguous() for k, v in st.items() if not k.startswith("model.visual.")}
+    assert len(kept) < len(st), "expected vision tensors in the saved checkpoint"
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(kept, directory / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(tmp / "config.json", directory / "config.json")
+    shutil.rmtree(tmp)
+    return sorted(kept)
+
+
+def sort_indices(idx):
+    # rows as sets: valid indices ascending, -1 last
+    big = torch.where(idx < 0, torch.full_like(idx, 1 << 30), idx)
+    s, _ = big.sort(dim=-1)
+    return torch.where(s == (1 << 30), torch.full_like(s, -1), s)
+
+
+def chunk_kda_f64(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, **kwargs):
+    """Drop-in for HF's `chunk_kimi_delta_attention` that keeps float64 (HF's casts to float32)."""
+    assert use_qk_l2norm_in_kernel
+    b, _, h, dk = key.shape
+    h0 = initial_state if initial_state is not None else torch.zeros(b, h, dk, value.shape[-1], dtype=torch.float64)
+    o, s = kda_recurrent_f64(query, key, value, g, beta, h0)
+    return o.to(query.dtype), (s if output_final_state else None)
+
+
+def run_float64(model, ids, mask):
+    """The same HF model in float64 (eager experts; KDA through `chunk_kda_f64`)."""
+    m64 = copy.deepcopy(model).double()
+    for mod in m64.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and hasattr(cfg, "_experts_implementation_internal"):
+            cfg._experts_implementation_internal = "eager"  # grouped_mm has no float64 kernel
+    orig = M.chunk_kimi_delta_attention
+    M.chunk_kimi_delta_attention = chunk_kda_f64
+    try:
+        store, hooks = capture_indices(m64)
+        with torch.no_grad():
+            out = m64(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        for h in hooks:
+            h.remove()
+    finally:
+        M.chunk_kimi_delta_attention = orig
+    return out, store
+
+
+def model_fixture(name, spec):
+    """Reference outputs come from the float64 run of the HF model (the truth the fp32 bars are
+    measured against); the fp32 run picks the seed (no top-k boundary near-ties), and how far it
+    is from the float64 truth is stored per layer (`hf_f32_rel_err.{i}`) and printed for logits."""
+    text, extra, batch, seq, pad = spec
+    seed, config, model, ids, mask, out32 = run_case(name, text, extra, batch, seq, pad)
+    store32, hooks = capture_indices(model)  # fp32 streams and indices
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    for h in hooks:
+        h.remove()
+    out, store = run_float64(model, ids, mask)
+    d = OUT / name
+    shutil.rmtree(d, ignore_errors=True)
+    keys = save_text_only_checkpoint(model, d)
+    tensors = {
+        "input_ids": ids.to(torch.int64),
+        "attention_mask": mask.to(torch.int64),
+        "logits": out.logits.float().contiguous(),
+    }
+    n_layers = config.text_config.num_hidden_layers
+    keep4 = mask.bool()[..., None, None]
+    for i in range(n_layers):
+        # the mHC streams after decoder layer i, [B, S, n, D]
+        h64 = store[("h", i)]
+        tensors[f"hidden_states.{i}"] = h64.float().contiguous()
+        # how far the reference's own fp32 run is from this float64 truth (max|Δ| / max|ref|)
+        diff = ((store32[("h", i)].double() - h64).abs() * keep4).max() / (h64.abs() * keep4).max()
+        tensors[f"hf_f32_rel_err.{i}"] = torch.tensor([diff.item()], dtype=torch.float32)
+    for key, idx in store.items():
+        if not isinstance(key, tuple):
+            assert torch.equal(sort_indices(idx.long()), sort_indices(store32[key].long())), \
+                f"{name}: float32 and float64 runs select different indices in layer {key}"
+            tensors[f"indices.{key}"] = sort_indices(idx.to(torch.int64)).contiguous()
+    save_file(tensors, d / "io.safetensors", metadata={"seed": str(seed), "transformers": transformers.__version__,
+                                                       "torch": torch.__version__})
+    keep = mask.bool()
+    l64, l32 = out.logits[keep], out32.logits[keep].double()
+    kl = (l64.log_softmax(-1).exp() * (l64.log_softmax(-1) - l32.log_softmax(-1))).sum(-1).mean().item()
+    print(f"{name}: seed {seed}, {len(keys)} tensors, logits std {l64.std().item():.3f}, shape "
+          f"{tuple(out.logits.shape)}; HF fp32 vs fp64: max|d| {(l64 - l32).abs().max().item():.2e}, "
+          f"mean KL {kl:.2e}")
+
+
+def kda_recurrent_f64(q, k, v, g, beta, h0):
+    """Independent float64 token recurrence (HF's functions cast to float32 internally)."""
+    q, k, v, g, beta, S = (x.double() for x in (q, k, v, g, beta, h0))
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    out = torch.zeros(*v.shape, dtype=torch.float64)
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp()[..., None]
+        u = beta[:, t][..., None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S))
+        S = S + k[:, t][..., None] * u[..., None, :]
+        out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], S)
+    return out, S
+
+
+@torch.no_grad()
+def kda_fixture():
+    """Reference chunked and recurrent KDA on random inputs, with an initial state."""
+    gen = torch.Generator().manual_seed(7)
+    tensors = {}
+    for tag, (b, t, h, dk, dv) in {"a": (2, 150, 3, 8, 12), "b": (1, 64, 2, 16, 16), "c": (1, 1, 2, 8, 8),
+                                   "d": (1, 5, 2, 8, 8)}.items():
+        q = torch.randn(b, t, h, dk, generator=gen)
+        k = torch.randn(b, t, h, dk, generator=gen)
+        v = torch.randn(b, t, h, dv, generator=gen)
+        g = -5.0 * torch.sigmoid(torch.randn(b, t, h, dk, generator=gen) * 2)
+        beta = torch.sigmoid(torch.randn(b, t, h, generator=gen))
+        h0 = torch.randn(b, h, dk, dv, generator=gen) * 0.5
+        oc, sc = M.chunk_kimi_delta_attention(q, k, v, g, beta, initial_state=h0.clone(), output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True)
+        orr, sr = M.recurrent_kimi_delta_attention(q, k, v, g, beta, initial_state=h0.clone(),
+                                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
+        # float64 recurrence: the ground truth both fp32 forms are measured against
+        o64, s64 = kda_recurrent_f64(q, k, v, g, beta, h0)
+        rel = lambda a, b: ((a.double() - b).abs().max() / b.pow(2).mean().sqrt()).item()
+        print(f"  kda {tag}: HF fp32 chunked vs f64 {rel(oc, o64):.2e}, HF fp32 recurrent vs f64 {rel(orr, o64):.2e}")
+        for n, x in dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, o_chunk=oc, s_chunk=sc, o_rec=orr, s_rec=sr,
+                         o_f64=o64, s_f64=s64).items():
+            tensors[f"{tag}.{n}"] = x.float().contiguous()
+    save_file(tensors, OUT / "kda_ops.safetensors")
+    print("kda_ops: written")
+
+
+def config_fixture():
+    """HF-resolved configs for derived defaults, and the errors HF raises for invalid ones."""
+    cases = []
+    flat = dict(base_text(), model_type="glm5_next", tie_word_embeddings=False)
+    variants = {
+        "flat": flat,
+        "flat_defaults": {"model_type": "glm5_next", "num_hidden_layers": 9, "index_topk": 64, "index_kpool": 4},
+        "pattern": dict(flat, indexer_types=None, index_topk_pattern="FFSF"),
+        "freq_offset": dict(flat, indexer_types=None, index_topk_freq=2, index_skip_topk_offset=1),
+        "alias": dict(flat, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                         "full_attention"]),
+        "softplus_null": {k: v for k, v in flat.items() if k != "linear_attn_config"} | {"linear_lower_bound": None},
+        "safe_gate_default": dict(flat, linear_attn_config={"num_heads": 2, "head_dim": 8, "gate_lower_bound": None}),
+    }
+    for name, raw in variants.items():
+        c = Glm5NextConfig(**json.loads(json.dumps(raw)))
+        t = c.text_config
+        resolved = {k: getattr(t, k) for k in [
+            "vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "mlp_layer_types", "indexer_types",
+            "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "linear_lower_bound", "index_topk",
+            "index_kpool", "n_routed_experts", "pad_token_id", "qk_rope_head_dim", "q_lora_rank"]}
+        cases.append({"name": name, "input": raw, "resolved": resolved})
+    errors = {
+        "topk_kpool": dict(flat, index_topk=10, index_kpool=4),
+        "rope": dict(flat, qk_rope_head_dim=8),
+        "kv_heads": dict(flat, num_key_value_heads=1),
+    }
+    for name, raw in errors.items():
+        try:
+            Glm5NextConfig(**json.loads(json.dumps(raw)))
+            raise SystemExit(f"config case {name} unexpectedly valid")
+        except Exception as e:  # noqa: BLE001 - HF wraps ValueError in its strict-dataclass error
+            cases.append({"name": name, "input": raw, "error": str(e.__cause__ or e).splitlines()[0]})
+    (OUT / "config_cases.json").write_text(json.dumps(cases, indent=1) + "\n")
+    print(f"config_cases: {len(cases)} cases")
+
+
+def main():
+    OUT.mkdir(parents=True, exist_ok=True)
+    torch.set_default_dtype(torch.float32)
+    only = sys.argv[1:]
+    for name, spec in CASES.items():
+        if not only or name in only:
+            model_fixture(name, spec)
+    if not only or "kda" in only:
+        kda_fixture()
+    if not only or "config" in only:
+        config_fixture()
+
+
+if __name__ == "__main__":
+    main()
