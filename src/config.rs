@@ -545,12 +545,19 @@ impl TextConfig {
                 );
             }
         }
+        Ok(())
+    }
+
+    /// Checks that only matter for running the model, which the reference defers to the
+    /// forward pass: a `"shared"` DSA layer needs an earlier full indexer layer.
+    pub fn check_runnable(&self) -> Result<(), ConfigError> {
+        let n = self.num_hidden_layers;
         if let Some(i) = self.layer_types[..n].iter().position(|t| *t == LayerType::IndexedAttention) {
             if self.indexer_types[i] == IndexerType::Shared {
-                return err(
+                return Err(ConfigError::invalid(
                     "indexer_types",
                     format!("layer {i} is the first DSA layer and cannot be \"shared\": no earlier indexer to reuse"),
-                );
+                ));
             }
         }
         Ok(())

@@ -42,8 +42,19 @@ pub struct CausalLmOutput<B: Backend> {
 }
 
 impl<B: Backend> Glm5ForCausalLM<B> {
-    /// Randomly initialised model (weights are replaced by a checkpoint load).
+    /// Randomly initialised model (weights are replaced by a checkpoint load). Fails for a
+    /// config the model cannot run (see [`crate::config::TextConfig::check_runnable`]).
+    pub fn try_new(config: &Glm5Config, device: &B::Device) -> Result<Self, crate::error::ConfigError> {
+        config.text_config.check_runnable()?;
+        Ok(Self::build(config, device))
+    }
+
+    /// Like [`Self::try_new`], panicking on a config that cannot run.
     pub fn new(config: &Glm5Config, device: &B::Device) -> Self {
+        Self::try_new(config, device).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn build(config: &Glm5Config, device: &B::Device) -> Self {
         let c = &config.text_config;
         Self {
             language_model: TextModel::new(c, device),

@@ -100,7 +100,7 @@ pub fn load_causal_lm<B: Backend>(
     let dir = dir.as_ref();
     let (config, config_json) = read_config(dir)?;
     let files = Rc::new(SafetensorsFiles::open_dir(dir)?);
-    let mut model = Glm5ForCausalLM::<B>::new(&config, device);
+    let mut model = Glm5ForCausalLM::<B>::try_new(&config, device)?;
     let tc = &config.text_config;
     let planned = plan(&model, tc.n_routed_experts)?;
 

@@ -118,3 +118,58 @@ pub fn sparse_absorbed<B: Backend>(
     }
     Tensor::cat(outs, 1)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::Distribution;
+
+    #[test]
+    fn sparse_absorbed_equals_dense_masked() {
+        let device = Default::default();
+        let (b, s, h, dq, dv, r, w) = (2, 11, 3, 4, 6, 5, 7);
+        let q = Tensor::<Flex, 4>::random([b, s, h, dq], Distribution::Normal(0.0, 1.0), &device);
+        let latent = Tensor::<Flex, 3>::random([b, s, r], Distribution::Normal(0.0, 1.0), &device);
+        let w_uk = Tensor::<Flex, 3>::random([h, dq, r], Distribution::Normal(0.0, 1.0), &device);
+        let w_uv = Tensor::<Flex, 3>::random([h, dv, r], Distribution::Normal(0.0, 1.0), &device);
+        // causal random subsets, −1 padding, duplicates never, one empty row per batch
+        let mut indices = vec![-1i64; b * s * w];
+        let mut state = 12345u64;
+        for bi in 0..b {
+            for t in 0..s {
+                if t == 3 {
+                    continue; // empty selection -> zeros
+                }
+                let row = &mut indices[(bi * s + t) * w..(bi * s + t + 1) * w];
+                let mut k = 0;
+                for j in 0..=t {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    if (state >> 33) % 2 == 0 && k < w {
+                        row[k] = j as i64;
+                        k += 1;
+                    }
+                }
+            }
+        }
+        // k_h = W_UK,h c, v_h = W_UV,h c, expanded per token: [B, S, H, d]
+        let expand = |wm: Tensor<Flex, 3>, d: usize| {
+            latent.clone().reshape([b * s, 1, r, 1]).expand([b * s, h, r, 1]).swap_dims(2, 3).matmul(
+                wm.swap_dims(1, 2).unsqueeze_dim::<4>(0).expand([b * s, h, r, d]),
+            )
+            .reshape([b, s, h, d])
+        };
+        let k = expand(w_uk.clone(), dq);
+        let v = expand(w_uv.clone(), dv);
+        let dense = dense_masked(q.clone(), k, v, &indices, w, 0.37);
+        for block in [1, 4, 64] {
+            let sparse = sparse_absorbed(q.clone(), latent.clone(), w_uk.clone(), w_uv.clone(), &indices, w, 0.37, block);
+            let diff = (dense.clone() - sparse).abs().max().into_scalar();
+            let scale = dense.clone().abs().max().into_scalar();
+            assert!(diff <= 1e-5 * scale, "block {block}: max|Δ| {diff} vs scale {scale}");
+        }
+        // the empty row is exactly zero in both
+        let row = dense.slice([0..1, 3..4, 0..h, 0..dv]).abs().max().into_scalar();
+        assert_eq!(row, 0.0);
+    }
+}

@@ -1,0 +1,88 @@
+//! Config resolution against the reference: derived defaults (`layer_types`,
+//! `mlp_layer_types`, `indexer_types` from `index_topk_pattern` / `index_topk_freq` /
+//! `index_skip_topk_offset`, the `linear_attn_config` dict, `full_attention` alias, the flat
+//! text-only form) and the reference's validation errors. Cases and expected values come
+//! from `Glm5NextConfig` in transformers 5.23.0 (`tests/fixtures/config_cases.json`).
+
+mod common;
+
+use glm5_burn::config::{Glm5Config, TextConfig};
+use glm5_burn::ConfigError;
+use serde_json::{json, Value};
+
+fn cases() -> Vec<Value> {
+    let text = std::fs::read_to_string(common::fixtures().join("config_cases.json")).unwrap();
+    serde_json::from_str::<Value>(&text).unwrap().as_array().unwrap().clone()
+}
+
+#[test]
+fn derived_defaults_match_the_reference() {
+    for case in cases().iter().filter(|c| c.get("resolved").is_some()) {
+        let name = case["name"].as_str().unwrap();
+        let cfg = Glm5Config::from_hf_value(&case["input"]).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let t = &cfg.text_config;
+        let ours = json!({
+            "vocab_size": t.vocab_size, "hidden_size": t.hidden_size, "num_hidden_layers": t.num_hidden_layers,
+            "layer_types": t.layer_types, "mlp_layer_types": t.mlp_layer_types, "indexer_types": t.indexer_types,
+            "linear_num_heads": t.linear_num_heads, "linear_head_dim": t.linear_head_dim,
+            "linear_conv_kernel_dim": t.linear_conv_kernel_dim, "linear_lower_bound": t.linear_lower_bound,
+            "index_topk": t.index_topk, "index_kpool": t.index_kpool, "n_routed_experts": t.n_routed_experts,
+            "pad_token_id": t.pad_token_id, "qk_rope_head_dim": t.qk_rope_head_dim, "q_lora_rank": t.q_lora_rank,
+        });
+        let expected = &case["resolved"];
+        for (k, v) in expected.as_object().unwrap() {
+            let o = &ours[k];
+            let same = match (o.as_f64(), v.as_f64()) {
+                (Some(a), Some(b)) => a == b,
+                _ => o == v,
+            };
+            assert!(same, "{name}: field {k}: ours {o}, reference {v}");
+        }
+    }
+}
+
+#[test]
+fn invalid_configs_fail_like_the_reference_naming_the_field() {
+    let fields = [("topk_kpool", "index_topk"), ("rope", "qk_rope_head_dim"), ("kv_heads", "num_key_value_heads")];
+    for case in cases().iter().filter(|c| c.get("error").is_some()) {
+        let name = case["name"].as_str().unwrap();
+        let hf = case["error"].as_str().unwrap().trim_end_matches('.');
+        match Glm5Config::from_hf_value(&case["input"]) {
+            Ok(_) => panic!("{name}: accepted, the reference rejects it with {hf:?}"),
+            Err(ConfigError::Invalid { field, message }) => {
+                let want = fields.iter().find(|(n, _)| *n == name).unwrap().1;
+                assert_eq!(field, want, "{name}: field");
+                assert!(message.contains(hf) || hf.contains(&message), "{name}: ours {message:?}, reference {hf:?}");
+            }
+            Err(e) => panic!("{name}: unexpected error kind {e}"),
+        }
+    }
+}
+
+#[test]
+fn nested_and_bad_values_are_reported_with_their_path() {
+    let err = Glm5Config::from_hf_value(&json!({"text_config": {"layer_types": ["linear_attention", "mamba"]}})).unwrap_err();
+    assert!(err.to_string().contains("text_config.layer_types[1]"), "{err}");
+    let err = Glm5Config::from_hf_value(&json!({"text_config": {"hidden_size": "big"}})).unwrap_err();
+    assert!(err.to_string().contains("text_config.hidden_size"), "{err}");
+    let err = Glm5Config::from_hf_value(&json!({"text_config": {"num_hidden_layers": 4, "n_group": 4, "n_routed_experts": 4,
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}})).unwrap_err();
+    assert!(err.to_string().contains("n_group"), "{err}");
+    let err = Glm5Config::from_json_str("{not json", "x/config.json").unwrap_err();
+    assert!(err.to_string().contains("x/config.json"), "{err}");
+}
+
+#[test]
+fn presets_are_valid_and_match_the_release() {
+    let full = TextConfig::full();
+    full.validate().unwrap();
+    assert_eq!(full.index_kpool, 4);
+    assert_eq!(full.index_width(), 2051);
+    assert_eq!(full.layer_types.iter().filter(|t| **t == glm5_burn::config::LayerType::IndexedAttention).count(), 11);
+    assert_eq!(Glm5Config::full().vision_config.out_hidden_size, 4096);
+    TextConfig::tiny().validate().unwrap();
+    // a vision out_hidden_size different from the text width is accepted (only used with images)
+    let cfg = Glm5Config::from_hf_value(&json!({"text_config": {"hidden_size": 64, "num_hidden_layers": 1},
+        "vision_config": {"out_hidden_size": 24}})).unwrap();
+    assert_eq!(cfg.vision_config.out_hidden_size, 24);
+}
