@@ -14,6 +14,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod io;
 pub mod model;
 pub mod ops;
 pub mod text;

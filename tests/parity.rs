@@ -18,6 +18,7 @@ use glm5_burn::{AttentionImpl, ForwardOptions, KdaImpl, TokenMask};
 
 const CASES: &[&str] = &[
     "base_k4", "kpool16", "notail", "shared_pair", "ngroup", "clamp", "leftpad", "softplus", "quirks", "release_slice",
+    "bf16_release_like",
 ];
 
 struct Run {
@@ -59,7 +60,7 @@ fn check_case(case: &str, opts: ForwardOptions, label: &str) {
     let (io, run, vocab, mask) = run(case, opts);
     // per-layer streams
     let (mut worst, mut worst_hf) = (0f32, 0f32);
-    for (i, ours) in run.streams.iter().enumerate() {
+    for (i, ours) in run.streams.iter().enumerate().filter(|(i, _)| io.has(&format!("hidden_states.{i}"))) {
         let reference = io.f32(&format!("hidden_states.{i}"));
         let width = reference.len() / mask.len();
         let rel = max_abs_diff(&reference, ours, width, &mask) / max_abs(&reference, width, &mask);
@@ -118,3 +119,91 @@ fn logits_match_reference_recurrent_kda() {
     }
 }
 
+
+/// bf16 weights and activations (fp32 where the reference keeps fp32) against the float64
+/// reference, next to the reference itself loaded in bf16 (`from_pretrained(dtype=bfloat16)`,
+/// stored as `logits_hf_bf16`) on the same weights and inputs. The published bf16 parity
+/// (mean KL 2.48e-4, top-1 98.34 %) is for the released model on real text, which we cannot
+/// run here; the like-for-like bar is the reference's own bf16 run: ours must be at least as
+/// close to the truth, on the release-like fixture and pooled over the ill-conditioned ones.
+#[test]
+fn bf16_parity_report() {
+    let hot: Vec<&str> = CASES.iter().copied().filter(|c| *c != "bf16_release_like").collect();
+    for (label, cases) in [("release-like", vec!["bf16_release_like"]), ("ill-conditioned fixtures", hot)] {
+        let (ours, hf) = bf16_stats(&cases);
+        println!("| {label}: ours, bf16 | {:.2e} | {:.2e} | {:.2e} | {:.4} | {:.2}% ({}) |", ours.0, ours.1, ours.2, ours.3, ours.4 * 100.0, ours.5);
+        println!("| {label}: HF reference, bf16 | {:.2e} | {:.2e} | {:.2e} | {:.4} | {:.2}% ({}) |", hf.0, hf.1, hf.2, hf.3, hf.4 * 100.0, hf.5);
+        assert!(ours.0 <= hf.0, "{label}: bf16 mean KL {:e} is worse than the reference's own bf16 run {:e}", ours.0, hf.0);
+        assert!(ours.4 >= hf.4, "{label}: bf16 top-1 {} is worse than the reference's own bf16 run {}", ours.4, hf.4);
+    }
+}
+
+/// (mean KL, p95 KL, max KL, min cosine, top-1, positions) pooled over `cases`, for ours in
+/// bf16 and for the reference's bf16 run.
+type Bf16Stats = (f64, f64, f64, f64, f64, usize);
+
+fn bf16_stats(cases: &[&str]) -> (Bf16Stats, Bf16Stats) {
+    use burn::tensor::DType;
+    let device = Default::default();
+    let mut acc = [(Vec::new(), 0usize, 0usize, 1f64), (Vec::new(), 0usize, 0usize, 1f64)];
+    for case in cases {
+        let dir = fixtures().join(case);
+        let loaded = load_causal_lm::<B>(&dir, &device, &LoadOptions { dtype: DType::BF16 }).expect("fixture loads");
+        let io = Io::open(&dir.join("io.safetensors"));
+        let ids: Tensor<B, 2, Int> = io.int("input_ids", &device);
+        let [b, s] = ids.dims();
+        let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
+        let out = loaded.model.forward(ids, Some(TokenMask::new(mask.clone(), b, s, &device)), &ForwardOptions::default(), false);
+        let reference = io.f32("logits");
+        let vocab = loaded.config.text_config.vocab_size;
+        for (slot, logits) in [host(out.logits.cast(DType::F32)), io.f32("logits_hf_bf16")].into_iter().enumerate() {
+            let st = logit_stats(&reference, &logits, vocab, &mask);
+            let a = &mut acc[slot];
+            a.0.extend(per_position_kl(&reference, &logits, vocab, &mask));
+            a.1 += (st.top1 * st.top1_positions as f64).round() as usize;
+            a.2 += st.top1_positions;
+            a.3 = a.3.min(st.min_cos);
+        }
+    }
+    let [o, h] = acc.map(|(mut kls, agree, counted, cos)| {
+        kls.sort_by(|a, b| a.total_cmp(b));
+        let mean = kls.iter().sum::<f64>() / kls.len() as f64;
+        (mean, kls[(kls.len() as f64 * 0.95) as usize], *kls.last().unwrap(), cos, agree as f64 / counted as f64, kls.len())
+    });
+    (o, h)
+}
+
+fn per_position_kl(reference: &[f32], ours: &[f32], vocab: usize, keep: &[bool]) -> Vec<f64> {
+    reference
+        .chunks(vocab)
+        .zip(ours.chunks(vocab))
+        .enumerate()
+        .filter(|(r, _)| keep[*r])
+        .map(|(_, (a, b))| logit_stats(a, b, vocab, &[true]).mean_kl)
+        .collect()
+}
+
+/// Shifted cross-entropy with `-100` ignored plus the load-balancing term, against the
+/// reference's `loss` and `aux_loss` (`labels` given, `output_router_logits=True`).
+#[test]
+fn loss_and_aux_loss_match_reference() {
+    use glm5_burn::Glm5ForCausalLM;
+    let device = Default::default();
+    for case in CASES.iter().filter(|c| **c != "bf16_release_like") {
+        let dir = fixtures().join(case);
+        let loaded = load_causal_lm::<B>(&dir, &device, &LoadOptions::default()).expect("fixture loads");
+        let io = Io::open(&dir.join("io.safetensors"));
+        let ids: Tensor<B, 2, Int> = io.int("input_ids", &device);
+        let [b, s] = ids.dims();
+        let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
+        let out = loaded.model.forward(ids, Some(TokenMask::new(mask.clone(), b, s, &device)), &ForwardOptions::default(), false);
+        let lm = Glm5ForCausalLM::<B>::lm_loss(out.logits, &io.i64("labels"));
+        let aux = loaded.model.aux_loss(&out.text.router_logits, &mask).expect("MoE layers present");
+        let aux_v = aux.clone().into_scalar();
+        let total = (lm + aux * loaded.model.router_aux_loss_coef).into_scalar();
+        let (hf_total, hf_aux) = (io.f32("loss")[0], io.f32("aux_loss")[0]);
+        println!("{case:14} loss {total:.7} (HF {hf_total:.7})  aux {aux_v:.7} (HF {hf_aux:.7})");
+        assert!((total - hf_total).abs() <= 1e-5 * hf_total.abs(), "{case}: loss {total} vs {hf_total}");
+        assert!((aux_v - hf_aux).abs() <= 1e-5 * hf_aux.abs(), "{case}: aux {aux_v} vs {hf_aux}");
+    }
+}

@@ -97,6 +97,16 @@ CASES = {
 }
 
 
+# A release-like case for the bf16 comparison: the reference's own (training) init, wider heads,
+# weights rounded to bf16 (the released checkpoint is bf16), only the LM head scaled so logits
+# are O(1). Logits only; weights stored in bf16 to keep the fixture small.
+RELEASE_LIKE = ("bf16_release_like", base_text(
+    vocab_size=256, hidden_size=96, intermediate_size=192, moe_intermediate_size=32, num_attention_heads=3,
+    num_key_value_heads=3, q_lora_rank=64, kv_lora_rank=48, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=8,
+    index_head_dim=24, index_topk=32, linear_attn_config={"num_heads": 3, "head_dim": 32, "short_conv_kernel_size": 4,
+                                                           "gate_lower_bound": -5.0}), 1, 160)
+
+
 def build_config(text, extra):
     cfg = {
         "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
@@ -277,8 +287,9 @@ def chunk_kda_f64(query, key, value, g, beta, chunk_size=64, initial_state=None,
     return o.to(query.dtype), (s if output_final_state else None)
 
 
-def run_float64(model, ids, mask):
-    """The same HF model in float64 (eager experts; KDA through `chunk_kda_f64`)."""
+def run_float64(model, ids, mask, labels=None):
+    """The same HF model in float64 (eager experts; KDA through `chunk_kda_f64`); with
+    `labels`, also the loss with the load-balancing term (`output_router_logits=True`)."""
     m64 = copy.deepcopy(model).double()
     for mod in m64.modules():
         cfg = getattr(mod, "config", None)
@@ -292,6 +303,10 @@ def run_float64(model, ids, mask):
             out = m64(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         for h in hooks:
             h.remove()
+        if labels is not None:
+            with torch.no_grad():
+                lossy = m64(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+            out.loss, out.aux_loss = lossy.loss, lossy.aux_loss
     finally:
         M.chunk_kimi_delta_attention = orig
     return out, store
@@ -308,7 +323,11 @@ def model_fixture(name, spec):
         model(input_ids=ids, attention_mask=mask)
     for h in hooks:
         h.remove()
-    out, store = run_float64(model, ids, mask)
+    # labels: the ids themselves, with -100 on padding and on every 5th position
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[:, ::5] = -100
+    out, store = run_float64(model, ids, mask, labels)
     d = OUT / name
     shutil.rmtree(d, ignore_errors=True)
     keys = save_text_only_checkpoint(model, d)
@@ -316,6 +335,10 @@ def model_fixture(name, spec):
         "input_ids": ids.to(torch.int64),
         "attention_mask": mask.to(torch.int64),
         "logits": out.logits.float().contiguous(),
+        "labels": labels.to(torch.int64),
+        # HF: shifted cross-entropy (mean over labels != -100) + router_aux_loss_coef * aux
+        "loss": out.loss.float().reshape(1),
+        "aux_loss": torch.as_tensor(out.aux_loss).float().reshape(1),
     }
     n_layers = config.text_config.num_hidden_layers
     keep4 = mask.bool()[..., None, None]
@@ -331,6 +354,10 @@ def model_fixture(name, spec):
             assert torch.equal(sort_indices(idx.long()), sort_indices(store32[key].long())), \
                 f"{name}: float32 and float64 runs select different indices in layer {key}"
             tensors[f"indices.{key}"] = sort_indices(idx.to(torch.int64)).contiguous()
+    # the reference itself in bf16, loaded the way users load it (fp32 kept where HF keeps it)
+    m16 = Glm5NextForConditionalGeneration.from_pretrained(d, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        tensors["logits_hf_bf16"] = m16(input_ids=ids, attention_mask=mask).logits.float().contiguous()
     save_file(tensors, d / "io.safetensors", metadata={"seed": str(seed), "transformers": transformers.__version__,
                                                        "torch": torch.__version__})
     keep = mask.bool()
@@ -339,6 +366,46 @@ def model_fixture(name, spec):
     print(f"{name}: seed {seed}, {len(keys)} tensors, logits std {l64.std().item():.3f}, shape "
           f"{tuple(out.logits.shape)}; HF fp32 vs fp64: max|d| {(l64 - l32).abs().max().item():.2e}, "
           f"mean KL {kl:.2e}")
+
+
+def release_like_fixture():
+    name, text, batch, seq = RELEASE_LIKE
+    for seed in range(424242, 424292):
+        gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        model = Glm5NextForConditionalGeneration(build_config(text, {})).eval()
+        with torch.no_grad():
+            # trained routers and indexers separate their candidates; at init every score is
+            # ~equal, so scale them (and the LM head) to trained-like magnitudes
+            model.lm_head.weight.mul_(8.0)
+            for n, p in model.named_parameters():
+                if n.endswith("mlp.gate.weight") or ".indexer.w" in n or "weights_proj" in n:
+                    p.mul_(25.0)
+                p.copy_(p.to(torch.bfloat16).float())
+        ids, mask = make_inputs(gen, text, batch, seq, None)
+        with Recorder() as rec, torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        margins = [boundary_margin(sc.float(), k) for _, sc, k, _ in rec.calls]
+        # 480 router rows of near-uniform sigmoid scores rarely keep every gap above 1e-4;
+        # fp32 noise in these scores is ~1e-7, so 1e-5 still makes the selection unambiguous
+        if min(margins) >= 1e-5:
+            break
+        print(f"  {name}: seed {seed} has a top-k boundary near-tie {min(margins):.1e}, reseeding")
+    else:
+        raise SystemExit(f"{name}: no seed without boundary ties")
+    out, _ = run_float64(model, ids, mask)
+    d = OUT / name
+    shutil.rmtree(d, ignore_errors=True)
+    save_text_only_checkpoint(model.to(torch.bfloat16), d)
+    m16 = Glm5NextForConditionalGeneration.from_pretrained(d, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        hf16 = m16(input_ids=ids, attention_mask=mask).logits.float()
+    save_file({"input_ids": ids, "attention_mask": mask, "logits": out.logits.float().contiguous(),
+               "logits_hf_bf16": hf16.contiguous()}, d / "io.safetensors")
+    l64 = out.logits[0]
+    kl = (l64.log_softmax(-1).exp() * (l64.log_softmax(-1) - hf16[0].double().log_softmax(-1))).sum(-1)
+    print(f"{name}: logits std {l64.std().item():.3f}; HF bf16 vs fp64: mean KL {kl.mean().item():.2e}, "
+          f"top-1 {(l64.argmax(-1) == hf16[0].argmax(-1)).float().mean().item():.4f}")
 
 
 def kda_recurrent_f64(q, k, v, g, beta, h0):
@@ -427,6 +494,8 @@ def main():
     for name, spec in CASES.items():
         if not only or name in only:
             model_fixture(name, spec)
+    if not only or RELEASE_LIKE[0] in only:
+        release_like_fixture()
     if not only or "kda" in only:
         kda_fixture()
     if not only or "config" in only:

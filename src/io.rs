@@ -1,0 +1,81 @@
+//! Token inputs and logits outputs as safetensors files (the `logits` example's interface).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, SafeTensors};
+
+use crate::checkpoint::safetensors_io::{serialize, write_atomic, OwnedTensor};
+use crate::error::{CheckpointError, ModelError};
+
+/// `input_ids` `[B, S]` and the `[B, S]` validity mask (all true when absent).
+#[derive(Debug, Clone)]
+pub struct TokenInputs {
+    pub ids: Vec<i64>,
+    pub mask: Vec<bool>,
+    pub batch: usize,
+    pub seq: usize,
+    /// Reference logits `[B, S, V]` if the file carries them (the test fixtures do).
+    pub reference_logits: Option<(Vec<f32>, usize)>,
+}
+
+fn input_err(path: &Path, message: String) -> ModelError {
+    ModelError::Input { name: path.display().to_string(), message }
+}
+
+fn read_i64(st: &SafeTensors, name: &str, path: &Path) -> Result<Option<(Vec<i64>, Vec<usize>)>, ModelError> {
+    let Ok(v) = st.tensor(name) else { return Ok(None) };
+    if v.dtype() != Dtype::I64 {
+        return Err(input_err(path, format!("`{name}` must be I64, found {:?}", v.dtype())));
+    }
+    if v.shape().len() != 2 {
+        return Err(input_err(path, format!("`{name}` must have rank 2 [B, S], found shape {:?}", v.shape())));
+    }
+    let data = v.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8-byte chunk"))).collect();
+    Ok(Some((data, v.shape().to_vec())))
+}
+
+impl TokenInputs {
+    /// Read `input_ids` (I64 `[B, S]`) and optional `attention_mask` (I64 `[B, S]`, 0/1).
+    pub fn read(path: &Path) -> Result<Self, ModelError> {
+        let bytes = std::fs::read(path).map_err(|e| input_err(path, format!("cannot read: {e}")))?;
+        let st = SafeTensors::deserialize(&bytes)
+            .map_err(|e| input_err(path, format!("not a valid safetensors file: {e:?}")))?;
+        let (ids, shape) =
+            read_i64(&st, "input_ids", path)?.ok_or_else(|| input_err(path, "no `input_ids` tensor".into()))?;
+        let (batch, seq) = (shape[0], shape[1]);
+        if batch == 0 || seq == 0 {
+            return Err(input_err(path, format!("`input_ids` is empty (shape {shape:?})")));
+        }
+        let mask = match read_i64(&st, "attention_mask", path)? {
+            None => vec![true; batch * seq],
+            Some((m, mshape)) => {
+                if mshape != shape {
+                    return Err(input_err(path, format!("`attention_mask` shape {mshape:?} differs from `input_ids` {shape:?}")));
+                }
+                if let Some(x) = m.iter().find(|&&x| x != 0 && x != 1) {
+                    return Err(input_err(path, format!("`attention_mask` must hold 0 or 1, found {x}")));
+                }
+                m.iter().map(|&x| x == 1).collect()
+            }
+        };
+        let reference_logits = st.tensor("logits").ok().and_then(|r| {
+            (r.dtype() == Dtype::F32 && r.shape().len() == 3 && r.shape()[..2] == [batch, seq]).then(|| {
+                let v = r.shape()[2];
+                (r.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect(), v)
+            })
+        });
+        Ok(Self { ids, mask, batch, seq, reference_logits })
+    }
+}
+
+/// Write `logits` (F32 `[B, S, V]`) atomically.
+pub fn write_logits(path: &Path, logits: &[f32], shape: [usize; 3]) -> Result<PathBuf, CheckpointError> {
+    let mut t = BTreeMap::new();
+    t.insert(
+        "logits".to_string(),
+        OwnedTensor { dtype: Dtype::F32, shape: shape.to_vec(), data: logits.iter().flat_map(|x| x.to_le_bytes()).collect() },
+    );
+    write_atomic(path, &serialize(&t)?)?;
+    Ok(path.to_path_buf())
+}
