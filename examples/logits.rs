@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use burn::backend::Flex;
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 use clap::{Parser, ValueEnum};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::io::{write_logits, TokenInputs};
@@ -31,9 +31,20 @@ enum Attention {
     Sparse,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum BackendChoice {
+    /// Burn's CPU backend.
+    Flex,
+    /// LibTorch on the CPU (build with `--features tch`, see the README).
+    Tch,
+}
+
 /// Compute GLM-5.3-Flash logits for token ids with a Hugging Face checkpoint.
 #[derive(Parser)]
 struct Args {
+    /// Backend to run on.
+    #[arg(long, value_enum, default_value = "flex")]
+    backend: BackendChoice,
     /// Checkpoint directory (config.json + model.safetensors or a sharded index).
     #[arg(long)]
     checkpoint: PathBuf,
@@ -52,21 +63,28 @@ struct Args {
 }
 
 fn main() {
-    if let Err(e) = run(Args::parse()) {
+    let args = Args::parse();
+    let result = match args.backend {
+        BackendChoice::Flex => run::<Flex>(&args, &Default::default()),
+        #[cfg(feature = "tch")]
+        BackendChoice::Tch => run::<burn::backend::LibTorch>(&args, &burn::backend::libtorch::LibTorchDevice::Cpu),
+        #[cfg(not(feature = "tch"))]
+        BackendChoice::Tch => Err(anyhow::anyhow!("this binary was built without the `tch` feature")),
+    };
+    if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
 }
 
-fn run(args: Args) -> Result<()> {
+fn run<B: Backend>(args: &Args, device: &B::Device) -> Result<()> {
     let inputs = TokenInputs::read(&args.input)?;
     let (b, s) = (inputs.batch, inputs.seq);
-    let device = Default::default();
     let dtype = match args.dtype {
         Precision::F32 => DType::F32,
         Precision::Bf16 => DType::BF16,
     };
-    let loaded = load_causal_lm::<Flex>(&args.checkpoint, &device, &LoadOptions { dtype })?;
+    let loaded = load_causal_lm::<B>(&args.checkpoint, device, &LoadOptions { dtype })?;
     loaded.model.check_ids(&inputs.ids).with_context(|| format!("{}", args.input.display()))?;
     let opts = ForwardOptions {
         attention: match args.attention {
@@ -76,8 +94,8 @@ fn run(args: Args) -> Result<()> {
         },
         ..Default::default()
     };
-    let ids = Tensor::<Flex, 2, Int>::from_data(TensorData::new(inputs.ids.clone(), [b, s]), &device);
-    let mask = TokenMask::new(inputs.mask.clone(), b, s, &device);
+    let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(inputs.ids.clone(), [b, s]), device);
+    let mask = TokenMask::new(inputs.mask.clone(), b, s, device);
     let start = std::time::Instant::now();
     let out = loaded.model.forward(ids, Some(mask), &opts, false);
     let logits: Vec<f32> = out.logits.cast(DType::F32).into_data().convert::<f32>().into_vec().map_err(|e| anyhow::anyhow!("{e:?}"))?;

@@ -13,7 +13,8 @@ mod common;
 
 use burn::tensor::{Int, Tensor};
 use common::*;
-use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
+use glm5_burn::checkpoint::{load_causal_lm, LoadOptions, LoadedModel};
+use glm5_burn::model::CausalLmOutput;
 use glm5_burn::{AttentionImpl, ForwardOptions, KdaImpl, TokenMask};
 
 const CASES: &[&str] = &[
@@ -28,15 +29,26 @@ struct Run {
     margins: Vec<(usize, f32)>,
 }
 
-fn run(case: &str, opts: ForwardOptions) -> (Io, Run, usize, Vec<bool>) {
+/// A fixture's checkpoint run on its inputs: (fixture I/O, the loaded model, its output, mask).
+fn forward_fixture(
+    case: &str,
+    dtype: burn::tensor::DType,
+    opts: &ForwardOptions,
+    record: bool,
+) -> (Io, LoadedModel<B>, CausalLmOutput<B>, Vec<bool>) {
     let device = Default::default();
     let dir = fixtures().join(case);
-    let loaded = load_causal_lm::<B>(&dir, &device, &LoadOptions::default()).expect("fixture loads");
+    let loaded = load_causal_lm::<B>(&dir, &device, &LoadOptions { dtype }).expect("fixture loads");
     let io = Io::open(&dir.join("io.safetensors"));
     let ids: Tensor<B, 2, Int> = io.int("input_ids", &device);
     let [b, s] = ids.dims();
     let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
-    let out = loaded.model.forward(ids, Some(TokenMask::new(mask.clone(), b, s, &device)), &opts, true);
+    let out = loaded.model.forward(ids, Some(TokenMask::new(mask.clone(), b, s, &device)), opts, record);
+    (io, loaded, out, mask)
+}
+
+fn run(case: &str, opts: ForwardOptions) -> (Io, Run, usize, Vec<bool>) {
+    let (io, loaded, out, mask) = forward_fixture(case, burn::tensor::DType::F32, &opts, true);
     let run = Run {
         logits: host(out.logits),
         streams: out.text.layer_streams.into_iter().map(host).collect(),
@@ -144,16 +156,9 @@ type Bf16Stats = (f64, f64, f64, f64, f64, usize);
 
 fn bf16_stats(cases: &[&str]) -> (Bf16Stats, Bf16Stats) {
     use burn::tensor::DType;
-    let device = Default::default();
     let mut acc = [(Vec::new(), 0usize, 0usize, 1f64), (Vec::new(), 0usize, 0usize, 1f64)];
     for case in cases {
-        let dir = fixtures().join(case);
-        let loaded = load_causal_lm::<B>(&dir, &device, &LoadOptions { dtype: DType::BF16 }).expect("fixture loads");
-        let io = Io::open(&dir.join("io.safetensors"));
-        let ids: Tensor<B, 2, Int> = io.int("input_ids", &device);
-        let [b, s] = ids.dims();
-        let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
-        let out = loaded.model.forward(ids, Some(TokenMask::new(mask.clone(), b, s, &device)), &ForwardOptions::default(), false);
+        let (io, loaded, out, mask) = forward_fixture(case, DType::BF16, &ForwardOptions::default(), false);
         let reference = io.f32("logits");
         let vocab = loaded.config.text_config.vocab_size;
         for (slot, logits) in [host(out.logits.cast(DType::F32)), io.f32("logits_hf_bf16")].into_iter().enumerate() {
@@ -188,15 +193,8 @@ fn per_position_kl(reference: &[f32], ours: &[f32], vocab: usize, keep: &[bool])
 #[test]
 fn loss_and_aux_loss_match_reference() {
     use glm5_burn::Glm5ForCausalLM;
-    let device = Default::default();
     for case in CASES.iter().filter(|c| **c != "bf16_release_like") {
-        let dir = fixtures().join(case);
-        let loaded = load_causal_lm::<B>(&dir, &device, &LoadOptions::default()).expect("fixture loads");
-        let io = Io::open(&dir.join("io.safetensors"));
-        let ids: Tensor<B, 2, Int> = io.int("input_ids", &device);
-        let [b, s] = ids.dims();
-        let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
-        let out = loaded.model.forward(ids, Some(TokenMask::new(mask.clone(), b, s, &device)), &ForwardOptions::default(), false);
+        let (io, loaded, out, mask) = forward_fixture(case, burn::tensor::DType::F32, &ForwardOptions::default(), false);
         let lm = Glm5ForCausalLM::<B>::lm_loss(out.logits, &io.i64("labels"));
         let aux = loaded.model.aux_loss(&out.text.router_logits, &mask).expect("MoE layers present");
         let aux_v = aux.clone().into_scalar();

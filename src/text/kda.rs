@@ -129,6 +129,19 @@ impl<B: Backend> KdaAttention<B> {
 
     /// `u` `[B, T, D]` → `[B, T, D]`.
     pub fn forward(&self, u: Tensor<B, 3>, mask: &TokenMask<B>, opts: &ForwardOptions) -> Tensor<B, 3> {
+        self.forward_with_state(u, mask, opts, None).0
+    }
+
+    /// Like [`Self::forward`], starting from a recurrent state `[B, H, d, d]` (fp32) and
+    /// returning the final one — the hand-off used by decoding and context parallelism. The
+    /// short-conv window still starts from zeros (its `W − 1`-token cache is not carried yet).
+    pub fn forward_with_state(
+        &self,
+        u: Tensor<B, 3>,
+        mask: &TokenMask<B>,
+        opts: &ForwardOptions,
+        initial_state: Option<Tensor<B, 4>>,
+    ) -> (Tensor<B, 3>, Tensor<B, 4>) {
         let u = if mask.has_padding() { u.clone() * mask.float.clone().cast(u.dtype()) } else { u };
         let [b, t, _] = u.dims();
         let (h, hd) = (self.num_heads, self.head_dim);
@@ -142,12 +155,12 @@ impl<B: Backend> KdaAttention<B> {
         let v = branch(&self.v_proj, &self.v_conv1d);
         let g = self.forget_gate(u.clone());
         let beta = sigmoid(self.b_proj.forward(u.clone()));
-        let (o, _state) = match opts.kda {
-            KdaImpl::Chunked(c) => kda_chunked(q, k, v, g, beta, None, c),
-            KdaImpl::Recurrent => kda_recurrent(q, k, v, g, beta, None),
+        let (o, state) = match opts.kda {
+            KdaImpl::Chunked(c) => kda_chunked(q, k, v, g, beta, initial_state, c),
+            KdaImpl::Recurrent => kda_recurrent(q, k, v, g, beta, initial_state),
         };
         let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([b, t, h, hd]);
         let o = self.o_norm.forward(o, gate).reshape([b, t, h * hd]);
-        self.o_proj.forward(o)
+        (self.o_proj.forward(o), state)
     }
 }
