@@ -37,6 +37,10 @@ enum BackendChoice {
     Flex,
     /// LibTorch on the CPU (build with `--features tch`, see the README).
     Tch,
+    /// CUDA (build with `--features cuda`).
+    Cuda,
+    /// Vulkan through wgpu (build with `--features vulkan`).
+    Vulkan,
 }
 
 /// Compute GLM-5.3-Flash logits for token ids with a Hugging Face checkpoint.
@@ -70,6 +74,14 @@ fn main() {
         BackendChoice::Tch => run::<burn::backend::LibTorch>(&args, &burn::backend::libtorch::LibTorchDevice::Cpu),
         #[cfg(not(feature = "tch"))]
         BackendChoice::Tch => Err(anyhow::anyhow!("this binary was built without the `tch` feature")),
+        #[cfg(feature = "cuda")]
+        BackendChoice::Cuda => run::<burn::backend::Cuda>(&args, &Default::default()),
+        #[cfg(not(feature = "cuda"))]
+        BackendChoice::Cuda => Err(anyhow::anyhow!("this binary was built without the `cuda` feature")),
+        #[cfg(feature = "vulkan")]
+        BackendChoice::Vulkan => run::<burn::backend::Vulkan>(&args, &Default::default()),
+        #[cfg(not(feature = "vulkan"))]
+        BackendChoice::Vulkan => Err(anyhow::anyhow!("this binary was built without the `vulkan` feature")),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -84,7 +96,7 @@ fn run<B: Backend>(args: &Args, device: &B::Device) -> Result<()> {
         Precision::F32 => DType::F32,
         Precision::Bf16 => DType::BF16,
     };
-    let loaded = load_causal_lm::<B>(&args.checkpoint, device, &LoadOptions { dtype })?;
+    let loaded = load_causal_lm::<B>(&args.checkpoint, device, &LoadOptions::with_dtype(dtype))?;
     loaded.model.check_ids(&inputs.ids).with_context(|| format!("{}", args.input.display()))?;
     let opts = ForwardOptions {
         attention: match args.attention {

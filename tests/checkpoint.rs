@@ -73,6 +73,27 @@ fn load_save_round_trip_is_byte_identical() {
 }
 
 #[test]
+fn f16_source_loads_exactly() {
+    let dir = edited("base_k4", |t| {
+        for v in t.values_mut() {
+            let vals: Vec<f32> = v.data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            v.data = vals.iter().flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes()).collect();
+            v.dtype = Dtype::F16;
+        }
+    });
+    let loaded = load_causal_lm::<B>(dir.path(), &Default::default(), &LoadOptions::default()).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    save_causal_lm(&loaded.model, &loaded.config_json, out.path()).unwrap();
+    let a = read_all(&dir.path().join("model.safetensors"));
+    let b = read_all(&out.path().join("model.safetensors"));
+    for (k, ta) in &a {
+        let va = glm5_burn::checkpoint::decode(ta.dtype, &ta.data).unwrap();
+        let vb = glm5_burn::checkpoint::decode(b[k].dtype, &b[k].data).unwrap();
+        assert_eq!(va, vb, "{k}: F16 values must load exactly into F32");
+    }
+}
+
+#[test]
 fn bf16_checkpoint_round_trips_in_bf16() {
     let dir = edited("base_k4", |t| {
         for v in t.values_mut() {
@@ -82,7 +103,7 @@ fn bf16_checkpoint_round_trips_in_bf16() {
         }
     });
     let cfg = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
-    let loaded = load_causal_lm::<B>(dir.path(), &Default::default(), &LoadOptions { dtype: DType::BF16 }).unwrap();
+    let loaded = load_causal_lm::<B>(dir.path(), &Default::default(), &LoadOptions::with_dtype(DType::BF16)).unwrap();
     let out = tempfile::tempdir().unwrap();
     save_causal_lm(&loaded.model, &serde_json::from_str(&cfg).unwrap(), out.path()).unwrap();
     let a = read_all(&dir.path().join("model.safetensors"));
@@ -197,6 +218,10 @@ fn mtp_layer_shared_head_and_vision_keys_are_skipped() {
         t.insert("model.language_model.layers.5.eh_proj.weight".into(), v);
     });
     assert!(load_err(dir.path()).contains("unexpected  model.language_model.layers.5.eh_proj.weight"));
+    // ... unless the load is not strict
+    let relaxed = LoadOptions { strict: false, ..LoadOptions::default() };
+    let loaded = load_causal_lm::<B>(dir.path(), &Default::default(), &relaxed).unwrap();
+    assert_eq!(loaded.skipped, vec!["model.language_model.layers.5.eh_proj.weight".to_string()]);
 }
 
 #[test]

@@ -38,7 +38,7 @@ fn forward_fixture(
 ) -> (Io, LoadedModel<B>, CausalLmOutput<B>, Vec<bool>) {
     let device = Default::default();
     let dir = fixtures().join(case);
-    let loaded = load_causal_lm::<B>(&dir, &device, &LoadOptions { dtype }).expect("fixture loads");
+    let loaded = load_causal_lm::<B>(&dir, &device, &LoadOptions::with_dtype(dtype)).expect("fixture loads");
     let io = Io::open(&dir.join("io.safetensors"));
     let ids: Tensor<B, 2, Int> = io.int("input_ids", &device);
     let [b, s] = ids.dims();

@@ -30,11 +30,21 @@ use safetensors_io::{decode_f32, serialize, write_atomic, OwnedTensor, Safetenso
 pub struct LoadOptions {
     /// Dtype of the loaded weights (`F32` or `BF16`); fp32-kept tensors stay `F32`.
     pub dtype: DType,
+    /// Reject checkpoint tensors the model does not use (default). When false they are
+    /// logged and skipped; missing and mis-shaped tensors are always errors.
+    pub strict: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { dtype: DType::F32 }
+        Self { dtype: DType::F32, strict: true }
+    }
+}
+
+impl LoadOptions {
+    /// Default options with another weight dtype.
+    pub fn with_dtype(dtype: DType) -> Self {
+        Self { dtype, ..Self::default() }
     }
 }
 
@@ -138,6 +148,9 @@ pub fn load_causal_lm<B: Backend>(
         }
         let tied_head = config.tie_word_embeddings && name == "lm_head.weight";
         if hf_map::is_ignored(name, tc.num_hidden_layers) || hf_map::is_vision(name) || tied_head {
+            skipped.push(name.clone());
+        } else if !opts.strict {
+            log::warn!("{}: ignoring unexpected tensor {name} (non-strict load)", dir.display());
             skipped.push(name.clone());
         } else {
             let shard = files.shard_path(name).map(|p| p.display().to_string()).unwrap_or_default();
