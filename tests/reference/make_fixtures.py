@@ -116,7 +116,9 @@ def build_config(text, extra):
         "text_config": text, "vision_config": TINY_VISION,
     }
     cfg.update(extra)
-    return Glm5NextConfig(**cfg)
+    config = Glm5NextConfig(**cfg)
+    config._attn_implementation = "sdpa"  # the reference's default, stated explicitly
+    return config
 
 
 @torch.no_grad()
