@@ -23,7 +23,10 @@ fn input_err(path: &Path, message: String) -> ModelError {
     ModelError::Input { name: path.display().to_string(), message }
 }
 
-fn read_i64(st: &SafeTensors, name: &str, path: &Path) -> Result<Option<(Vec<i64>, Vec<usize>)>, ModelError> {
+/// Values and shape of an I64 tensor.
+type I64Tensor = (Vec<i64>, Vec<usize>);
+
+fn read_i64(st: &SafeTensors, name: &str, path: &Path) -> Result<Option<I64Tensor>, ModelError> {
     let Ok(v) = st.tensor(name) else { return Ok(None) };
     if v.dtype() != Dtype::I64 {
         return Err(input_err(path, format!("`{name}` must be I64, found {:?}", v.dtype())));

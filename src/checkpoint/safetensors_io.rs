@@ -162,7 +162,7 @@ impl SafetensorsFiles {
     /// A tensor's values as f32 (exact for F32, BF16 and F16 sources).
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
         let view = self.view(name)?;
-        decode_f32(view.dtype(), &view.data()).ok_or_else(|| CheckpointError::Dtype {
+        decode_f32(view.dtype(), view.data()).ok_or_else(|| CheckpointError::Dtype {
             name: name.to_string(),
             path: self.shard_path(name).map(Path::to_path_buf).unwrap_or_default(),
             dtype: format!("{:?}", view.dtype()),

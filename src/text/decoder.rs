@@ -20,6 +20,7 @@ use super::{ForwardOptions, TokenMask};
 use crate::config::{IndexerType, LayerType, MlpType, TextConfig};
 
 /// Token mixer of a layer.
+#[allow(clippy::large_enum_variant)] // one per layer; boxing would hide the module tree from Burn
 #[derive(Module, Debug)]
 pub enum Mixer<B: Backend> {
     Kda(KdaAttention<B>),
@@ -27,6 +28,7 @@ pub enum Mixer<B: Backend> {
 }
 
 /// Feed-forward block of a layer.
+#[allow(clippy::large_enum_variant)] // one per layer; boxing would hide the module tree from Burn
 #[derive(Module, Debug)]
 pub enum Ffn<B: Backend> {
     Dense(Mlp<B>),

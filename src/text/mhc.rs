@@ -62,14 +62,14 @@ impl<B: Backend> HyperConnection<B> {
         let m = flat.matmul(self.fn_weight.val().cast(DType::F32).transpose()); // [BS, (2+n)n]
         let base = self.base.val().cast(DType::F32);
         let scale = self.scale.val().cast(DType::F32);
-        let sc = |i: usize| scale.clone().slice([i..i + 1]).reshape([1, 1]);
+        let sc = |i: usize| scale.clone().slice(i..i + 1).reshape([1, 1]);
 
         let pre_w = m.clone().slice([0..bs, 0..n]);
         let post_w = m.clone().slice([0..bs, n..2 * n]);
         let comb_w = m.slice([0..bs, 2 * n..(2 + n) * n]).reshape([bs, n, n]);
-        let pre_b = base.clone().slice([0..n]).reshape([1, n]);
-        let post_b = base.clone().slice([n..2 * n]).reshape([1, n]);
-        let comb_b = base.slice([2 * n..(2 + n) * n]).reshape([1, n, n]);
+        let pre_b = base.clone().slice(0..n).reshape([1, n]);
+        let post_b = base.clone().slice(n..2 * n).reshape([1, n]);
+        let comb_b = base.slice(2 * n..(2 + n) * n).reshape([1, n, n]);
 
         let pre = sigmoid(pre_w * sc(0) + pre_b) + self.hc_eps; // [BS, n]
         let post = sigmoid(post_w * sc(1) + post_b) * 2.0;

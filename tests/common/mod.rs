@@ -26,7 +26,7 @@ impl Io {
         SafeTensors::deserialize(&self.bytes).expect("valid safetensors")
     }
     pub fn has(&self, name: &str) -> bool {
-        self.st().names().iter().any(|n| *n == name)
+        self.st().names().contains(&name)
     }
     pub fn shape(&self, name: &str) -> Vec<usize> {
         self.st().tensor(name).unwrap_or_else(|_| panic!("{name} missing")).shape().to_vec()
