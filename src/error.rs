@@ -42,6 +42,8 @@ pub enum CheckpointError {
     Safetensors { path: PathBuf, message: String },
     #[error("{path}: invalid shard index: {message}")]
     Index { path: PathBuf, message: String },
+    #[error("{path}: tensor `{name}`: {message}")]
+    Tensor { path: PathBuf, name: String, message: String },
     #[error("tensor `{name}` in {path}: unsupported dtype {dtype} (expected F32, BF16 or F16)")]
     Dtype {
         name: String,

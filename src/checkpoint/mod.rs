@@ -6,11 +6,13 @@
 //! missing, unexpected and mis-shaped key — and loads the weights through the name table
 //! in [`hf_map`]. [`save_causal_lm`] writes the same layout back, atomically.
 
+pub mod fp8;
 pub mod hf_map;
 pub mod safetensors_io;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use burn::module::ParamId;
@@ -109,7 +111,9 @@ pub fn load_causal_lm<B: Backend>(
 ) -> Result<LoadedModel<B>, CheckpointError> {
     let dir = dir.as_ref();
     let (config, config_json) = read_config(dir)?;
-    let files = Rc::new(SafetensorsFiles::open_dir(dir)?);
+    let mut files = SafetensorsFiles::open_dir(dir)?;
+    files.set_fp8_block_from_config(&config_json)?;
+    let files = Rc::new(files);
     let mut model = Glm5ForCausalLM::<B>::try_new(&config, device)?;
     let tc = &config.text_config;
     let planned = plan(&model, tc.n_routed_experts)?;
@@ -131,9 +135,13 @@ pub fn load_causal_lm<B: Backend>(
                 if &e.shape != shape {
                     misshaped.push(format!("  wrong shape {name}: checkpoint {:?}, model expects {shape:?}", e.shape));
                 }
-                if !matches!(e.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
+                if files.fp8_scales.contains_key(*name) {
+                    if let Err(err) = files.fp8_grid(name) {
+                        bad_dtype.push(format!("  bad FP8     {name}: {err}"));
+                    }
+                } else if !matches!(e.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
                     bad_dtype.push(format!(
-                        "  bad dtype   {name}: {} (supported: F32, BF16, F16)",
+                        "  bad dtype   {name}: {} (supported: F32, BF16, F16, and F8_E4M3 with a weight_scale_inv)",
                         dtype_name(e.dtype)
                     ));
                 }
@@ -143,7 +151,7 @@ pub fn load_causal_lm<B: Backend>(
     let mut unexpected = Vec::new();
     let mut skipped = Vec::new();
     for name in files.tensors.keys() {
-        if expected.contains_key(name.as_str()) {
+        if expected.contains_key(name.as_str()) || files.is_scale(name) && expected.contains_key(name.trim_end_matches("_scale_inv")) {
             continue;
         }
         let tied_head = config.tie_word_embeddings && name == "lm_head.weight";
@@ -174,6 +182,8 @@ pub fn load_causal_lm<B: Backend>(
     }
 
     // --- lazy snapshots in module layout ---
+    // The first read error is kept as is; burn-store's own report would only stringify it.
+    let first_error: Rc<RefCell<Option<CheckpointError>>> = Rc::new(RefCell::new(None));
     let snapshots: Vec<TensorSnapshot> = planned
         .into_iter()
         .map(|p| {
@@ -182,19 +192,26 @@ pub fn load_causal_lm<B: Backend>(
             let shape = p.shape.clone();
             let transform = p.resolved.rule.transform;
             let sources = p.sources.clone();
+            let first_error = first_error.clone();
             let data_fn = Rc::new(move || {
-                let mut parts = Vec::with_capacity(sources.len());
-                for s in &sources {
-                    parts.push(files.read_f32(s).map_err(|e| TensorSnapshotError::DataError(e.to_string()))?);
+                let read = |s: &str| files.read_f32(s);
+                match to_module_layout(transform, &sources, &shape, read) {
+                    Ok(values) => Ok(TensorData::new(values, shape.clone()).convert_dtype(dtype)),
+                    Err(e) => {
+                        let message = e.to_string();
+                        first_error.borrow_mut().get_or_insert(e);
+                        Err(TensorSnapshotError::DataError(message))
+                    }
                 }
-                let values = to_module_layout(transform, &parts, &shape);
-                Ok(TensorData::new(values, shape.clone()).convert_dtype(dtype))
             });
             let path_stack: Vec<String> = p.path.split('.').map(str::to_string).collect();
             TensorSnapshot::from_closure(data_fn, dtype, Shape::from(p.shape), path_stack, Vec::new(), ParamId::new())
         })
         .collect();
     let result = model.apply(snapshots, None, None, true);
+    if let Some(e) = first_error.borrow_mut().take() {
+        return Err(e);
+    }
     if !result.errors.is_empty() || !result.missing.is_empty() || !result.unused.is_empty() {
         return Err(CheckpointError::Other(format!(
             "{}: loading failed: errors {:?}, missing {:?}, unused {:?}",
@@ -207,20 +224,26 @@ pub fn load_causal_lm<B: Backend>(
     Ok(LoadedModel { config, config_json, model, skipped })
 }
 
-/// Checkpoint tensor(s) (f32, checkpoint layout) → module layout.
-fn to_module_layout(t: Transform, parts: &[Vec<f32>], shape: &[usize]) -> Vec<f32> {
-    match t {
-        Transform::Identity | Transform::SqueezeConv => parts[0].clone(),
-        Transform::Transpose => transpose(&parts[0], shape[1], shape[0]),
+/// Checkpoint tensor(s) (read one at a time as f32, checkpoint layout) → module layout.
+/// At most one source tensor is held besides the destination buffer.
+fn to_module_layout<E>(
+    t: Transform,
+    sources: &[String],
+    shape: &[usize],
+    mut read: impl FnMut(&str) -> Result<Vec<f32>, E>,
+) -> Result<Vec<f32>, E> {
+    Ok(match t {
+        Transform::Identity | Transform::SqueezeConv => read(&sources[0])?,
+        Transform::Transpose => transpose(&read(&sources[0])?, shape[1], shape[0]),
         Transform::ExpertSlice => {
             let (rows_in, cols_out) = (shape[1], shape[2]); // module [E, in, out]; checkpoint [out, in]
             let mut out = Vec::with_capacity(shape.iter().product());
-            for p in parts {
-                out.extend(transpose(p, cols_out, rows_in));
+            for s in sources {
+                out.extend(transpose(&read(s)?, cols_out, rows_in));
             }
             out
         }
-    }
+    })
 }
 
 /// Module tensor (f32) → checkpoint tensors (f32, checkpoint layout), one per source name.

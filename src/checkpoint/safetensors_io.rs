@@ -5,10 +5,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::Write;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::Mmap;
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, SafeTensors};
 use serde_json::Value;
 
 use crate::error::CheckpointError;
@@ -18,8 +20,10 @@ use crate::error::CheckpointError;
 pub struct TensorEntry {
     pub dtype: Dtype,
     pub shape: Vec<usize>,
-    /// Index into [`SafetensorsFiles::shards`].
+    /// Index into the shard list.
     pub shard: usize,
+    /// Byte range of the data inside the shard file.
+    pub bytes: Range<usize>,
 }
 
 struct Shard {
@@ -28,10 +32,19 @@ struct Shard {
 }
 
 /// The tensors of a checkpoint directory (one file or an index of shards).
+///
+/// Shards are memory-mapped; a tensor's bytes are only touched when it is read, and
+/// [`Self::bytes_read`] counts what was read, so callers can check that a selective load
+/// stays selective.
 pub struct SafetensorsFiles {
     shards: Vec<Shard>,
     /// Every tensor name, sorted.
     pub tensors: BTreeMap<String, TensorEntry>,
+    /// FP8 weights: weight name → its `*_scale_inv` tensor name.
+    pub fp8_scales: BTreeMap<String, String>,
+    /// FP8 block size `[rows, cols]` (`quantization_config.weight_block_size`).
+    pub fp8_block: [usize; 2],
+    bytes_read: AtomicU64,
 }
 
 fn io_err(path: &Path, e: std::io::Error) -> CheckpointError {
@@ -52,8 +65,9 @@ impl SafetensorsFiles {
                 dir.display()
             )));
         }
-        let mut files = SafetensorsFiles { shards: Vec::new(), tensors: BTreeMap::new() };
+        let mut files = Self::empty();
         files.add_shard(&single)?;
+        files.pair_scales()?;
         Ok(files)
     }
 
@@ -77,7 +91,7 @@ impl SafetensorsFiles {
             }
             by_file.entry(file.to_string()).or_default().push(name.clone());
         }
-        let mut files = SafetensorsFiles { shards: Vec::new(), tensors: BTreeMap::new() };
+        let mut files = Self::empty();
         for (file, names) in &by_file {
             let path = dir.join(file);
             if !path.exists() {
@@ -106,19 +120,82 @@ impl SafetensorsFiles {
                 return Err(bad(format!("{file} holds tensor {n:?}, which the index does not list for it")));
             }
         }
+        files.pair_scales()?;
         Ok(files)
+    }
+
+    fn empty() -> Self {
+        SafetensorsFiles {
+            shards: Vec::new(),
+            tensors: BTreeMap::new(),
+            fp8_scales: BTreeMap::new(),
+            fp8_block: [128, 128],
+            bytes_read: AtomicU64::new(0),
+        }
+    }
+
+    /// A tensor is FP8 exactly when a `<name>_scale_inv` sibling exists (`weight` ↔
+    /// `weight_scale_inv`); every scale must have its weight.
+    fn pair_scales(&mut self) -> Result<(), CheckpointError> {
+        for name in self.tensors.keys() {
+            if let Some(weight) = name.strip_suffix("_scale_inv") {
+                if !self.tensors.contains_key(weight) {
+                    return Err(CheckpointError::Safetensors {
+                        path: self.shards[self.tensors[name].shard].path.clone(),
+                        message: format!("scale {name:?} has no weight {weight:?}"),
+                    });
+                }
+                self.fp8_scales.insert(weight.to_string(), name.clone());
+            }
+        }
+        Ok(())
+    }
+
+    /// Take the FP8 block size from a `config.json` (`quantization_config.weight_block_size`,
+    /// 128×128 when absent).
+    pub fn set_fp8_block_from_config(&mut self, config: &serde_json::Value) -> Result<(), CheckpointError> {
+        if let Some(b) = config.get("quantization_config").and_then(|q| q.get("weight_block_size")) {
+            let v: Vec<usize> = b.as_array().map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect()).unwrap_or_default();
+            if v.len() != 2 || v.contains(&0) {
+                return Err(CheckpointError::Other(format!(
+                    "config.json: quantization_config.weight_block_size must be two positive integers, got {b}"
+                )));
+            }
+            self.fp8_block = [v[0], v[1]];
+        }
+        Ok(())
+    }
+
+    /// Bytes of tensor data read so far (FP8 codes and scales, or plain values).
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
+    }
+
+    /// Every scale tensor name (consumed together with its weight).
+    pub fn is_scale(&self, name: &str) -> bool {
+        name.ends_with("_scale_inv") && self.fp8_scales.contains_key(name.trim_end_matches("_scale_inv"))
     }
 
     fn add_shard(&mut self, path: &Path) -> Result<usize, CheckpointError> {
         let file = File::open(path).map_err(|e| io_err(path, e))?;
         // SAFETY: the map is read-only; the file is not expected to change while loading.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| io_err(path, e))?;
+        let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|e| CheckpointError::Safetensors {
+            path: path.to_path_buf(),
+            message: format!("{e:?} (truncated or corrupt file?)"),
+        })?;
+        let data_start = 8 + header_len;
         let st = SafeTensors::deserialize(&map).map_err(|e| CheckpointError::Safetensors {
             path: path.to_path_buf(),
             message: format!("{e:?} (truncated or corrupt file?)"),
         })?;
         let shard = self.shards.len();
         for (name, view) in st.tensors() {
+            let info = meta.info(&name).ok_or_else(|| CheckpointError::Safetensors {
+                path: path.to_path_buf(),
+                message: format!("tensor {name:?} has no header entry"),
+            })?;
+            let (a, b) = info.data_offsets;
             if let Some(prev) = self.tensors.get(&name) {
                 return Err(CheckpointError::Safetensors {
                     path: path.to_path_buf(),
@@ -130,7 +207,7 @@ impl SafetensorsFiles {
             }
             self.tensors.insert(
                 name,
-                TensorEntry { dtype: view.dtype(), shape: view.shape().to_vec(), shard },
+                TensorEntry { dtype: view.dtype(), shape: view.shape().to_vec(), shard, bytes: data_start + a..data_start + b },
             );
         }
         self.shards.push(Shard { path: path.to_path_buf(), map });
@@ -142,31 +219,94 @@ impl SafetensorsFiles {
         self.tensors.get(name).map(|e| self.shards[e.shard].path.as_path())
     }
 
-    /// Raw view of a tensor.
-    pub fn view(&self, name: &str) -> Result<TensorView<'_>, CheckpointError> {
-        let entry = self
-            .tensors
+    fn entry(&self, name: &str) -> Result<&TensorEntry, CheckpointError> {
+        self.tensors
             .get(name)
-            .ok_or_else(|| CheckpointError::Other(format!("tensor {name:?} is not in the checkpoint")))?;
-        let shard = &self.shards[entry.shard];
-        let st = SafeTensors::deserialize(&shard.map).map_err(|e| CheckpointError::Safetensors {
-            path: shard.path.clone(),
-            message: format!("{e:?}"),
-        })?;
-        st.tensor(name).map_err(|e| CheckpointError::Safetensors {
-            path: shard.path.clone(),
-            message: format!("tensor {name:?}: {e:?}"),
+            .ok_or_else(|| CheckpointError::Other(format!("tensor {name:?} is not in the checkpoint")))
+    }
+
+    /// The raw bytes of rows `rows` (dim 0) of a tensor, counted in [`Self::bytes_read`].
+    pub fn row_bytes(&self, name: &str, rows: Range<usize>) -> Result<&[u8], CheckpointError> {
+        let e = self.entry(name)?;
+        let n_rows = e.shape.first().copied().unwrap_or(1);
+        if rows.start > rows.end || rows.end > n_rows {
+            return Err(CheckpointError::Other(format!("tensor {name:?}: rows {rows:?} outside 0..{n_rows}")));
+        }
+        let row_len = (e.bytes.end - e.bytes.start) / n_rows.max(1);
+        let range = e.bytes.start + rows.start * row_len..e.bytes.start + rows.end * row_len;
+        self.bytes_read.fetch_add(range.len() as u64, Ordering::Relaxed);
+        Ok(&self.shards[e.shard].map[range])
+    }
+
+    /// The logical (dequantised) shape and source dtype of a tensor.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.tensors.get(name).map(|e| e.shape.as_slice())
+    }
+
+    /// A tensor's values as f32 (exact for F32, BF16 and F16; FP8 weights are dequantised
+    /// with their block scales and rounded through BF16).
+    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
+        let rows = self.entry(name)?.shape.first().copied().unwrap_or(1);
+        self.read_rows_f32(name, 0..rows)
+    }
+
+    /// Rows `rows` (dim 0) of a tensor as f32, reading only those rows (and, for FP8, the
+    /// scale grid).
+    pub fn read_rows_f32(&self, name: &str, rows: Range<usize>) -> Result<Vec<f32>, CheckpointError> {
+        let e = self.entry(name)?;
+        let path = &self.shards[e.shard].path;
+        if let Some(scale_name) = self.fp8_scales.get(name) {
+            let grid = self.fp8_grid(name)?;
+            let s = self.entry(scale_name)?;
+            let scale_bytes = self.row_bytes(scale_name, 0..s.shape.first().copied().unwrap_or(1))?;
+            let scales = super::fp8::decode_scales(s.dtype, scale_bytes).ok_or_else(|| CheckpointError::Dtype {
+                name: scale_name.clone(),
+                path: self.shards[s.shard].path.clone(),
+                dtype: format!("{:?} (scales must be F32, BF16 or F8_E8M0)", s.dtype),
+            })?;
+            let codes = self.row_bytes(name, rows.clone())?;
+            let mut out = vec![0f32; codes.len()];
+            super::fp8::dequantize_rows(codes, &scales, grid, rows.start, true, &mut out).map_err(|err| {
+                CheckpointError::Tensor { path: path.clone(), name: name.to_string(), message: err.to_string() }
+            })?;
+            return Ok(out);
+        }
+        let bytes = self.row_bytes(name, rows)?;
+        decode_f32(e.dtype, bytes).ok_or_else(|| CheckpointError::Dtype {
+            name: name.to_string(),
+            path: path.clone(),
+            dtype: format!("{:?}", e.dtype),
         })
     }
 
-    /// A tensor's values as f32 (exact for F32, BF16 and F16 sources).
-    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
-        let view = self.view(name)?;
-        decode_f32(view.dtype(), view.data()).ok_or_else(|| CheckpointError::Dtype {
-            name: name.to_string(),
-            path: self.shard_path(name).map(Path::to_path_buf).unwrap_or_default(),
-            dtype: format!("{:?}", view.dtype()),
-        })
+    /// Block grid of an FP8 weight, checked against its scale tensor.
+    pub fn fp8_grid(&self, name: &str) -> Result<super::fp8::BlockGrid, CheckpointError> {
+        let e = self.entry(name)?;
+        let path = self.shards[e.shard].path.clone();
+        let scale_name = self
+            .fp8_scales
+            .get(name)
+            .ok_or_else(|| CheckpointError::Other(format!("tensor {name:?} is not FP8")))?;
+        if e.dtype != Dtype::F8_E4M3 || e.shape.len() != 2 {
+            return Err(CheckpointError::Tensor {
+                path,
+                name: name.to_string(),
+                message: format!("has a scale but is {:?} {:?}, not a 2-D F8_E4M3 weight", e.dtype, e.shape),
+            });
+        }
+        let grid = super::fp8::BlockGrid { rows: e.shape[0], cols: e.shape[1], block_rows: self.fp8_block[0], block_cols: self.fp8_block[1] };
+        let s = self.entry(scale_name)?;
+        if s.shape != grid.scale_shape() {
+            return Err(CheckpointError::Tensor {
+                path: self.shards[s.shard].path.clone(),
+                name: scale_name.clone(),
+                message: format!(
+                    "shape {:?}, but a {:?} weight in {}×{} blocks needs a scale grid of {:?}",
+                    s.shape, e.shape, grid.block_rows, grid.block_cols, grid.scale_shape()
+                ),
+            });
+        }
+        Ok(grid)
     }
 }
 

@@ -25,8 +25,10 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -410,6 +412,81 @@ def release_like_fixture():
           f"top-1 {(l64.argmax(-1) == hf16[0].argmax(-1)).float().mean().item():.4f}")
 
 
+FP8_BLOCK = [16, 16]  # small blocks so the tiny weights have partial edge blocks (24 rows, 24 cols)
+FP8_PATTERNS = ("mlp.experts.", "mlp.shared_experts.", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight",
+                "indexer.wq_b.weight")
+
+
+def bf16_round_np(x):
+    """float32 -> bfloat16 (round to nearest even) -> float32, in NumPy bit arithmetic."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def fp8_fixture():
+    """Quantise the `base_k4` checkpoint to block FP8 (E4M3 codes from torch's float8 cast,
+    F32 or UE8M0 scales), and write an independent NumPy dequantisation as the oracle plus the
+    reference's float64 logits on those dequantised weights."""
+    src = OUT / "base_k4"
+    weights = load_file(src / "model.safetensors")
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    br, bc = FP8_BLOCK
+    oracle = {"e4m3_table": torch.from_numpy(table.copy())}
+    dequantised = {}
+    for variant in ("fp8_f32_scales", "fp8_ue8m0_scales"):
+        out = {}
+        for name, w in weights.items():
+            if not (w.dim() == 2 and any(p in name for p in FP8_PATTERNS)):
+                out[name] = w
+                continue
+            rows, cols = w.shape
+            gr, gc = -(-rows // br), -(-cols // bc)
+            padded = torch.zeros(gr * br, gc * bc)
+            padded[:rows, :cols] = w
+            amax = padded.view(gr, br, gc, bc).abs().amax(dim=(1, 3)).clamp_min(1e-12)
+            if variant == "fp8_f32_scales":
+                scale = amax / 448.0
+            else:
+                scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+            expanded = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
+            codes = (w / expanded).to(torch.float8_e4m3fn)
+            out[name] = codes
+            out[name + "_scale_inv"] = scale.float() if variant == "fp8_f32_scales" else scale.to(torch.float8_e8m0fnu)
+            # oracle: NumPy table lookup x scale[i // br, j // bc], rounded to bf16
+            c = codes.view(torch.uint8).numpy()
+            sc = scale.float().numpy()
+            ii, jj = np.meshgrid(np.arange(rows) // br, np.arange(cols) // bc, indexing="ij")
+            deq = bf16_round_np(table[c] * sc[ii, jj])
+            oracle[f"{variant}.{name}"] = torch.from_numpy(deq)
+            if variant == "fp8_f32_scales":
+                dequantised[name] = torch.from_numpy(deq)
+        d = OUT / variant
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        save_file(out, d / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": FP8_BLOCK}
+        (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    # the reference on the dequantised (F32-scale) weights, loaded by HF from a published-layout
+    # checkpoint, run in float64
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        full = {k: v.contiguous() for k, v in {**weights, **dequantised}.items()}
+        save_file(full, tmp / "model.safetensors", metadata={"format": "pt"})
+        shutil.copy(src / "config.json", tmp / "config.json")
+        model = Glm5NextForConditionalGeneration.from_pretrained(tmp, dtype=torch.float32).eval()
+    io = load_file(src / "io.safetensors")
+    out, _ = run_float64(model, io["input_ids"], io["attention_mask"])
+    oracle["logits"] = out.logits.float().contiguous()
+    oracle["input_ids"] = io["input_ids"]
+    oracle["attention_mask"] = io["attention_mask"]
+    save_file(oracle, OUT / "fp8_oracle.safetensors")
+    print(f"fp8: {len(dequantised)} FP8 tensors per variant, block {FP8_BLOCK}")
+
+
 def kda_recurrent_f64(q, k, v, g, beta, h0):
     """Independent float64 token recurrence (HF's functions cast to float32 internally)."""
     q, k, v, g, beta, S = (x.double() for x in (q, k, v, g, beta, h0))
@@ -498,6 +575,8 @@ def main():
             model_fixture(name, spec)
     if not only or RELEASE_LIKE[0] in only:
         release_like_fixture()
+    if not only or "fp8" in only:
+        fp8_fixture()
     if not only or "kda" in only:
         kda_fixture()
     if not only or "config" in only:
