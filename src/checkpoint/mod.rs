@@ -8,6 +8,7 @@
 
 pub mod fp8;
 pub mod hf_map;
+pub mod inventory;
 pub mod safetensors_io;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -265,6 +265,9 @@ def save_text_only_checkpoint(model, directory):
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     st = load_file(tmp / "model.safetensors")
+    # every tensor save_pretrained wrote (vision included), for the inventory test
+    (directory.parent / f"{directory.name}.published.json").write_text(
+        json.dumps({k: list(v.shape) for k, v in sorted(st.items())}, indent=0) + "\n")
     kept = {k: v.contiguous() for k, v in st.items() if not k.startswith("model.visual.")}
     assert len(kept) < len(st), "expected vision tensors in the saved checkpoint"
     directory.mkdir(parents=True, exist_ok=True)
@@ -401,6 +404,7 @@ def release_like_fixture():
     d = OUT / name
     shutil.rmtree(d, ignore_errors=True)
     save_text_only_checkpoint(model.to(torch.bfloat16), d)
+    (OUT / f"{name}.published.json").unlink()
     m16 = Glm5NextForConditionalGeneration.from_pretrained(d, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         hf16 = m16(input_ids=ids, attention_mask=mask).logits.float()
