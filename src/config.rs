@@ -760,7 +760,7 @@ impl Glm5Config {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
             path: path.to_path_buf(),
-            source: e,
+            error: e,
         })?;
         Self::from_json_str(&text, &path.display().to_string())
     }

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 /// Errors raised while reading or validating a configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
+    #[error("cannot read config file {path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("config {path}: invalid JSON: {source}")]
     Json {
@@ -33,10 +33,10 @@ impl ConfigError {
 pub enum CheckpointError {
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}: not a valid safetensors file: {message}")]
     Safetensors { path: PathBuf, message: String },

@@ -6,10 +6,12 @@
 //! missing, unexpected and mis-shaped key — and loads the weights through the name table
 //! in [`hf_map`]. [`save_causal_lm`] writes the same layout back, atomically.
 
+pub mod convert;
 pub mod fp8;
 pub mod hf_map;
 pub mod inventory;
 pub mod safetensors_io;
+pub mod writer;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -64,7 +66,7 @@ pub struct LoadedModel<B: Backend> {
 /// Read and validate `dir/config.json`.
 pub fn read_config(dir: &Path) -> Result<(Glm5Config, Value), CheckpointError> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::Io { path: path.clone(), source: e })?;
+    let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::Io { path: path.clone(), error: e })?;
     let json: Value = serde_json::from_str(&text).map_err(|e| crate::error::ConfigError::Json {
         path: path.display().to_string(),
         source: e,
@@ -295,7 +297,7 @@ pub fn save_causal_lm<B: Backend>(
     dir: impl AsRef<Path>,
 ) -> Result<PathBuf, CheckpointError> {
     let dir = dir.as_ref();
-    std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), source: e })?;
+    std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
     let n_experts = model.num_experts;
     let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
     let mut seen = BTreeSet::new();

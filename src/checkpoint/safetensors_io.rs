@@ -48,7 +48,7 @@ pub struct SafetensorsFiles {
 }
 
 fn io_err(path: &Path, e: std::io::Error) -> CheckpointError {
-    CheckpointError::Io { path: path.to_path_buf(), source: e }
+    CheckpointError::Io { path: path.to_path_buf(), error: e }
 }
 
 impl SafetensorsFiles {
@@ -91,16 +91,19 @@ impl SafetensorsFiles {
             }
             by_file.entry(file.to_string()).or_default().push(name.clone());
         }
-        let mut files = Self::empty();
+        // every shard the index names must exist before any is read
         for (file, names) in &by_file {
-            let path = dir.join(file);
-            if !path.exists() {
+            if !dir.join(file).exists() {
                 return Err(bad(format!(
                     "shard {file} (holding {} tensors, e.g. {:?}) does not exist",
                     names.len(),
                     names[0]
                 )));
             }
+        }
+        let mut files = Self::empty();
+        for (file, names) in &by_file {
+            let path = dir.join(file);
             let shard = files.add_shard(&path)?;
             for name in names {
                 match files.tensors.get(name) {
@@ -180,6 +183,7 @@ impl SafetensorsFiles {
         let file = File::open(path).map_err(|e| io_err(path, e))?;
         // SAFETY: the map is read-only; the file is not expected to change while loading.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| io_err(path, e))?;
+        validate_header(path, &map)?;
         let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|e| CheckpointError::Safetensors {
             path: path.to_path_buf(),
             message: format!("{e:?} (truncated or corrupt file?)"),
@@ -308,6 +312,63 @@ impl SafetensorsFiles {
         }
         Ok(grid)
     }
+}
+
+/// Check a safetensors header against the file before trusting it, naming the tensor at
+/// fault: every tensor's byte span must match its dtype and shape, spans must tile the data
+/// section without gaps or overlaps, and the file must be long enough.
+fn validate_header(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let bad = |message: String| CheckpointError::Safetensors { path: path.to_path_buf(), message };
+    if bytes.len() < 8 {
+        return Err(bad(format!("file is {} bytes, too short for a header (truncated?)", bytes.len())));
+    }
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    if n > bytes.len() - 8 {
+        return Err(bad(format!("header claims {n} bytes but the file has {} after the length (truncated?)", bytes.len() - 8)));
+    }
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n])
+        .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
+    let obj = header.as_object().ok_or_else(|| bad("header is not a JSON object".into()))?;
+    let mut spans = Vec::new();
+    for (name, info) in obj.iter().filter(|(k, _)| k.as_str() != "__metadata__") {
+        let t = |m: String| CheckpointError::Tensor { path: path.to_path_buf(), name: name.clone(), message: m };
+        let dtype: Dtype = serde_json::from_value(info["dtype"].clone()).map_err(|_| t(format!("unknown dtype {}", info["dtype"])))?;
+        let shape: Vec<usize> = serde_json::from_value(info["shape"].clone()).map_err(|_| t(format!("invalid shape {}", info["shape"])))?;
+        let offs: Vec<usize> = serde_json::from_value(info["data_offsets"].clone())
+            .map_err(|_| t(format!("invalid data_offsets {}", info["data_offsets"])))?;
+        if offs.len() != 2 || offs[0] > offs[1] {
+            return Err(t(format!("invalid data_offsets {offs:?}")));
+        }
+        let need = shape.iter().try_fold(dtype.bitsize(), |a, &d| a.checked_mul(d)).map(|bits| bits.div_ceil(8));
+        if need != Some(offs[1] - offs[0]) {
+            return Err(t(format!(
+                "header lies about its size: data_offsets {offs:?} span {} bytes, but {dtype:?} {shape:?} needs {need:?}",
+                offs[1] - offs[0]
+            )));
+        }
+        spans.push((offs[0], offs[1], name.clone()));
+    }
+    spans.sort();
+    let mut end = 0;
+    for (a, b, name) in &spans {
+        if *a != end {
+            return Err(CheckpointError::Tensor {
+                path: path.to_path_buf(),
+                name: name.clone(),
+                message: format!("header lies about offsets: data starts at {a}, but the previous tensor ends at {end}"),
+            });
+        }
+        end = *b;
+    }
+    let data = bytes.len() - 8 - n;
+    if end != data {
+        let last = spans.last().map(|s| s.2.clone()).unwrap_or_default();
+        return Err(bad(format!(
+            "tensors end at byte {end} of the data section, which is {data} bytes{} (last tensor {last:?})",
+            if data < end { " (truncated file)" } else { "" }
+        )));
+    }
+    Ok(())
 }
 
 /// Decode little-endian F32/BF16/F16 bytes to f32; `None` for other dtypes.

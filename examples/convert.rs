@@ -1,0 +1,162 @@
+//! Convert an FP8 (block-scaled E4M3) checkpoint to BF16, or inspect a checkpoint.
+//!
+//! ```text
+//! cargo run --release --example convert -- --input FP8_DIR --output BF16_DIR [--dtype bf16|f32] [--max-shard-size 5GB]
+//! cargo run --release --example convert -- --inspect DIR      # DIR may hold only config.json
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use glm5_burn::checkpoint::convert::{convert_checkpoint, ConvertOptions};
+use glm5_burn::checkpoint::inventory::{inventory, ParamCounts};
+use glm5_burn::checkpoint::read_config;
+use glm5_burn::checkpoint::safetensors_io::SafetensorsFiles;
+use glm5_burn::config::{IndexerType, LayerType, MlpType};
+use indicatif::{ProgressBar, ProgressStyle};
+use safetensors::tensor::Dtype;
+
+/// FP8 → BF16 conversion and checkpoint inspection for GLM-5.3-Flash checkpoints.
+#[derive(Parser)]
+struct Args {
+    /// Checkpoint to convert (config.json + safetensors with `*_scale_inv` FP8 weights).
+    #[arg(long, required_unless_present = "inspect")]
+    input: Option<PathBuf>,
+    /// Output directory (must not exist or be empty).
+    #[arg(long, required_unless_present = "inspect")]
+    output: Option<PathBuf>,
+    /// Dtype of the dequantised weights.
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    dtype: String,
+    /// Largest output shard, e.g. 5GB, 500MB.
+    #[arg(long, default_value = "5GB")]
+    max_shard_size: String,
+    /// Print the config summary, parameter counts, dtypes and FP8 tensors of DIR instead.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["input", "output"])]
+    inspect: Option<PathBuf>,
+}
+
+fn parse_size(s: &str) -> Result<usize> {
+    let s = s.trim().to_ascii_uppercase();
+    let (num, mul) = [("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1.0)]
+        .iter()
+        .find_map(|(suf, m)| s.strip_suffix(suf).map(|n| (n.to_string(), *m)))
+        .unwrap_or((s.clone(), 1.0));
+    let v: f64 = num.trim().parse().with_context(|| format!("invalid size {s:?} (e.g. 5GB, 500MB)"))?;
+    if v <= 0.0 {
+        bail!("shard size must be positive");
+    }
+    Ok((v * mul) as usize)
+}
+
+fn main() {
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> Result<()> {
+    if let Some(dir) = &args.inspect {
+        return inspect(dir);
+    }
+    let (input, output) = (args.input.expect("clap requires it"), args.output.expect("clap requires it"));
+    let opts = ConvertOptions {
+        dtype: if args.dtype == "f32" { Dtype::F32 } else { Dtype::BF16 },
+        max_shard_bytes: parse_size(&args.max_shard_size)?,
+    };
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}")
+            .expect("valid template"),
+    );
+    let start = std::time::Instant::now();
+    let report = convert_checkpoint(&input, &output, &opts, |done, total, name| {
+        bar.set_length(total);
+        bar.set_position(done);
+        bar.set_message(name.rsplit('.').take(3).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("."));
+    })?;
+    bar.finish_and_clear();
+    println!(
+        "wrote {}: {} tensors ({} dequantised from FP8), {} shard(s), {:.3} GB in {:.1?}",
+        report.output.display(),
+        report.tensors,
+        report.dequantised,
+        report.shards,
+        report.bytes_written as f64 / 1e9,
+        start.elapsed()
+    );
+    Ok(())
+}
+
+fn billions(n: u64) -> String {
+    format!("{:.2}B ({n})", n as f64 / 1e9)
+}
+
+fn inspect(path: &Path) -> Result<()> {
+    // a checkpoint directory, or a bare config.json
+    let (config, json) = if path.is_file() {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+        (glm5_burn::Glm5Config::from_hf_value(&json).with_context(|| path.display().to_string())?, json)
+    } else {
+        read_config(path)?
+    };
+    let dir = if path.is_file() { path.parent().unwrap_or(Path::new(".")) } else { path };
+    let c = &config.text_config;
+    let n = c.num_hidden_layers;
+    let kda = c.layer_types[..n].iter().filter(|t| **t == LayerType::LinearAttention).count();
+    let dense = c.mlp_layer_types[..n].iter().filter(|t| **t == MlpType::Dense).count();
+    let shared = c.indexer_types[..n]
+        .iter()
+        .zip(&c.layer_types[..n])
+        .filter(|(i, t)| **t == LayerType::IndexedAttention && **i == IndexerType::Shared)
+        .count();
+    println!("{}", path.display());
+    println!("  text: {n} layers ({kda} KDA, {} KPool-DSA of which {shared} shared-indexer), hidden {}, vocab {}", n - kda, c.hidden_size, c.vocab_size);
+    println!("        FFN: {dense} dense (intermediate {}), {} MoE ({} experts, top-{}, {} shared, width {}, groups {}/{})",
+        c.intermediate_size, n - dense, c.n_routed_experts, c.num_experts_per_tok, c.n_shared_experts, c.moe_intermediate_size, c.topk_group, c.n_group);
+    println!("        KDA {}×{} (conv {}, gate bound {:?}); MLA {} heads, q_lora {}, kv_lora {}; indexer {}×{}, top-{} in pools of {} (tail {})",
+        c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim, c.linear_lower_bound, c.num_attention_heads, c.q_lora_rank,
+        c.kv_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk, c.index_kpool, c.index_kpool_always_select_tail);
+    println!("        mHC {} streams, {} Sinkhorn iterations; MTP layers {}", c.hc_mult, c.hc_sinkhorn_iters, c.num_nextn_predict_layers);
+    let v = &config.vision_config;
+    println!("  vision: {} blocks, hidden {}, {} heads, out {}", v.depth, v.hidden_size, v.num_heads, v.out_hidden_size);
+    if let Some(q) = json.get("quantization_config") {
+        println!("  quantization_config: {q}");
+    }
+    let p = ParamCounts::of(&config);
+    println!("  parameters: trunk {}, MTP {}, vision {}, total {}", billions(p.trunk), billions(p.mtp), billions(p.vision), billions(p.total()));
+    println!("  active per token: trunk {}, with vision {}", billions(p.trunk_active), billions(p.trunk_active + p.vision));
+    println!("  (rounded: {:.0}B total, {:.0}B active)", (p.total() as f64 / 1e10).round() * 10.0, ((p.trunk_active + p.vision) as f64 / 1e9).round());
+
+    let has_weights = path.is_dir() && (dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists());
+    if !has_weights {
+        println!("  no safetensors in this directory (config only)");
+        return Ok(());
+    }
+    let mut files = SafetensorsFiles::open_dir(dir)?;
+    files.set_fp8_block_from_config(&json)?;
+    let mut by_dtype: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    for e in files.tensors.values() {
+        let s = by_dtype.entry(format!("{:?}", e.dtype)).or_default();
+        s.0 += 1;
+        s.1 += (e.bytes.end - e.bytes.start) as u64;
+    }
+    println!("  tensors: {} in {:?}", files.tensors.len(), by_dtype.iter().map(|(d, (n, b))| format!("{d}: {n} ({:.3} GB)", *b as f64 / 1e9)).collect::<Vec<_>>());
+    println!("  FP8 weights (with weight_scale_inv, blocks {:?}): {}", files.fp8_block, files.fp8_scales.len());
+    for name in files.fp8_scales.keys().take(5) {
+        println!("    {name} {:?}", files.shape(name).unwrap_or(&[]));
+    }
+    if files.fp8_scales.len() > 5 {
+        println!("    ... and {} more", files.fp8_scales.len() - 5);
+    }
+    let expected = inventory(&config, true, true);
+    let missing = expected.iter().filter(|e| !files.tensors.contains_key(&e.name)).count();
+    let known: std::collections::HashSet<&str> = expected.iter().map(|e| e.name.as_str()).collect();
+    let extra = files.tensors.keys().filter(|k| !known.contains(k.as_str()) && !files.is_scale(k)).count();
+    println!("  against the config's inventory: {missing} missing, {extra} unexpected");
+    Ok(())
+}

@@ -1,0 +1,122 @@
+//! FP8 → BF16 (or F32) checkpoint conversion, shard by shard, streaming one tensor at a time.
+//!
+//! Every `*_scale_inv`-paired F8_E4M3 weight is dequantised (see [`super::fp8`]); other
+//! tensors are copied byte for byte. The output keeps the published names, gets a fresh
+//! `model.safetensors.index.json` when sharded, and a `config.json` without
+//! `quantization_config`. It is written into a staging directory that only becomes the output
+//! when everything succeeded.
+
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::Dtype;
+use serde_json::Value;
+
+use super::safetensors_io::SafetensorsFiles;
+use super::writer::{index_json, plan_shards, write_safetensors, PlannedTensor, Staging};
+use crate::error::CheckpointError;
+
+/// Conversion settings.
+#[derive(Debug, Clone)]
+pub struct ConvertOptions {
+    /// Dtype of dequantised weights: `BF16` (default) or `F32`.
+    pub dtype: Dtype,
+    /// Largest shard, in bytes (HF's default is 5 GB).
+    pub max_shard_bytes: usize,
+}
+
+impl Default for ConvertOptions {
+    fn default() -> Self {
+        Self { dtype: Dtype::BF16, max_shard_bytes: 5_000_000_000 }
+    }
+}
+
+/// What a conversion did.
+#[derive(Debug, Clone)]
+pub struct ConvertReport {
+    pub output: PathBuf,
+    pub tensors: usize,
+    pub dequantised: usize,
+    pub bytes_written: u64,
+    pub shards: usize,
+}
+
+/// Convert `input` into `output` (which must not exist or be empty). `progress(done, total,
+/// tensor)` is called after each tensor with bytes written so far.
+pub fn convert_checkpoint(
+    input: &Path,
+    output: &Path,
+    opts: &ConvertOptions,
+    mut progress: impl FnMut(u64, u64, &str),
+) -> Result<ConvertReport, CheckpointError> {
+    if !matches!(opts.dtype, Dtype::BF16 | Dtype::F32) {
+        return Err(CheckpointError::Other(format!("output dtype must be BF16 or F32, not {:?}", opts.dtype)));
+    }
+    let cfg_path = input.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| CheckpointError::Io { path: cfg_path.clone(), error: e })?;
+    let mut config: Value = serde_json::from_str(&text)
+        .map_err(|e| crate::error::ConfigError::Json { path: cfg_path.display().to_string(), source: e })?;
+    let mut files = SafetensorsFiles::open_dir(input)?;
+    files.set_fp8_block_from_config(&config)?;
+    for name in files.fp8_scales.keys() {
+        files.fp8_grid(name)?; // every grid is checked before anything is written
+    }
+
+    let planned: Vec<PlannedTensor> = files
+        .tensors
+        .iter()
+        .filter(|(name, _)| !files.is_scale(name))
+        .map(|(name, e)| {
+            let fp8 = files.fp8_scales.contains_key(name);
+            if !fp8 && matches!(e.dtype, Dtype::F8_E4M3 | Dtype::F8_E5M2) {
+                return Err(CheckpointError::Tensor {
+                    path: files.shard_path(name).map(Path::to_path_buf).unwrap_or_default(),
+                    name: name.clone(),
+                    message: format!("{:?} without a `{name}_scale_inv` tensor", e.dtype),
+                });
+            }
+            Ok(PlannedTensor { name: name.clone(), dtype: if fp8 { opts.dtype } else { e.dtype }, shape: e.shape.clone() })
+        })
+        .collect::<Result<_, _>>()?;
+    let total: u64 = planned.iter().map(|t| t.n_bytes() as u64).sum();
+    let n_tensors = planned.len();
+    let shards = plan_shards(planned, opts.max_shard_bytes);
+
+    let staging = Staging::new(output)?;
+    let mut done = 0u64;
+    let mut dequantised = 0;
+    for (file, tensors) in &shards {
+        write_safetensors(&staging.dir.join(file), tensors, |i, out| {
+            let t = &tensors[i];
+            let rows = t.shape.first().copied().unwrap_or(1);
+            if files.fp8_scales.contains_key(&t.name) {
+                let values = files.read_f32(&t.name)?;
+                let bytes: Vec<u8> = match opts.dtype {
+                    Dtype::BF16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()).collect(),
+                    _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                };
+                out.write_all(&bytes).map_err(|e| CheckpointError::Io { path: PathBuf::from(file), error: e })?;
+                dequantised += 1;
+            } else {
+                let bytes = files.row_bytes(&t.name, 0..rows)?;
+                out.write_all(bytes).map_err(|e| CheckpointError::Io { path: PathBuf::from(file), error: e })?;
+            }
+            done += t.n_bytes() as u64;
+            progress(done, total, &t.name);
+            Ok(())
+        })?;
+    }
+    if shards.len() > 1 {
+        let index = serde_json::to_vec_pretty(&index_json(&shards)).map_err(|e| CheckpointError::Other(e.to_string()))?;
+        super::safetensors_io::write_atomic(&staging.dir.join("model.safetensors.index.json"), &index)?;
+    }
+    if let Some(obj) = config.as_object_mut() {
+        obj.remove("quantization_config");
+        if let Some(Value::Object(t)) = obj.get_mut("text_config") {
+            t.remove("quantization_config");
+        }
+    }
+    let cfg = serde_json::to_vec_pretty(&config).map_err(|e| CheckpointError::Other(e.to_string()))?;
+    super::safetensors_io::write_atomic(&staging.dir.join("config.json"), &cfg)?;
+    let output = staging.commit()?;
+    Ok(ConvertReport { output, tensors: n_tensors, dequantised, bytes_written: done, shards: shards.len() })
+}

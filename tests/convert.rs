@@ -1,0 +1,184 @@
+//! FP8 → BF16 conversion: exact output, sharding with a correct index, and a clean output
+//! directory on every failure (truncated shard, lying header, bad scale grid, NaN, missing
+//! shard, existing output).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::*;
+use glm5_burn::checkpoint::convert::{convert_checkpoint, ConvertOptions};
+use glm5_burn::checkpoint::safetensors_io::{serialize, OwnedTensor};
+use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
+use safetensors::tensor::{Dtype, SafeTensors};
+
+fn read_all(path: &Path) -> BTreeMap<String, OwnedTensor> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, OwnedTensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data().to_vec() }))
+        .collect()
+}
+
+fn convert(input: &Path, output: &Path, max: usize) -> Result<glm5_burn::checkpoint::convert::ConvertReport, String> {
+    let opts = ConvertOptions { max_shard_bytes: max, ..ConvertOptions::default() };
+    convert_checkpoint(input, output, &opts, |_, _, _| {}).map_err(|e| e.to_string())
+}
+
+fn logits(dir: &Path) -> Vec<f32> {
+    use burn::tensor::{Int, Tensor};
+    let device = Default::default();
+    let m = load_causal_lm::<B>(dir, &device, &LoadOptions::default()).unwrap();
+    let io = Io::open(&fixtures().join("fp8_oracle.safetensors"));
+    let ids: Tensor<B, 2, Int> = io.int("input_ids", &device);
+    host(m.model.forward(ids, None, &glm5_burn::ForwardOptions::default(), false).logits)
+}
+
+#[test]
+fn conversion_is_exact_and_loads() {
+    let src = fixtures().join("fp8_f32_scales");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("bf16");
+    let report = convert(&src, &out, usize::MAX).unwrap();
+    assert_eq!(report.shards, 1);
+    let input = read_all(&src.join("model.safetensors"));
+    let output = read_all(&out.join("model.safetensors"));
+    let oracle = Io::open(&fixtures().join("fp8_oracle.safetensors"));
+    let mut dequantised = 0;
+    for (name, t) in &input {
+        if name.ends_with("_scale_inv") {
+            assert!(!output.contains_key(name), "{name} must not be written");
+            continue;
+        }
+        let o = &output[name];
+        assert_eq!(o.shape, t.shape, "{name}");
+        if t.dtype == Dtype::F8_E4M3 {
+            assert_eq!(o.dtype, Dtype::BF16, "{name}");
+            let expected: Vec<u8> = oracle
+                .f32(&format!("fp8_f32_scales.{name}"))
+                .iter()
+                .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+                .collect();
+            assert!(o.data == expected, "{name}: BF16 bits differ from the oracle");
+            dequantised += 1;
+        } else {
+            assert!(o.data == t.data && o.dtype == t.dtype, "{name}: copied tensor changed");
+        }
+    }
+    assert_eq!(dequantised, report.dequantised);
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert!(cfg.get("quantization_config").is_none());
+    assert_eq!(logits(&out), logits(&src), "the converted checkpoint computes what the FP8 one does");
+}
+
+#[test]
+fn sharded_output_has_a_correct_index() {
+    let src = fixtures().join("fp8_ue8m0_scales");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("bf16");
+    let report = convert(&src, &out, 40_000).unwrap();
+    assert!(report.shards > 3, "{} shards", report.shards);
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    let mut total = 0u64;
+    for (name, file) in map {
+        let shard = read_all(&out.join(file.as_str().unwrap()));
+        let t = shard.get(name).unwrap_or_else(|| panic!("{name} not in {file}"));
+        total += t.data.len() as u64;
+    }
+    assert_eq!(index["metadata"]["total_size"].as_u64().unwrap(), total);
+    assert!(!out.join("model.safetensors").exists());
+    load_causal_lm::<B>(&out, &Default::default(), &LoadOptions::default()).unwrap();
+}
+
+/// A broken copy of the FP8 fixture, converted: the error must name `needle`s and leave no
+/// output (nor any staging directory) behind.
+fn fails_cleanly(edit: impl FnOnce(&Path), needles: &[&str]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("fp8");
+    std::fs::create_dir(&src).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixtures().join("fp8_f32_scales").join(f), src.join(f)).unwrap();
+    }
+    edit(&src);
+    let out = tmp.path().join("out");
+    let e = convert(&src, &out, usize::MAX).unwrap_err();
+    for n in needles {
+        assert!(e.contains(n), "error lacks {n:?}: {e}");
+    }
+    assert!(!out.exists(), "output directory left behind");
+    let leftovers: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(leftovers.len(), 1, "staging left behind: {leftovers:?}");
+}
+
+const W: &str = "model.language_model.layers.3.self_attn.q_a_proj.weight";
+
+fn rewrite(path: &Path, edit: impl FnOnce(&mut BTreeMap<String, OwnedTensor>)) {
+    let mut t = read_all(path);
+    edit(&mut t);
+    std::fs::write(path, serialize(&t).unwrap()).unwrap();
+}
+
+#[test]
+fn failures_leave_no_output() {
+    // truncated shard
+    fails_cleanly(
+        |d| {
+            let p = d.join("model.safetensors");
+            let b = std::fs::read(&p).unwrap();
+            std::fs::write(&p, &b[..b.len() - 1000]).unwrap();
+        },
+        &["model.safetensors", "truncated"],
+    );
+    // a header that lies about offsets: same length, one tensor's end moved by one byte
+    fails_cleanly(
+        |d| {
+            let p = d.join("model.safetensors");
+            let mut b = std::fs::read(&p).unwrap();
+            let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+            let header = String::from_utf8(b[8..8 + n].to_vec()).unwrap();
+            let mut json: serde_json::Value = serde_json::from_str(header.trim_end()).unwrap();
+            let offs = json[W]["data_offsets"].as_array_mut().unwrap();
+            let end = offs[1].as_u64().unwrap();
+            offs[1] = (end - 1).into();
+            let mut text = serde_json::to_string(&json).unwrap().into_bytes();
+            assert!(text.len() <= n);
+            text.resize(n, b' ');
+            b[8..8 + n].copy_from_slice(&text);
+            std::fs::write(&p, b).unwrap();
+        },
+        &["model.safetensors", W],
+    );
+    // scale grid of the wrong shape
+    fails_cleanly(
+        |d| rewrite(&d.join("model.safetensors"), |t| t.get_mut(&format!("{W}_scale_inv")).unwrap().shape = vec![1, 4]),
+        &["model.safetensors", &format!("{W}_scale_inv"), "[2, 2]"],
+    );
+    // NaN code
+    fails_cleanly(|d| rewrite(&d.join("model.safetensors"), |t| t.get_mut(W).unwrap().data[3] = 0xFF), &["model.safetensors", W, "NaN"]);
+    // an index naming a shard that does not exist
+    fails_cleanly(
+        |d| {
+            let names: Vec<String> = read_all(&d.join("model.safetensors")).into_keys().collect();
+            std::fs::rename(d.join("model.safetensors"), d.join("model-00001-of-00002.safetensors")).unwrap();
+            let mut map = serde_json::Map::new();
+            for (i, n) in names.iter().enumerate() {
+                map.insert(n.clone(), if i == 0 { "model-00002-of-00002.safetensors" } else { "model-00001-of-00002.safetensors" }.into());
+            }
+            std::fs::write(d.join("model.safetensors.index.json"), serde_json::json!({"weight_map": map}).to_string()).unwrap();
+        },
+        &["model-00002-of-00002.safetensors", "does not exist"],
+    );
+}
+
+#[test]
+fn existing_output_is_not_overwritten() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("keep.txt"), "user data").unwrap();
+    let e = convert(&fixtures().join("fp8_f32_scales"), tmp.path(), usize::MAX).unwrap_err();
+    assert!(e.contains("not empty"), "{e}");
+    assert_eq!(std::fs::read_to_string(tmp.path().join("keep.txt")).unwrap(), "user data");
+}
