@@ -163,6 +163,60 @@ pub fn resolve(path: &str) -> Option<Resolved> {
     None
 }
 
+/// A checkpoint name resolved against the table: the rule, layer and expert it belongs to.
+#[derive(Debug, Clone)]
+pub struct ResolvedHf {
+    pub rule: Rule,
+    pub layer: Option<usize>,
+    pub expert: Option<usize>,
+}
+
+impl ResolvedHf {
+    /// The module path holding this tensor.
+    pub fn module_path(&self) -> String {
+        match self.layer {
+            Some(i) => self.rule.ours.replace("{i}", &i.to_string()),
+            None => self.rule.ours.to_string(),
+        }
+    }
+}
+
+/// Find the rule for a checkpoint name (`None`: not a tensor of the text model).
+pub fn resolve_hf(name: &str) -> Option<ResolvedHf> {
+    for rule in RULES {
+        let (pre, rest) = match rule.hf.split_once("{i}") {
+            None => {
+                if rule.hf == name {
+                    return Some(ResolvedHf { rule: *rule, layer: None, expert: None });
+                }
+                continue;
+            }
+            Some(x) => x,
+        };
+        let Some(tail) = name.strip_prefix(pre) else { continue };
+        let (layer, tail) = take_number(tail)?;
+        let (expert, ok) = match rest.split_once("{e}") {
+            None => (None, tail == rest),
+            Some((mid, post)) => match tail.strip_prefix(mid).and_then(take_number) {
+                Some((e, t)) => (Some(e), t == post),
+                None => (None, false),
+            },
+        };
+        if ok {
+            return Some(ResolvedHf { rule: *rule, layer: Some(layer), expert });
+        }
+    }
+    None
+}
+
+fn take_number(s: &str) -> Option<(usize, &str)> {
+    let digits = s.len() - s.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+    if digits == 0 {
+        return None;
+    }
+    Some((s[..digits].parse().ok()?, &s[digits..]))
+}
+
 /// Match `path` against a pattern with an optional `{i}`; returns `Some(layer)` on a match.
 fn match_pattern(pattern: &str, path: &str) -> Option<Option<usize>> {
     match pattern.split_once("{i}") {
@@ -199,6 +253,18 @@ mod tests {
             assert!(rule.ours.matches("{i}").count() <= 1, "{}", rule.ours);
             assert_eq!(rule.hf.contains("{e}"), rule.transform == Transform::ExpertSlice, "{}", rule.hf);
         }
+    }
+
+    #[test]
+    fn checkpoint_names_resolve_back() {
+        let r = resolve_hf("model.language_model.layers.7.mlp.experts.12.up_proj.weight").expect("rule");
+        assert_eq!((r.layer, r.expert), (Some(7), Some(12)));
+        assert_eq!(r.module_path(), "language_model.layers.7.mlp.experts.up_proj");
+        let r = resolve_hf("model.language_model.layers.3.hc_attn_fn").expect("rule");
+        assert_eq!(r.module_path(), "language_model.layers.3.attn_hc.fn_weight");
+        assert!(resolve_hf("model.language_model.layers.3.mlp.experts.x.up_proj.weight").is_none());
+        assert!(resolve_hf("model.visual.post_layernorm.weight").is_none());
+        assert_eq!(resolve_hf("lm_head.weight").expect("rule").layer, None);
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod fp8;
 pub mod hf_map;
 pub mod inventory;
 pub mod safetensors_io;
+pub mod select;
 pub mod writer;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -18,9 +19,9 @@ use std::path::{Path, PathBuf};
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use burn::module::ParamId;
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::store::{ModuleSnapshot, TensorSnapshot, TensorSnapshotError};
-use burn::tensor::{backend::Backend, DType, Shape, TensorData};
+use burn::tensor::{backend::Backend, DType, Shape, Tensor, TensorData};
 use safetensors::tensor::Dtype;
 use serde_json::Value;
 
@@ -89,14 +90,40 @@ struct Planned {
     sources: Vec<String>,
 }
 
+/// Module paths (enum variants skipped, like burn-store) and shapes of every float parameter,
+/// read without initialising lazy parameters — loading never materialises the random init.
+struct ShapeCollector {
+    path: Vec<String>,
+    containers: Vec<bool>,
+    out: Vec<(String, Vec<usize>)>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for ShapeCollector {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        let variant = container_type.starts_with("Enum:");
+        self.containers.push(variant);
+        if !variant {
+            self.path.push(name.to_string());
+        }
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        if !self.containers.pop().unwrap_or(false) {
+            self.path.pop();
+        }
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.out.push((self.path.join("."), param.lazy_shape().to_vec()));
+    }
+}
+
 fn plan<B: Backend>(model: &Glm5ForCausalLM<B>, n_experts: usize) -> Result<Vec<Planned>, CheckpointError> {
+    let mut visitor = ShapeCollector { path: Vec::new(), containers: Vec::new(), out: Vec::new() };
+    model.visit(&mut visitor);
     let mut out = Vec::new();
-    for snap in model.collect(None, None, true) {
-        let path = snap.full_path();
+    for (path, shape) in visitor.out {
         let resolved = resolve(&path).ok_or_else(|| {
             CheckpointError::Other(format!("internal: module tensor {path} has no rule in checkpoint::hf_map::RULES"))
         })?;
-        let shape = snap.shape.to_vec();
         out.push(Planned { sources: resolved.hf_names(n_experts), path, shape, resolved });
     }
     Ok(out)
@@ -229,7 +256,7 @@ pub fn load_causal_lm<B: Backend>(
 
 /// Checkpoint tensor(s) (read one at a time as f32, checkpoint layout) → module layout.
 /// At most one source tensor is held besides the destination buffer.
-fn to_module_layout<E>(
+pub(crate) fn to_module_layout<E>(
     t: Transform,
     sources: &[String],
     shape: &[usize],

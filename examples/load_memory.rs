@@ -1,0 +1,154 @@
+//! Measure the loader's own peak host memory on a generated multi-shard checkpoint.
+//!
+//! ```text
+//! cargo run --release --example load_memory -- --generate /tmp/ckpt --config configs/mem_test.json --shard-size 500MB
+//! cargo run --release --example load_memory -- --checkpoint /tmp/ckpt [--dtype bf16|f32]
+//! ```
+//!
+//! The load samples `RssAnon` (anonymous memory: file-backed pages of the memory-mapped shards
+//! do not count) every millisecond; the loader's own peak is that peak minus the baseline
+//! before loading and minus the destination tensors themselves (the model's bytes).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use burn::backend::Flex;
+use burn::tensor::DType;
+use clap::Parser;
+use glm5_burn::checkpoint::inventory::inventory;
+use glm5_burn::checkpoint::writer::{index_json, plan_shards, write_safetensors, PlannedTensor};
+use glm5_burn::checkpoint::{hf_map, load_causal_lm, LoadOptions};
+use glm5_burn::Glm5Config;
+use safetensors::tensor::Dtype;
+
+#[derive(Parser)]
+struct Args {
+    /// Write a random BF16 checkpoint for `--config` into this directory.
+    #[arg(long)]
+    generate: Option<PathBuf>,
+    /// HF config.json for `--generate`.
+    #[arg(long, default_value = "configs/mem_test.json")]
+    config: PathBuf,
+    /// Shard size for `--generate`, in MB.
+    #[arg(long, default_value_t = 500)]
+    shard_mb: usize,
+    /// Load this checkpoint and report memory.
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Model dtype for the load.
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    dtype: String,
+}
+
+fn status_kb(field: &str) -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn generate(dir: &PathBuf, config_path: &PathBuf, shard_mb: usize) -> Result<()> {
+    let text = std::fs::read_to_string(config_path).with_context(|| config_path.display().to_string())?;
+    let json: serde_json::Value = serde_json::from_str(&text)?;
+    let config = Glm5Config::from_hf_value(&json)?;
+    let tensors: Vec<PlannedTensor> = inventory(&config, false, false)
+        .into_iter()
+        .map(|e| PlannedTensor { name: e.name, dtype: Dtype::BF16, shape: e.shape })
+        .collect();
+    let shards = plan_shards(tensors, shard_mb * 1_000_000);
+    std::fs::create_dir_all(dir)?;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    for (file, ts) in &shards {
+        write_safetensors(&dir.join(file), ts, |i, out| {
+            let n = ts[i].shape.iter().product::<usize>();
+            let mut buf = Vec::with_capacity(n * 2);
+            for _ in 0..n {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let u = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5; // uniform(-0.5, 0.5)
+                buf.extend_from_slice(&half::bf16::from_f32(u * 0.05).to_bits().to_le_bytes());
+            }
+            out.write_all(&buf).map_err(|e| glm5_burn::CheckpointError::Other(e.to_string()))
+        })?;
+    }
+    if shards.len() > 1 {
+        std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_vec_pretty(&index_json(&shards))?)?;
+    }
+    std::fs::write(dir.join("config.json"), text)?;
+    println!("wrote {} shard(s) to {}", shards.len(), dir.display());
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if let Some(dir) = &args.generate {
+        return generate(dir, &args.config, args.shard_mb);
+    }
+    let dir = args.checkpoint.context("--checkpoint or --generate is required")?;
+    let dtype = if args.dtype == "f32" { DType::F32 } else { DType::BF16 };
+
+    // checkpoint geometry
+    let (config, _) = glm5_burn::checkpoint::read_config(&dir)?;
+    let files = glm5_burn::checkpoint::safetensors_io::SafetensorsFiles::open_dir(&dir)?;
+    let ckpt_bytes: u64 = files.tensors.values().map(|e| (e.bytes.end - e.bytes.start) as u64).sum();
+    let largest = files.tensors.values().map(|e| e.bytes.end - e.bytes.start).max().unwrap_or(0) as u64;
+    drop(files);
+    // destination bytes: every loaded tensor in the model dtype (fp32-kept ones in f32)
+    let elem = if dtype == DType::F32 { 4 } else { 2 };
+    let dest: u64 = inventory(&config, false, false)
+        .iter()
+        .map(|e| {
+            let keep_f32 = hf_map::RULES.iter().any(|r| r.keep_f32 && matches_rule(r.hf, &e.name));
+            e.numel() * if keep_f32 { 4 } else { elem }
+        })
+        .sum();
+
+    let baseline = status_kb("RssAnon:");
+    let peak = Arc::new(AtomicU64::new(baseline));
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (peak, stop) = (peak.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                peak.fetch_max(status_kb("RssAnon:"), Ordering::Relaxed);
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        })
+    };
+    let start = std::time::Instant::now();
+    let loaded = load_causal_lm::<Flex>(&dir, &Default::default(), &LoadOptions::with_dtype(dtype))?;
+    let secs = start.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().expect("sampler thread");
+    let after = status_kb("RssAnon:");
+    let peak_kb = peak.load(Ordering::Relaxed).max(after);
+    let overhead = (peak_kb.saturating_sub(baseline) * 1024).saturating_sub(dest);
+    println!(
+        "{}",
+        serde_json::json!({
+            "checkpoint_gb": ckpt_bytes as f64 / 1e9,
+            "largest_tensor_mb": largest as f64 / 1e6,
+            "destination_gb": dest as f64 / 1e9,
+            "rss_anon_after_load_gb": (after.saturating_sub(baseline) * 1024) as f64 / 1e9,
+            "peak_rss_anon_gb": (peak_kb.saturating_sub(baseline) * 1024) as f64 / 1e9,
+            "loader_overhead_mb": overhead as f64 / 1e6,
+            "overhead_over_largest_tensor": overhead as f64 / largest as f64,
+            "vm_hwm_gb": (status_kb("VmHWM:") * 1024) as f64 / 1e9,
+            "load_seconds": secs,
+        })
+    );
+    drop(loaded);
+    Ok(())
+}
+
+/// Does a table pattern (`{i}`, `{e}` placeholders) match a checkpoint name?
+fn matches_rule(pattern: &str, name: &str) -> bool {
+    let re = regex::Regex::new(&format!("^{}$", regex::escape(pattern).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+")))
+        .expect("valid pattern");
+    re.is_match(name)
+}

@@ -1,0 +1,151 @@
+//! Selective loading for parallel ranks: only some decoder layers, only the routed experts an
+//! expert-parallel rank owns, and only a dim-0 slice of a tensor (a data-parallel shard) —
+//! reading nothing else from disk (shards are memory-mapped; only the bytes of the selected
+//! tensors, or rows, are touched, which [`SafetensorsFiles::bytes_read`] accounts for).
+//!
+//! This is the API the distributed layer builds its local modules from: tensors come back in
+//! module layout (the same as [`super::load_causal_lm`] produces), keyed by module path, with
+//! stacked experts holding only the owned experts.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
+
+use burn::tensor::{DType, TensorData};
+
+use super::hf_map::{resolve_hf, Transform};
+use super::inventory::{inventory, Part};
+use super::safetensors_io::SafetensorsFiles;
+use super::to_module_layout;
+use crate::config::Glm5Config;
+use crate::error::CheckpointError;
+
+/// The routed experts rank `rank` of an expert-parallel group of `size` owns: the contiguous
+/// block `[rank·E/size, (rank+1)·E/size)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertShard {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl ExpertShard {
+    pub fn range(&self, n_experts: usize) -> Result<Range<usize>, CheckpointError> {
+        if self.size == 0 || n_experts % self.size != 0 || self.rank >= self.size {
+            return Err(CheckpointError::Other(format!(
+                "expert-parallel rank {} of {}: the size must divide the {n_experts} experts and the rank be below it",
+                self.rank, self.size
+            )));
+        }
+        let per = n_experts / self.size;
+        Ok(self.rank * per..(self.rank + 1) * per)
+    }
+}
+
+/// What to load.
+#[derive(Debug, Clone, Default)]
+pub struct Selection {
+    /// Decoder layers; `None` = all.
+    pub layers: Option<BTreeSet<usize>>,
+    /// `embed_tokens`, the final norm and `lm_head`.
+    pub embeddings_and_head: bool,
+    /// Routed experts of this expert-parallel rank; `None` = all.
+    pub experts: Option<ExpertShard>,
+}
+
+/// A loaded tensor in module layout.
+#[derive(Debug, Clone)]
+pub struct LoadedTensor {
+    pub data: TensorData,
+    /// For stacked routed experts: the global experts held, in order.
+    pub experts: Option<Range<usize>>,
+}
+
+/// Load the selected tensors of the text model, keyed by module path. Weights come in
+/// `dtype`, except the fp32-kept ones (the same rule as the full loader).
+pub fn load_selected(
+    files: &SafetensorsFiles,
+    config: &Glm5Config,
+    selection: &Selection,
+    dtype: DType,
+) -> Result<BTreeMap<String, LoadedTensor>, CheckpointError> {
+    let c = &config.text_config;
+    let owned = selection.experts.map(|s| s.range(c.n_routed_experts)).transpose()?;
+    // module path -> (resolved rule, checkpoint sources in order)
+    let mut groups: BTreeMap<String, (super::hf_map::ResolvedHf, Vec<String>, Vec<usize>)> = BTreeMap::new();
+    for e in inventory(config, false, false).into_iter().filter(|e| e.part == Part::Trunk) {
+        let r = resolve_hf(&e.name)
+            .ok_or_else(|| CheckpointError::Other(format!("internal: {} has no checkpoint rule", e.name)))?;
+        let wanted = match r.layer {
+            None => selection.embeddings_and_head,
+            Some(i) => selection.layers.as_ref().is_none_or(|set| set.contains(&i)),
+        };
+        let expert_owned = match (r.expert, &owned) {
+            (Some(x), Some(range)) => range.contains(&x),
+            _ => true,
+        };
+        if !(wanted && expert_owned) {
+            continue;
+        }
+        let g = groups.entry(r.module_path()).or_insert_with(|| (r.clone(), Vec::new(), e.shape.clone()));
+        g.1.push(e.name);
+    }
+    let mut out = BTreeMap::new();
+    for (path, (r, sources, hf_shape)) in groups {
+        for s in &sources {
+            if files.shape(s) != Some(hf_shape.as_slice()) {
+                return Err(CheckpointError::Other(format!(
+                    "{s}: checkpoint shape {:?}, config expects {hf_shape:?}",
+                    files.shape(s)
+                )));
+            }
+        }
+        let shape = match r.rule.transform {
+            Transform::Identity => hf_shape.clone(),
+            Transform::Transpose => vec![hf_shape[1], hf_shape[0]],
+            Transform::SqueezeConv => vec![hf_shape[0], hf_shape[2]],
+            Transform::ExpertSlice => vec![sources.len(), hf_shape[1], hf_shape[0]],
+        };
+        let values = to_module_layout(r.rule.transform, &sources, &shape, |s| files.read_f32(s))?;
+        let target = if r.rule.keep_f32 { DType::F32 } else { dtype };
+        let experts = (r.rule.transform == Transform::ExpertSlice)
+            .then(|| owned.clone().unwrap_or(0..c.n_routed_experts));
+        out.insert(path, LoadedTensor { data: TensorData::new(values, shape).convert_dtype(target), experts });
+    }
+    Ok(out)
+}
+
+/// Rows of data-parallel shard `rank` of `world` along dim 0: an even split, the last shards
+/// one row shorter when `rows` does not divide.
+pub fn dim0_shard(rows: usize, rank: usize, world: usize) -> Range<usize> {
+    let (base, extra) = (rows / world.max(1), rows % world.max(1));
+    let start = rank * base + rank.min(extra);
+    start..start + base + usize::from(rank < extra)
+}
+
+/// Read only rows `dim0_shard(rows, rank, world)` of a checkpoint tensor (checkpoint layout,
+/// FP8 dequantised), returning the slice and its row range.
+pub fn read_dim0_shard(
+    files: &SafetensorsFiles,
+    name: &str,
+    rank: usize,
+    world: usize,
+) -> Result<(TensorData, Range<usize>), CheckpointError> {
+    if world == 0 || rank >= world {
+        return Err(CheckpointError::Other(format!("data-parallel rank {rank} of {world} is not a valid shard")));
+    }
+    let shape = files
+        .shape(name)
+        .ok_or_else(|| CheckpointError::Other(format!("tensor {name:?} is not in the checkpoint")))?
+        .to_vec();
+    let rows = dim0_shard(shape.first().copied().unwrap_or(1), rank, world);
+    let values = files.read_rows_f32(name, rows.clone())?;
+    let mut local = shape.clone();
+    if let Some(r) = local.first_mut() {
+        *r = rows.len();
+    }
+    Ok((TensorData::new(values, local), rows))
+}
+
+/// Layers in a set (helper for building selections).
+pub fn layers(it: impl IntoIterator<Item = usize>) -> Option<BTreeSet<usize>> {
+    Some(it.into_iter().collect())
+}
