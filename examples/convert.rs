@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use glm5_burn::checkpoint::convert::{convert_checkpoint, ConvertOptions};
-use glm5_burn::checkpoint::inventory::{inventory, ParamCounts};
+use glm5_burn::checkpoint::inventory::{inventory, ParamCounts, Part};
 use glm5_burn::checkpoint::read_config;
 use glm5_burn::checkpoint::safetensors_io::SafetensorsFiles;
 use glm5_burn::config::{IndexerType, LayerType, MlpType};
@@ -154,9 +154,14 @@ fn inspect(path: &Path) -> Result<()> {
         println!("    ... and {} more", files.fp8_scales.len() - 5);
     }
     let expected = inventory(&config, true, true);
-    let missing = expected.iter().filter(|e| !files.tensors.contains_key(&e.name)).count();
+    let missing = |part: Part| expected.iter().filter(|e| e.part == part && !files.tensors.contains_key(&e.name)).count();
     let known: std::collections::HashSet<&str> = expected.iter().map(|e| e.name.as_str()).collect();
     let extra = files.tensors.keys().filter(|k| !known.contains(k.as_str()) && !files.is_scale(k)).count();
-    println!("  against the config's inventory: {missing} missing, {extra} unexpected");
+    println!(
+        "  against the config's inventory: missing {} trunk, {} MTP, {} vision tensors; {extra} unexpected",
+        missing(Part::Trunk),
+        missing(Part::Mtp),
+        missing(Part::Vision)
+    );
     Ok(())
 }

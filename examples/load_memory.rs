@@ -34,6 +34,9 @@ struct Args {
     /// Shard size for `--generate`, in MB.
     #[arg(long, default_value_t = 500)]
     shard_mb: usize,
+    /// With `--generate`: store routed experts as block-FP8 (E4M3 + F32 128×128 scales).
+    #[arg(long)]
+    fp8: bool,
     /// Load this checkpoint and report memory.
     #[arg(long)]
     checkpoint: Option<PathBuf>,
@@ -51,27 +54,42 @@ fn status_kb(field: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn generate(dir: &PathBuf, config_path: &PathBuf, shard_mb: usize) -> Result<()> {
-    let text = std::fs::read_to_string(config_path).with_context(|| config_path.display().to_string())?;
-    let json: serde_json::Value = serde_json::from_str(&text)?;
+fn generate(dir: &PathBuf, config_path: &PathBuf, shard_mb: usize, fp8: bool) -> Result<()> {
+    let mut text = std::fs::read_to_string(config_path).with_context(|| config_path.display().to_string())?;
+    let mut json: serde_json::Value = serde_json::from_str(&text)?;
     let config = Glm5Config::from_hf_value(&json)?;
-    let tensors: Vec<PlannedTensor> = inventory(&config, false, false)
-        .into_iter()
-        .map(|e| PlannedTensor { name: e.name, dtype: Dtype::BF16, shape: e.shape })
-        .collect();
+    let mut tensors = Vec::new();
+    for e in inventory(&config, false, false) {
+        if fp8 && e.routed_expert {
+            let grid = vec![e.shape[0].div_ceil(128), e.shape[1].div_ceil(128)];
+            tensors.push(PlannedTensor { name: format!("{}_scale_inv", e.name), dtype: Dtype::F32, shape: grid });
+            tensors.push(PlannedTensor { name: e.name, dtype: Dtype::F8_E4M3, shape: e.shape });
+        } else {
+            tensors.push(PlannedTensor { name: e.name, dtype: Dtype::BF16, shape: e.shape });
+        }
+    }
+    if fp8 {
+        json["quantization_config"] = serde_json::json!({"quant_method": "fp8", "fmt": "e4m3",
+            "activation_scheme": "dynamic", "weight_block_size": [128, 128]});
+        text = serde_json::to_string_pretty(&json)?;
+    }
     let shards = plan_shards(tensors, shard_mb * 1_000_000);
     std::fs::create_dir_all(dir)?;
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
     for (file, ts) in &shards {
         write_safetensors(&dir.join(file), ts, |i, out| {
             let n = ts[i].shape.iter().product::<usize>();
-            let mut buf = Vec::with_capacity(n * 2);
+            let mut buf = Vec::with_capacity(n * 4);
             for _ in 0..n {
                 state ^= state << 13;
                 state ^= state >> 7;
                 state ^= state << 17;
                 let u = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5; // uniform(-0.5, 0.5)
-                buf.extend_from_slice(&half::bf16::from_f32(u * 0.05).to_bits().to_le_bytes());
+                match ts[i].dtype {
+                    Dtype::F8_E4M3 => buf.push(((state >> 8) as u8) & 0x7E | ((state >> 20) as u8 & 0x80)), // no NaN codes
+                    Dtype::F32 => buf.extend_from_slice(&(0.05f32 / 448.0 * (1.0 + u)).to_le_bytes()),
+                    _ => buf.extend_from_slice(&half::bf16::from_f32(u * 0.05).to_bits().to_le_bytes()),
+                }
             }
             out.write_all(&buf).map_err(|e| glm5_burn::CheckpointError::Other(e.to_string()))
         })?;
@@ -87,7 +105,7 @@ fn generate(dir: &PathBuf, config_path: &PathBuf, shard_mb: usize) -> Result<()>
 fn main() -> Result<()> {
     let args = Args::parse();
     if let Some(dir) = &args.generate {
-        return generate(dir, &args.config, args.shard_mb);
+        return generate(dir, &args.config, args.shard_mb, args.fp8);
     }
     let dir = args.checkpoint.context("--checkpoint or --generate is required")?;
     let dtype = if args.dtype == "f32" { DType::F32 } else { DType::BF16 };
