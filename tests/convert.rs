@@ -74,6 +74,27 @@ fn conversion_is_exact_and_loads() {
 }
 
 #[test]
+fn f32_output_keeps_exact_products() {
+    let src = fixtures().join("fp8_f32_scales");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("f32");
+    let opts = ConvertOptions { dtype: Dtype::F32, ..ConvertOptions::default() };
+    convert_checkpoint(&src, &out, &opts, |_, _, _| {}).unwrap();
+    let input = read_all(&src.join("model.safetensors"));
+    let output = read_all(&out.join("model.safetensors"));
+    let name = "model.language_model.layers.3.self_attn.q_a_proj.weight";
+    let codes = &input[name].data;
+    let scales: Vec<f32> = input[&format!("{name}_scale_inv")].data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let got: Vec<f32> = output[name].data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(output[name].dtype, Dtype::F32);
+    for (k, (&b, &v)) in codes.iter().zip(&got).enumerate() {
+        let (i, j) = (k / 32, k % 32);
+        let expected = glm5_burn::checkpoint::fp8::E4M3_TABLE[b as usize] * scales[(i / 16) * 2 + j / 16];
+        assert_eq!(v.to_bits(), expected.to_bits(), "[{i}, {j}]");
+    }
+}
+
+#[test]
 fn sharded_output_has_a_correct_index() {
     let src = fixtures().join("fp8_ue8m0_scales");
     let tmp = tempfile::tempdir().unwrap();

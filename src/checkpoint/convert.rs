@@ -57,6 +57,7 @@ pub fn convert_checkpoint(
         .map_err(|e| crate::error::ConfigError::Json { path: cfg_path.display().to_string(), source: e })?;
     let mut files = SafetensorsFiles::open_dir(input)?;
     files.set_fp8_block_from_config(&config)?;
+    files.fp8_round_bf16 = opts.dtype == Dtype::BF16; // F32 output keeps the exact products
     for name in files.fp8_scales.keys() {
         files.fp8_grid(name)?; // every grid is checked before anything is written
     }

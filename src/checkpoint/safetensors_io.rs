@@ -44,6 +44,9 @@ pub struct SafetensorsFiles {
     pub fp8_scales: BTreeMap<String, String>,
     /// FP8 block size `[rows, cols]` (`quantization_config.weight_block_size`).
     pub fp8_block: [usize; 2],
+    /// Round dequantised FP8 values to BF16 (the default, the checkpoint's training
+    /// precision); false keeps the exact f32 products.
+    pub fp8_round_bf16: bool,
     bytes_read: AtomicU64,
 }
 
@@ -133,6 +136,7 @@ impl SafetensorsFiles {
             tensors: BTreeMap::new(),
             fp8_scales: BTreeMap::new(),
             fp8_block: [128, 128],
+            fp8_round_bf16: true,
             bytes_read: AtomicU64::new(0),
         }
     }
@@ -248,7 +252,7 @@ impl SafetensorsFiles {
     }
 
     /// A tensor's values as f32 (exact for F32, BF16 and F16; FP8 weights are dequantised
-    /// with their block scales and rounded through BF16).
+    /// with their block scales, rounded through BF16 unless `fp8_round_bf16` is off).
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
         let rows = self.entry(name)?.shape.first().copied().unwrap_or(1);
         self.read_rows_f32(name, 0..rows)
@@ -270,7 +274,7 @@ impl SafetensorsFiles {
             })?;
             let codes = self.row_bytes(name, rows.clone())?;
             let mut out = vec![0f32; codes.len()];
-            super::fp8::dequantize_rows(codes, &scales, grid, rows.start, true, &mut out).map_err(|err| {
+            super::fp8::dequantize_rows(codes, &scales, grid, rows.start, self.fp8_round_bf16, &mut out).map_err(|err| {
                 CheckpointError::Tensor { path: path.clone(), name: name.to_string(), message: err.to_string() }
             })?;
             return Ok(out);
