@@ -18,6 +18,7 @@ pub mod io;
 pub mod model;
 pub mod ops;
 pub mod text;
+pub mod vision;
 
 pub use config::{Glm5Config, TextConfig, VisionConfig};
 pub use error::{CheckpointError, ConfigError, ModelError};

@@ -21,17 +21,24 @@ use crate::error::ModelError;
 use crate::text::mlp::linear;
 use crate::text::model::{TextModel, TextOutput};
 use crate::text::{ForwardOptions, TokenMask};
+use crate::vision::VisionModel;
 
-/// Text-only GLM-5.3-Flash with its LM head.
+/// GLM-5.3-Flash with its LM head (HF `Glm5NextForConditionalGeneration`); the vision tower
+/// is optional, so text-only use loads no vision weights.
 #[derive(Module, Debug)]
 pub struct Glm5ForCausalLM<B: Backend> {
     pub language_model: TextModel<B>,
+    /// The vision tower (`model.visual`), when built with it.
+    pub visual: Option<VisionModel<B>>,
     /// `None` when the head is tied to the embedding.
     pub lm_head: Option<Linear<B>>,
     pub vocab_size: usize,
     pub num_experts: usize,
     pub top_k: usize,
     pub router_aux_loss_coef: f64,
+    pub image_token_id: i64,
+    pub video_start_token_id: i64,
+    pub video_end_token_id: i64,
 }
 
 /// Output of [`Glm5ForCausalLM::forward`].
@@ -54,10 +61,28 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         Self::try_new(config, device).unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// With the vision tower; `vision_rms_eps` overrides `vision_config.rms_norm_eps`.
+    pub fn try_new_with_vision(
+        config: &Glm5Config,
+        vision_rms_eps: Option<f64>,
+        device: &B::Device,
+    ) -> Result<Self, crate::error::ConfigError> {
+        let mut m = Self::try_new(config, device)?;
+        m.visual = Some(VisionModel::new(&config.vision_config, vision_rms_eps, device));
+        m.image_token_id = config.image_token_id;
+        m.video_start_token_id = config.video_start_token_id;
+        m.video_end_token_id = config.video_end_token_id;
+        Ok(m)
+    }
+
     fn build(config: &Glm5Config, device: &B::Device) -> Self {
         let c = &config.text_config;
         Self {
             language_model: TextModel::new(c, device),
+            visual: None,
+            image_token_id: config.image_token_id,
+            video_start_token_id: config.video_start_token_id,
+            video_end_token_id: config.video_end_token_id,
             lm_head: (!config.tie_word_embeddings).then(|| linear(c.hidden_size, c.vocab_size, false, device)),
             vocab_size: c.vocab_size,
             num_experts: c.n_routed_experts,
@@ -106,6 +131,81 @@ impl<B: Backend> Glm5ForCausalLM<B> {
             logits: self.head(text.hidden.clone()),
             text,
         }
+    }
+
+    /// Forward with images: the `<|image|>` placeholders of `ids` (row-major order) receive
+    /// the vision tower's merged features of `pixel_values` `[N_patches, 1176]` /
+    /// `grid_thw`. Placeholders inside `<|begin_of_video|> … <|end_of_video|>` are video,
+    /// which is rejected; a placeholder/feature count mismatch is an error.
+    pub fn forward_multimodal(
+        &self,
+        ids: &[i64],
+        batch: usize,
+        seq: usize,
+        mask: Option<TokenMask<B>>,
+        images: Option<(Tensor<B, 2>, &[[usize; 3]])>,
+        opts: &ForwardOptions,
+        record: bool,
+    ) -> Result<CausalLmOutput<B>, ModelError> {
+        self.check_ids(ids)?;
+        let err = |name: &str, message: String| ModelError::Input { name: name.into(), message };
+        if ids.len() != batch * seq {
+            return Err(err("input_ids", format!("{} ids for shape [{batch}, {seq}]", ids.len())));
+        }
+        let device = self.language_model.embed_tokens.weight.device();
+        // placeholder positions, and whether any sits inside a video span
+        let mut image_pos = Vec::new();
+        for b in 0..batch {
+            let mut depth = 0i64;
+            for t in 0..seq {
+                let id = ids[b * seq + t];
+                if id == self.video_start_token_id {
+                    depth += 1;
+                } else if id == self.video_end_token_id {
+                    depth -= 1;
+                } else if id == self.image_token_id {
+                    if depth > 0 {
+                        return Err(err("input_ids", format!(
+                            "sample {b} position {t}: <|image|> inside a <|begin_of_video|> span — video inputs are not supported"
+                        )));
+                    }
+                    image_pos.push((b * seq + t) as i64);
+                }
+            }
+        }
+        let ids_t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.to_vec(), [batch, seq]), &device);
+        let mut embeds = self.language_model.embed(ids_t);
+        match images {
+            None if !image_pos.is_empty() => {
+                return Err(err("input_ids", format!("{} <|image|> placeholders but no pixel_values", image_pos.len())));
+            }
+            None => {}
+            Some((pixels, grid)) => {
+                let visual = self.visual.as_ref().ok_or_else(|| err("pixel_values", "this model was loaded without its vision tower".into()))?;
+                let [n, pd] = pixels.dims();
+                visual.check_inputs(n, pd, grid)?;
+                let feats = visual.forward(pixels, grid);
+                let [nf, fd] = feats.dims();
+                let d = embeds.dims()[2];
+                if nf != image_pos.len() {
+                    return Err(err("input_ids", format!(
+                        "Image features and image tokens do not match: {} <|image|> placeholders, {nf} image features",
+                        image_pos.len()
+                    )));
+                }
+                if fd != d {
+                    return Err(err("pixel_values", format!("vision out_hidden_size {fd} differs from the text hidden size {d}")));
+                }
+                let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(image_pos, [nf]), &device);
+                let flat = embeds.reshape([batch * seq, d]);
+                let current = flat.clone().select(0, idx.clone());
+                let feats = feats.cast(flat.dtype());
+                embeds = flat.select_assign(0, idx, feats - current, burn::tensor::IndexingUpdateOp::Add).reshape([batch, seq, d]);
+            }
+        }
+        let mask = mask.unwrap_or_else(|| TokenMask::all(batch, seq, &device));
+        let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
+        Ok(CausalLmOutput { logits: self.head(text.hidden.clone()), text })
     }
 
     /// Shifted next-token cross-entropy (mean over labels ≠ −100). `labels` `[B, S]` host.

@@ -17,6 +17,9 @@ pub enum Transform {
     SqueezeConv,
     /// Per-expert `nn.Linear` weight `[out, in]` ↔ slice `e` of a stacked `[E, in, out]`.
     ExpertSlice,
+    /// A convolution whose kernel equals its stride, `[out, in, k…]` ↔ a matmul weight
+    /// `[in·k…, out]` (the vision patch embedding and downsample).
+    FlattenTranspose,
 }
 
 /// One row of the table.
@@ -102,6 +105,32 @@ pub const RULES: &[Rule] = &[
     // Router (the correction bias is an fp32 buffer)
     r("model.language_model.layers.{i}.mlp.gate.weight", "language_model.layers.{i}.mlp.gate.weight", Identity),
     f32_rule("model.language_model.layers.{i}.mlp.gate.e_score_correction_bias", "language_model.layers.{i}.mlp.gate.e_score_correction_bias", Identity),
+    // Vision tower (`model.visual`): biased projections; convolutions applied as matmuls
+    r("model.visual.patch_embed.proj.weight", "visual.patch_embed.proj.weight", FlattenTranspose),
+    r("model.visual.patch_embed.proj.bias", "visual.patch_embed.proj.bias", Identity),
+    r("model.visual.blocks.{i}.norm1.weight", "visual.blocks.{i}.norm1.weight", Identity),
+    r("model.visual.blocks.{i}.norm2.weight", "visual.blocks.{i}.norm2.weight", Identity),
+    r("model.visual.blocks.{i}.attn.qkv.weight", "visual.blocks.{i}.attn.qkv.weight", Transpose),
+    r("model.visual.blocks.{i}.attn.qkv.bias", "visual.blocks.{i}.attn.qkv.bias", Identity),
+    r("model.visual.blocks.{i}.attn.proj.weight", "visual.blocks.{i}.attn.proj.weight", Transpose),
+    r("model.visual.blocks.{i}.attn.proj.bias", "visual.blocks.{i}.attn.proj.bias", Identity),
+    r("model.visual.blocks.{i}.attn.q_norm.weight", "visual.blocks.{i}.attn.q_norm.weight", Identity),
+    r("model.visual.blocks.{i}.attn.k_norm.weight", "visual.blocks.{i}.attn.k_norm.weight", Identity),
+    r("model.visual.blocks.{i}.mlp.gate_proj.weight", "visual.blocks.{i}.mlp.gate_proj.weight", Transpose),
+    r("model.visual.blocks.{i}.mlp.gate_proj.bias", "visual.blocks.{i}.mlp.gate_proj.bias", Identity),
+    r("model.visual.blocks.{i}.mlp.up_proj.weight", "visual.blocks.{i}.mlp.up_proj.weight", Transpose),
+    r("model.visual.blocks.{i}.mlp.up_proj.bias", "visual.blocks.{i}.mlp.up_proj.bias", Identity),
+    r("model.visual.blocks.{i}.mlp.down_proj.weight", "visual.blocks.{i}.mlp.down_proj.weight", Transpose),
+    r("model.visual.blocks.{i}.mlp.down_proj.bias", "visual.blocks.{i}.mlp.down_proj.bias", Identity),
+    r("model.visual.post_layernorm.weight", "visual.post_layernorm.weight", Identity),
+    r("model.visual.downsample.weight", "visual.downsample.weight", FlattenTranspose),
+    r("model.visual.downsample.bias", "visual.downsample.bias", Identity),
+    r("model.visual.merger.proj.weight", "visual.merger.proj.weight", Transpose),
+    r("model.visual.merger.post_projection_norm.weight", "visual.merger.post_projection_norm.weight", Identity),
+    r("model.visual.merger.post_projection_norm.bias", "visual.merger.post_projection_norm.bias", Identity),
+    r("model.visual.merger.gate_proj.weight", "visual.merger.gate_proj.weight", Transpose),
+    r("model.visual.merger.up_proj.weight", "visual.merger.up_proj.weight", Transpose),
+    r("model.visual.merger.down_proj.weight", "visual.merger.down_proj.weight", Transpose),
     // Routed experts: one tensor per expert in the checkpoint, stacked [E, in, out] in the module
     r("model.language_model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "language_model.layers.{i}.mlp.experts.gate_proj", ExpertSlice),
     r("model.language_model.layers.{i}.mlp.experts.{e}.up_proj.weight", "language_model.layers.{i}.mlp.experts.up_proj", ExpertSlice),
@@ -117,6 +146,7 @@ pub fn is_ignored(name: &str, num_hidden_layers: usize) -> bool {
 
 /// Checkpoint keys of the vision tower (not loaded by the text-only model).
 pub fn is_vision(name: &str) -> bool {
+    // (skipped only when the model is built without its vision tower)
     name.starts_with("model.visual.")
 }
 
@@ -142,13 +172,24 @@ impl Resolved {
         }
     }
 
-    /// Checkpoint shape of one source tensor given the module tensor's shape.
+    /// Checkpoint shape of one source tensor given the module tensor's shape (for
+    /// `FlattenTranspose`, the kernel dims flattened: `[out, in·k…]`).
     pub fn hf_shape(&self, ours: &[usize]) -> Vec<usize> {
         match self.rule.transform {
             Transform::Identity => ours.to_vec(),
-            Transform::Transpose => vec![ours[1], ours[0]],
+            Transform::Transpose | Transform::FlattenTranspose => vec![ours[1], ours[0]],
             Transform::SqueezeConv => vec![ours[0], 1, ours[1]],
             Transform::ExpertSlice => vec![ours[2], ours[1]],
+        }
+    }
+
+    /// Does a checkpoint shape fit the module tensor's shape?
+    pub fn shape_matches(&self, ours: &[usize], checkpoint: &[usize]) -> bool {
+        match self.rule.transform {
+            Transform::FlattenTranspose => {
+                checkpoint.len() >= 2 && checkpoint[0] == ours[1] && checkpoint[1..].iter().product::<usize>() == ours[0]
+            }
+            _ => self.hf_shape(ours) == checkpoint,
         }
     }
 }

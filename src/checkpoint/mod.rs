@@ -39,11 +39,15 @@ pub struct LoadOptions {
     /// Reject checkpoint tensors the model does not use (default). When false they are
     /// logged and skipped; missing and mis-shaped tensors are always errors.
     pub strict: bool,
+    /// Also load the vision tower (`model.visual.*` must then be present).
+    pub vision: bool,
+    /// Override of the vision RMSNorm ε (MODEL_SPEC §12; `None` = `vision_config.rms_norm_eps`).
+    pub vision_rms_eps: Option<f64>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { dtype: DType::F32, strict: true }
+        Self { dtype: DType::F32, strict: true, vision: false, vision_rms_eps: None }
     }
 }
 
@@ -144,25 +148,30 @@ pub fn load_causal_lm<B: Backend>(
     let mut files = SafetensorsFiles::open_dir(dir)?;
     files.set_fp8_block_from_config(&config_json)?;
     let files = Rc::new(files);
-    let mut model = Glm5ForCausalLM::<B>::try_new(&config, device)?;
+    let mut model = if opts.vision {
+        Glm5ForCausalLM::<B>::try_new_with_vision(&config, opts.vision_rms_eps, device)?
+    } else {
+        Glm5ForCausalLM::<B>::try_new(&config, device)?
+    };
     let tc = &config.text_config;
     let planned = plan(&model, tc.n_routed_experts)?;
 
     // --- validation: every problem in one report ---
-    let mut expected: BTreeMap<&str, (Vec<usize>, &str)> = BTreeMap::new();
+    let mut expected: BTreeMap<&str, &Planned> = BTreeMap::new();
     for p in &planned {
         for s in &p.sources {
-            expected.insert(s, (p.resolved.hf_shape(&p.shape), p.path.as_str()));
+            expected.insert(s, p);
         }
     }
     let mut missing = Vec::new();
     let mut misshaped = Vec::new();
     let mut bad_dtype = Vec::new();
-    for (name, (shape, _)) in &expected {
+    for (name, p) in &expected {
+        let shape = p.resolved.hf_shape(&p.shape);
         match files.tensors.get(*name) {
             None => missing.push(format!("  missing     {name} (expected shape {shape:?})")),
             Some(e) => {
-                if &e.shape != shape {
+                if !p.resolved.shape_matches(&p.shape, &e.shape) {
                     misshaped.push(format!("  wrong shape {name}: checkpoint {:?}, model expects {shape:?}", e.shape));
                 }
                 if files.fp8_scales.contains_key(*name) {
@@ -185,7 +194,8 @@ pub fn load_causal_lm<B: Backend>(
             continue;
         }
         let tied_head = config.tie_word_embeddings && name == "lm_head.weight";
-        if hf_map::is_ignored(name, tc.num_hidden_layers) || hf_map::is_vision(name) || tied_head {
+        let vision_unused = hf_map::is_vision(name) && model.visual.is_none();
+        if hf_map::is_ignored(name, tc.num_hidden_layers) || vision_unused || tied_head {
             skipped.push(name.clone());
         } else if !opts.strict {
             log::warn!("{}: ignoring unexpected tensor {name} (non-strict load)", dir.display());
@@ -264,7 +274,7 @@ pub(crate) fn to_module_layout<E>(
 ) -> Result<Vec<f32>, E> {
     Ok(match t {
         Transform::Identity | Transform::SqueezeConv => read(&sources[0])?,
-        Transform::Transpose => transpose(&read(&sources[0])?, shape[1], shape[0]),
+        Transform::Transpose | Transform::FlattenTranspose => transpose(&read(&sources[0])?, shape[1], shape[0]),
         Transform::ExpertSlice => {
             let (rows_in, cols_out) = (shape[1], shape[2]); // module [E, in, out]; checkpoint [out, in]
             let mut out = Vec::with_capacity(shape.iter().product());
@@ -280,7 +290,7 @@ pub(crate) fn to_module_layout<E>(
 fn to_checkpoint_layout(t: Transform, values: &[f32], shape: &[usize]) -> Vec<Vec<f32>> {
     match t {
         Transform::Identity | Transform::SqueezeConv => vec![values.to_vec()],
-        Transform::Transpose => vec![transpose(values, shape[0], shape[1])],
+        Transform::Transpose | Transform::FlattenTranspose => vec![transpose(values, shape[0], shape[1])],
         Transform::ExpertSlice => {
             let (e, rows_in, cols_out) = (shape[0], shape[1], shape[2]);
             let n = rows_in * cols_out;
@@ -326,6 +336,10 @@ pub fn save_causal_lm<B: Backend>(
     let dir = dir.as_ref();
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
     let n_experts = model.num_experts;
+    // kernel shapes of the convolutions stored as matmuls come from the config's inventory
+    let kernel_shapes: BTreeMap<String, Vec<usize>> = Glm5Config::from_hf_value(config_json)
+        .map(|c| inventory::inventory(&c, false, true).into_iter().map(|e| (e.name, e.shape)).collect())
+        .unwrap_or_default();
     let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
     let mut seen = BTreeSet::new();
     for snap in model.collect(None, None, true) {
@@ -340,7 +354,12 @@ pub fn save_causal_lm<B: Backend>(
             .into_vec()
             .map_err(|e| CheckpointError::Other(format!("{path}: {e:?}")))?;
         let names = resolved.hf_names(n_experts);
-        let hf_shape = resolved.hf_shape(&shape);
+        let hf_shape = match resolved.rule.transform {
+            Transform::FlattenTranspose => resolved.hf_names(n_experts).first().and_then(|n| kernel_shapes.get(n)).cloned().ok_or_else(|| {
+                CheckpointError::Other(format!("{path}: kernel shape unknown (config.json does not describe this vision tower)"))
+            })?,
+            _ => resolved.hf_shape(&shape),
+        };
         for (name, vals) in names.into_iter().zip(to_checkpoint_layout(resolved.rule.transform, &values, &shape)) {
             if !seen.insert(name.clone()) {
                 return Err(CheckpointError::Other(format!("internal: {name} produced twice")));

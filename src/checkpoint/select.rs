@@ -101,6 +101,7 @@ pub fn load_selected(
         let shape = match r.rule.transform {
             Transform::Identity => hf_shape.clone(),
             Transform::Transpose => vec![hf_shape[1], hf_shape[0]],
+            Transform::FlattenTranspose => vec![hf_shape[1..].iter().product(), hf_shape[0]],
             Transform::SqueezeConv => vec![hf_shape[0], hf_shape[2]],
             Transform::ExpertSlice => vec![sources.len(), hf_shape[1], hf_shape[0]],
         };

@@ -416,6 +416,85 @@ def release_like_fixture():
           f"top-1 {(l64.argmax(-1) == hf16[0].argmax(-1)).float().mean().item():.4f}")
 
 
+VLM_VISION = {"depth": 2, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32, "out_hidden_size": 32,
+              "projection_intermediate_size": 48}
+VLM_GRIDS = [[1, 4, 6], [1, 2, 2]]  # two images of different sizes in sample 0; sample 1 has none
+
+
+@torch.no_grad()
+def init_vision(model, gen):
+    """Vision weights at scales where every part of the tower moves its output."""
+    for name, p in model.named_parameters():
+        if not name.startswith("model.visual"):
+            continue
+        if name.endswith("weight") and p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p[0].numel()))
+        elif name.endswith("bias"):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        else:  # norm weights
+            p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def vlm_fixture():
+    """A tiny VLM: two images of different sizes in one prompt, a second sample without any,
+    left-padded. Stores the vision tower output and the logits of the float64 run."""
+    name = "vlm"
+    text = base_text()
+    for attempt in range(20):
+        seed = 777 + attempt
+        gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        config = build_config(text, {"vision_config": VLM_VISION})
+        model = Glm5NextForConditionalGeneration(config).eval()
+        init_weights(model, gen)
+        init_vision(model, gen)
+        n_tokens = [t * h * w // 4 for t, h, w in VLM_GRIDS]
+        seq = 48
+        ids = torch.randint(1, 120, (2, seq), generator=gen)
+        pos = 5
+        for n in n_tokens:  # <|begin_of_image|> <|image|>×n <|end_of_image|>
+            ids[0, pos] = config.image_start_token_id
+            ids[0, pos + 1:pos + 1 + n] = config.image_token_id
+            ids[0, pos + 1 + n] = config.image_end_token_id
+            pos += n + 8
+        mask = torch.ones(2, seq, dtype=torch.long)
+        ids[1, :9] = text["pad_token_id"]
+        mask[1, :9] = 0
+        pixel_values = torch.randn(sum(t * h * w for t, h, w in VLM_GRIDS), 1176, generator=gen)
+        grid = torch.tensor(VLM_GRIDS)
+        with Recorder() as rec, torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, pixel_values=pixel_values, image_grid_thw=grid)
+        if min([boundary_margin(sc.float(), k) for _, sc, k, _ in rec.calls]) >= MARGIN:
+            break
+    else:
+        raise SystemExit("vlm: no seed without boundary ties")
+    feats = {}
+    hook = None
+    m64 = copy.deepcopy(model).double()
+    for mod in m64.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and hasattr(cfg, "_experts_implementation_internal"):
+            cfg._experts_implementation_internal = "eager"
+    hook = m64.model.visual.register_forward_hook(lambda mod, a, out: feats.__setitem__("v", out.pooler_output))
+    orig = M.chunk_kimi_delta_attention
+    M.chunk_kimi_delta_attention = chunk_kda_f64
+    try:
+        with torch.no_grad():
+            out = m64(input_ids=ids, attention_mask=mask, pixel_values=pixel_values.double(), image_grid_thw=grid)
+    finally:
+        M.chunk_kimi_delta_attention = orig
+        hook.remove()
+    d = OUT / name
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    model.save_pretrained(d, safe_serialization=True)
+    save_file({"input_ids": ids, "attention_mask": mask, "pixel_values": pixel_values.contiguous(),
+               "image_grid_thw": grid.to(torch.int64), "vision_features": feats["v"].float().contiguous(),
+               "logits": out.logits.float().contiguous()}, d / "io.safetensors")
+    print(f"vlm: seed {seed}, features {tuple(feats['v'].shape)} std {feats['v'].std().item():.3f}, "
+          f"logits std {out.logits[mask.bool()].std().item():.3f}")
+
+
 FP8_BLOCK = [16, 16]  # small blocks so the tiny weights have partial edge blocks (24 rows, 24 cols)
 FP8_PATTERNS = ("mlp.experts.", "mlp.shared_experts.", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                 "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight",
@@ -581,6 +660,8 @@ def main():
         release_like_fixture()
     if not only or "fp8" in only:
         fp8_fixture()
+    if not only or "vlm" in only:
+        vlm_fixture()
     if not only or "kda" in only:
         kda_fixture()
     if not only or "config" in only:
