@@ -304,7 +304,8 @@ mod tests {
         let r = resolve_hf("model.language_model.layers.3.hc_attn_fn").expect("rule");
         assert_eq!(r.module_path(), "language_model.layers.3.attn_hc.fn_weight");
         assert!(resolve_hf("model.language_model.layers.3.mlp.experts.x.up_proj.weight").is_none());
-        assert!(resolve_hf("model.visual.post_layernorm.weight").is_none());
+        assert_eq!(resolve_hf("model.visual.post_layernorm.weight").expect("rule").module_path(), "visual.post_layernorm.weight");
+        assert!(resolve_hf("model.visual.unknown.weight").is_none());
         assert_eq!(resolve_hf("lm_head.weight").expect("rule").layer, None);
     }
 
