@@ -5,14 +5,16 @@
 //! ```
 //!
 //! `IN` holds `input_ids` (I64 `[B, S]`) and optionally `attention_mask` (I64 `[B, S]`,
-//! 1 = token, 0 = padding). `OUT` gets `logits` (F32 `[B, S, V]`). If `IN` also holds
-//! reference `logits` (as the test fixtures do), the parity against them is printed.
+//! 1 = token, 0 = padding) and images as the reference's forward takes them: `pixel_values`
+//! (F32 `[N_patches, 1176]`) with `image_grid_thw` (I64 `[N_images, 3]`). `OUT` gets `logits`
+//! (F32 `[B, S, V]`). If `IN` also holds reference `logits` (as the test fixtures do), the
+//! parity against them is printed.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use burn::backend::Flex;
-use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 use clap::{Parser, ValueEnum};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::io::{write_logits, TokenInputs};
@@ -96,8 +98,9 @@ fn run<B: Backend>(args: &Args, device: &B::Device) -> Result<()> {
         Precision::F32 => DType::F32,
         Precision::Bf16 => DType::BF16,
     };
-    let loaded = load_causal_lm::<B>(&args.checkpoint, device, &LoadOptions::with_dtype(dtype))?;
-    loaded.model.check_ids(&inputs.ids).with_context(|| format!("{}", args.input.display()))?;
+    // the vision tower is loaded only when the input carries images
+    let load = LoadOptions { vision: inputs.images.is_some(), ..LoadOptions::with_dtype(dtype) };
+    let loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
     let opts = ForwardOptions {
         attention: match args.attention {
             Attention::Auto => ForwardOptions::default().attention,
@@ -106,10 +109,16 @@ fn run<B: Backend>(args: &Args, device: &B::Device) -> Result<()> {
         },
         ..Default::default()
     };
-    let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(inputs.ids.clone(), [b, s]), device);
     let mask = TokenMask::new(inputs.mask.clone(), b, s, device);
+    let pixels = inputs.images.as_ref().map(|im| {
+        let t = Tensor::<B, 2>::from_data(TensorData::new(im.pixel_values.clone(), [im.n_patches, im.patch_dim]), device);
+        (t, im.grid_thw.as_slice())
+    });
     let start = std::time::Instant::now();
-    let out = loaded.model.forward(ids, Some(mask), &opts, false);
+    let out = loaded
+        .model
+        .forward_multimodal(&inputs.ids, b, s, Some(mask), pixels, &opts, false)
+        .with_context(|| format!("{}", args.input.display()))?;
     let logits: Vec<f32> = out.logits.cast(DType::F32).into_data().convert::<f32>().into_vec().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let v = logits.len() / (b * s);
     eprintln!("forward [{b}, {s}] -> [{b}, {s}, {v}] in {:.2?}", start.elapsed());

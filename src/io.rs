@@ -17,6 +17,17 @@ pub struct TokenInputs {
     pub seq: usize,
     /// Reference logits `[B, S, V]` if the file carries them (the test fixtures do).
     pub reference_logits: Option<(Vec<f32>, usize)>,
+    /// `pixel_values` (F32 `[N_patches, patch_dim]`) with `image_grid_thw` (I64 `[N_images, 3]`).
+    pub images: Option<ImageInputs>,
+}
+
+/// Preprocessed images, the reference's `pixel_values` / `image_grid_thw` forward arguments.
+#[derive(Debug, Clone)]
+pub struct ImageInputs {
+    pub pixel_values: Vec<f32>,
+    pub n_patches: usize,
+    pub patch_dim: usize,
+    pub grid_thw: Vec<[usize; 3]>,
 }
 
 fn input_err(path: &Path, message: String) -> ModelError {
@@ -68,7 +79,27 @@ impl TokenInputs {
                 (r.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect(), v)
             })
         });
-        Ok(Self { ids, mask, batch, seq, reference_logits })
+        let images = match (st.tensor("pixel_values").ok(), read_i64(&st, "image_grid_thw", path)?) {
+            (None, None) => None,
+            (Some(_), None) => return Err(input_err(path, "`pixel_values` without `image_grid_thw`".into())),
+            (None, Some(_)) => return Err(input_err(path, "`image_grid_thw` without `pixel_values`".into())),
+            (Some(p), Some((g, gshape))) => {
+                if p.dtype() != Dtype::F32 || p.shape().len() != 2 {
+                    return Err(input_err(path, format!("`pixel_values` must be F32 [N_patches, 1176], found {:?} {:?}", p.dtype(), p.shape())));
+                }
+                if gshape[1] != 3 || g.iter().any(|&x| x <= 0) {
+                    return Err(input_err(path, format!("`image_grid_thw` must be positive I64 [N_images, 3], found shape {gshape:?}")));
+                }
+                let pixel_values = p.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+                Some(ImageInputs {
+                    pixel_values,
+                    n_patches: p.shape()[0],
+                    patch_dim: p.shape()[1],
+                    grid_thw: g.chunks(3).map(|x| [x[0] as usize, x[1] as usize, x[2] as usize]).collect(),
+                })
+            }
+        };
+        Ok(Self { ids, mask, batch, seq, reference_logits, images })
     }
 }
 
