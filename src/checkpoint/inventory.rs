@@ -177,9 +177,9 @@ fn vision(b: &mut Builder, v: &VisionConfig) {
         b.linear(&format!("{q}.attn.proj"), h, h, v.attention_bias);
         b.add(format!("{q}.attn.q_norm.weight"), &[hd]);
         b.add(format!("{q}.attn.k_norm.weight"), &[hd]);
-        b.linear(&format!("{q}.mlp.gate_proj"), i, h, true);
-        b.linear(&format!("{q}.mlp.up_proj"), i, h, true);
-        b.linear(&format!("{q}.mlp.down_proj"), h, i, true);
+        b.linear(&format!("{q}.mlp.gate_proj"), i, h, v.attention_bias);
+        b.linear(&format!("{q}.mlp.up_proj"), i, h, v.attention_bias);
+        b.linear(&format!("{q}.mlp.down_proj"), h, i, v.attention_bias);
     }
     b.add(format!("{p}.post_layernorm.weight"), &[h]);
     let m = v.spatial_merge_size;

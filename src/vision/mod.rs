@@ -138,10 +138,11 @@ impl<B: Backend> VisionModel<B> {
                         k_norm: RmsNorm::new(hd, eps, device),
                         num_heads: c.num_heads,
                     },
+                    // NOTE: the reference gives the vision MLP biases exactly when `attention_bias`
                     mlp: VisionMlp {
-                        gate_proj: linear(h, i, true, device),
-                        up_proj: linear(h, i, true, device),
-                        down_proj: linear(i, h, true, device),
+                        gate_proj: linear(h, i, c.attention_bias, device),
+                        up_proj: linear(h, i, c.attention_bias, device),
+                        down_proj: linear(i, h, c.attention_bias, device),
                         act: c.hidden_act,
                         limit: c.swiglu_limit,
                     },

@@ -74,13 +74,26 @@ def random_text(rng):
     }
 
 
+def random_vision(rng, text_hidden):
+    heads = rng.choice([1, 2, 4])
+    return {"depth": rng.randint(1, 2), "hidden_size": heads * rng.choice([4, 8]), "num_heads": heads,
+            "intermediate_size": rng.choice([16, 24]), "out_hidden_size": text_hidden,
+            "projection_intermediate_size": rng.choice([16, 40]), "hidden_act": rng.choice(["silu", "gelu"]),
+            "swiglu_limit": rng.choice([0.7, 10.0]), "attention_bias": rng.random() < 0.5}
+
+
 def main():
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-    rng = random.Random(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    vlm = "--vlm" in sys.argv
+    argv = [a for a in sys.argv[1:] if a != "--vlm"]
+    n = int(argv[0]) if argv else 10
+    rng = random.Random(int(argv[1]) if len(argv) > 1 else 1)
     worst, stats_all = [], []
     for case in range(n):
         text = random_text(rng)
         extra = {"tie_word_embeddings": rng.random() < 0.3}
+        if vlm:
+            text["vocab_size"] = 160  # above the image/video special ids (120-125)
+            extra["vision_config"] = random_vision(rng, text["hidden_size"])
         batch, seq = rng.choice([1, 2]), rng.randint(1, 140)
         pad = [rng.randint(0, seq - 1) if b == 0 and batch == 2 else 0 for b in range(batch)]
         right = batch == 2 and rng.random() < 0.5
@@ -94,17 +107,39 @@ def main():
         ids, mask = F.make_inputs(gen, text, batch, seq, pad)
         if right:  # right padding instead: the same rows, mirrored
             ids, mask = ids.flip(-1), mask.flip(-1)
+        images = {}
+        if vlm:
+            # image placeholders in the last valid row; ids drawn below the special-token range
+            ids = ids.clamp(max=config.image_token_id - 1)
+            grids = [[1, 2 * rng.randint(1, 3), 2 * rng.randint(1, 3)] for _ in range(rng.randint(1, 2))]
+            need = sum(t * h * w // 4 + 2 for t, h, w in grids)
+            seq = max(seq, need + 4)
+            ids = torch.nn.functional.pad(ids, (0, max(0, seq - ids.shape[1])), value=1)
+            mask = torch.nn.functional.pad(mask, (0, max(0, seq - mask.shape[1])), value=1) if not right else \
+                torch.nn.functional.pad(mask, (0, max(0, seq - mask.shape[1])), value=0)
+            row, pos = batch - 1, 1
+            for t, h, w in grids:
+                k = t * h * w // 4
+                ids[row, pos] = config.image_start_token_id
+                ids[row, pos + 1:pos + 1 + k] = config.image_token_id
+                ids[row, pos + 1 + k] = config.image_end_token_id
+                pos += k + 2
+            mask[row, :] = 1
+            images = {"pixel_values": torch.randn(sum(t * h * w for t, h, w in grids), 1176, generator=gen),
+                      "image_grid_thw": torch.tensor(grids)}
+            F.init_vision(model, gen)
         with F.Recorder() as rec, torch.no_grad():
-            l32 = model(input_ids=ids, attention_mask=mask).logits.double()
+            l32 = model(input_ids=ids, attention_mask=mask, **images).logits.double()
         # exact ties at a top-k boundary are broken toward the lower index by us and in an
         # implementation-defined order by torch.topk: such a case cannot be compared
         margin = min([F.boundary_margin(sc.float(), k) for _, sc, k, _ in rec.calls] or [float("inf")])
-        out64, _ = F.run_float64(model, ids, mask)
+        out64, _ = F.run_float64(model, ids, mask, images=images)
         l64 = out64.logits
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             model.save_pretrained(tmp / "ckpt")
-            save_file({"input_ids": ids, "attention_mask": mask}, tmp / "in.safetensors")
+            save_file({"input_ids": ids, "attention_mask": mask, **{k: v.contiguous() for k, v in images.items()}},
+                      tmp / "in.safetensors")
             r = subprocess.run([str(BIN), "--checkpoint", str(tmp / "ckpt"), "--input", str(tmp / "in.safetensors"),
                                 "--output", str(tmp / "out.safetensors")], capture_output=True, text=True)
             if r.returncode != 0:

@@ -294,7 +294,7 @@ def chunk_kda_f64(query, key, value, g, beta, chunk_size=64, initial_state=None,
     return o.to(query.dtype), (s if output_final_state else None)
 
 
-def run_float64(model, ids, mask, labels=None):
+def run_float64(model, ids, mask, labels=None, images=None):
     """The same HF model in float64 (eager experts; KDA through `chunk_kda_f64`); with
     `labels`, also the loss with the load-balancing term (`output_router_logits=True`)."""
     m64 = copy.deepcopy(model).double()
@@ -306,8 +306,9 @@ def run_float64(model, ids, mask, labels=None):
     M.chunk_kimi_delta_attention = chunk_kda_f64
     try:
         store, hooks = capture_indices(m64)
+        extra = {k: (v.double() if v.is_floating_point() else v) for k, v in (images or {}).items()}
         with torch.no_grad():
-            out = m64(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            out = m64(input_ids=ids, attention_mask=mask, output_hidden_states=True, **extra)
         for h in hooks:
             h.remove()
         if labels is not None:
