@@ -13,6 +13,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod data;
 pub mod error;
 pub mod io;
 pub mod model;

@@ -36,6 +36,11 @@ impl Io {
         assert_eq!(v.dtype(), Dtype::F32, "{name}");
         v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
     }
+    pub fn f64(&self, name: &str) -> Vec<f64> {
+        let v = self.st().tensor(name).unwrap_or_else(|_| panic!("{name} missing"));
+        assert_eq!(v.dtype(), Dtype::F64, "{name}");
+        v.data().chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()
+    }
     pub fn i64(&self, name: &str) -> Vec<i64> {
         let v = self.st().tensor(name).unwrap_or_else(|_| panic!("{name} missing"));
         assert_eq!(v.dtype(), Dtype::I64, "{name}");

@@ -496,6 +496,53 @@ def vlm_fixture():
           f"logits std {out.logits[mask.bool()].std().item():.3f}")
 
 
+# (width, height) of procedural test images: tiny (upsampled to the minimum budget), odd
+# aspect ratios, and one above the 8000-token maximum
+IMAGE_SIZES = [(10, 7), (33, 71), (640, 480), (1000, 333), (227, 1500), (4100, 3900)]
+
+
+def pattern_image(w, h, seed):
+    """A deterministic RGB test image from integer arithmetic (mirrored in tests/image.rs):
+    smooth gradients plus a per-pixel hash, so resampling sees both edges and texture."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.int64)
+    hsh = (x * 73856093 ^ y * 19349663 ^ seed * 83492791) & 0xFFFF
+    r = (x * 255 // max(w - 1, 1) + (hsh & 31)) & 0xFF
+    g = (y * 255 // max(h - 1, 1) + ((hsh >> 5) & 31)) & 0xFF
+    b = ((x + y) * 7 + ((hsh >> 10) & 63)) & 0xFF
+    return np.stack([r, g, b], -1).astype(np.uint8)
+
+
+def image_fixture():
+    """Both reference image processors (torchvision, HF's default; and PIL) on procedural
+    images and on small PNG files (grayscale and RGBA): grids, 16 sampled patch rows, sums."""
+    from PIL import Image
+    from transformers.models.glm5_next.image_processing_glm5_next import Glm5NextImageProcessor
+    from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
+    tv, pil = Glm5NextImageProcessor(), Glm5NextImageProcessorPil()
+    out = {}
+    d = OUT / "images"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    Image.fromarray(pattern_image(64, 48, 5)[..., 0]).save(d / "gray.png")
+    rgba = np.concatenate([pattern_image(50, 50, 6), np.full((50, 50, 1), 128, np.uint8)], -1)
+    Image.fromarray(rgba, "RGBA").save(d / "rgba.png")
+    cases = [(f"pattern_{w}x{h}", pattern_image(w, h, i)) for i, (w, h) in enumerate(IMAGE_SIZES)]
+    cases += [("gray_png", np.array(Image.open(d / "gray.png").convert("RGB"))),
+              ("rgba_png", np.array(Image.open(d / "rgba.png").convert("RGB")))]
+    for name, arr in cases:
+        for tag, proc in (("tv", tv), ("pil", pil)):
+            res = proc(images=[Image.fromarray(arr)], return_tensors="pt")
+            pv, grid = res["pixel_values"], res["image_grid_thw"]
+            rows = torch.linspace(0, pv.shape[0] - 1, min(16, pv.shape[0])).round().long()
+            out[f"{name}.{tag}.grid"] = grid[0].to(torch.int64)
+            out[f"{name}.{tag}.rows"] = rows
+            out[f"{name}.{tag}.sample"] = pv[rows].float().contiguous()
+            out[f"{name}.{tag}.sum"] = pv.double().sum().reshape(1)
+        print(f"image {name}: {arr.shape[1]}x{arr.shape[0]} -> grid {out[f'{name}.tv.grid'].tolist()}, "
+              f"tv vs pil max|d| {(out[f'{name}.tv.sample'] - out[f'{name}.pil.sample']).abs().max().item():.4f}")
+    save_file(out, d / "reference.safetensors")
+
+
 FP8_BLOCK = [16, 16]  # small blocks so the tiny weights have partial edge blocks (24 rows, 24 cols)
 FP8_PATTERNS = ("mlp.experts.", "mlp.shared_experts.", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                 "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight",
@@ -663,6 +710,8 @@ def main():
         fp8_fixture()
     if not only or "vlm" in only:
         vlm_fixture()
+    if not only or "images" in only:
+        image_fixture()
     if not only or "kda" in only:
         kda_fixture()
     if not only or "config" in only:

@@ -1,0 +1,241 @@
+//! The image processor (HF `Glm5NextImageProcessor`, MODEL_SPEC §8.1): decode → RGB →
+//! `smart_resize` canvas (28-pixel factor, 16…8000 tokens of 2·28² pixels) → aspect-preserving
+//! antialiased bicubic resize of the content → zero padding right/bottom → rescale + CLIP
+//! normalisation → two identical frames → patches `[gh·gw, 3·2·14·14]` in merge-block-major
+//! order, and `image_grid_thw = [1, gh, gw]`.
+
+use std::path::Path;
+
+use super::resize::{resize_u8, Arithmetic};
+
+/// OpenAI CLIP mean and std.
+pub const CLIP_MEAN: [f32; 3] = [0.48145466, 0.4578275, 0.40821073];
+pub const CLIP_STD: [f32; 3] = [0.26862954, 0.26130258, 0.27577711];
+
+/// Errors of the image pipeline, naming the image.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("{path}: cannot read image: {message}")]
+    Read { path: String, message: String },
+    #[error("{path}: cannot decode image (corrupt or truncated?): {message}")]
+    Decode { path: String, message: String },
+    #[error("{what}: zero-size image ({width}×{height})")]
+    Empty { what: String, width: usize, height: usize },
+    #[error("image budget: {0}")]
+    Budget(String),
+}
+
+/// An 8-bit RGB image, row-major `[h, w, 3]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RgbImage {
+    pub width: usize,
+    pub height: usize,
+    pub data: Vec<u8>,
+}
+
+impl RgbImage {
+    /// Decode PNG or JPEG bytes; grayscale, palette and RGBA convert to RGB (alpha dropped, as
+    /// PIL's `convert("RGB")` does).
+    pub fn decode(bytes: &[u8], what: &str) -> Result<Self, ImageError> {
+        let img = image::load_from_memory(bytes).map_err(|e| ImageError::Decode { path: what.into(), message: e.to_string() })?;
+        let rgb = img.to_rgb8();
+        let (w, h) = (rgb.width() as usize, rgb.height() as usize);
+        if w == 0 || h == 0 {
+            return Err(ImageError::Empty { what: what.into(), width: w, height: h });
+        }
+        Ok(Self { width: w, height: h, data: rgb.into_raw() })
+    }
+
+    /// Read and decode a file.
+    pub fn open(path: &Path) -> Result<Self, ImageError> {
+        let bytes = std::fs::read(path).map_err(|e| ImageError::Read { path: path.display().to_string(), message: e.to_string() })?;
+        Self::decode(&bytes, &path.display().to_string())
+    }
+}
+
+/// Processor settings (the checkpoint's `preprocessor_config.json` defaults).
+#[derive(Debug, Clone)]
+pub struct ImageProcessor {
+    pub patch_size: usize,
+    pub temporal_patch_size: usize,
+    pub merge_size: usize,
+    pub min_image_tokens: usize,
+    pub max_image_tokens: usize,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+    /// Resampling arithmetic: torchvision's (HF's default backend) or PIL's.
+    pub arithmetic: Arithmetic,
+}
+
+impl Default for ImageProcessor {
+    fn default() -> Self {
+        Self {
+            patch_size: 14,
+            temporal_patch_size: 2,
+            merge_size: 2,
+            min_image_tokens: 16,
+            max_image_tokens: 8000,
+            mean: CLIP_MEAN,
+            std: CLIP_STD,
+            arithmetic: Arithmetic::Torch,
+        }
+    }
+}
+
+/// One processed image.
+#[derive(Debug, Clone)]
+pub struct ProcessedImage {
+    /// `[gh·gw, 3·T·P·P]` row-major.
+    pub pixel_values: Vec<f32>,
+    /// `[1, gh, gw]`.
+    pub grid_thw: [usize; 3],
+}
+
+impl ProcessedImage {
+    /// LM placeholder tokens of this image (`gh·gw / merge²`).
+    pub fn n_tokens(&self, merge: usize) -> usize {
+        self.grid_thw.iter().product::<usize>() / (merge * merge)
+    }
+}
+
+fn align(v: usize, f: usize) -> usize {
+    v.div_ceil(f) * f
+}
+
+/// HF `smart_resize`: the aligned canvas `(height, width)` within the token budget.
+pub fn smart_resize(
+    num_frames: usize,
+    height: usize,
+    width: usize,
+    temporal_factor: usize,
+    factor: usize,
+    min_tokens: usize,
+    max_tokens: usize,
+) -> Result<(usize, usize), ImageError> {
+    let per_token = temporal_factor * factor * factor;
+    let (min_px, max_px) = (min_tokens * per_token, max_tokens * per_token);
+    // round(num_frames / t) * t with Python's banker's rounding
+    let ratio = num_frames as f64 / temporal_factor as f64;
+    let frames = temporal_factor.max((round_half_even(ratio) as usize) * temporal_factor);
+    let (mut h, mut w) = (align(height, factor), align(width, factor));
+    if frames * h * w < min_px {
+        let scale = (min_px as f64 / (num_frames * height * width) as f64).sqrt();
+        h = align(((height as f64 * scale).ceil() as usize).max(1), factor);
+        w = align(((width as f64 * scale).ceil() as usize).max(1), factor);
+    }
+    if frames * h * w > max_px {
+        if max_px < frames * factor * factor {
+            return Err(ImageError::Budget(format!(
+                "max_pixels={max_px} is too small: at least {} pixels are required for one aligned patch",
+                frames * factor * factor
+            )));
+        }
+        let (mut lo, mut hi) = (1usize, height);
+        let (mut best_h, mut best_w) = (factor, factor);
+        while lo <= hi {
+            let ch = (lo + hi) / 2;
+            let cw = ((width as f64 * ch as f64 / height as f64).floor() as usize).max(1);
+            let (ah, aw) = (align(ch, factor), align(cw, factor));
+            if frames * ah * aw <= max_px {
+                (best_h, best_w) = (ah, aw);
+                lo = ch + 1;
+            } else {
+                hi = ch - 1;
+            }
+        }
+        (h, w) = (best_h, best_w);
+    }
+    Ok((h, w))
+}
+
+fn round_half_even(x: f64) -> f64 {
+    let r = x.round();
+    if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
+        r - x.signum()
+    } else {
+        r
+    }
+}
+
+impl ImageProcessor {
+    /// The canvas and content sizes for an image: `((canvas_h, canvas_w), (content_h, content_w))`.
+    pub fn geometry(&self, height: usize, width: usize) -> Result<((usize, usize), (usize, usize)), ImageError> {
+        let factor = self.patch_size * self.merge_size;
+        let t = self.temporal_patch_size;
+        let (th, tw) = smart_resize(t, height, width, t, factor, self.min_image_tokens, self.max_image_tokens)?;
+        let per_token = t * factor * factor;
+        let mut scale = (th as f64 / height as f64).min(tw as f64 / width as f64);
+        if t * height * width >= per_token * self.min_image_tokens {
+            scale = scale.min(1.0);
+        }
+        let ch = th.min((height as f64 * scale).floor() as usize).max(1);
+        let cw = tw.min((width as f64 * scale).floor() as usize).max(1);
+        Ok(((th, tw), (ch, cw)))
+    }
+
+    /// Process one image.
+    pub fn process(&self, img: &RgbImage) -> Result<ProcessedImage, ImageError> {
+        if img.width == 0 || img.height == 0 {
+            return Err(ImageError::Empty { what: "image".into(), width: img.width, height: img.height });
+        }
+        let ((th, tw), (ch, cw)) = self.geometry(img.height, img.width)?;
+        let content = if (ch, cw) != (img.height, img.width) {
+            resize_u8(&img.data, img.height, img.width, 3, ch, cw, self.arithmetic)
+        } else {
+            img.data.clone()
+        };
+        // normalise (fused like the reference: (x − 255·mean) / (255·std), in f32) and pad with
+        // zeros, which normalise to −mean/std
+        let mean: Vec<f32> = self.mean.iter().map(|m| m * (1.0f64 / (1.0 / 255.0)) as f32).collect();
+        let std: Vec<f32> = self.std.iter().map(|s| s * (1.0f64 / (1.0 / 255.0)) as f32).collect();
+        let mut chw = vec![0f32; 3 * th * tw]; // [3, th, tw]
+        for c in 0..3 {
+            for y in 0..th {
+                for x in 0..tw {
+                    let v = if y < ch && x < cw { content[(y * cw + x) * 3 + c] as f32 } else { 0.0 };
+                    chw[(c * th + y) * tw + x] = (v - mean[c]) / std[c];
+                }
+            }
+        }
+        // patchify: [gh/m, gw/m, m, m] blocks of [C, T, P, P] values
+        let (p, m, t) = (self.patch_size, self.merge_size, self.temporal_patch_size);
+        let (gh, gw) = (th / p, tw / p);
+        let dim = 3 * t * p * p;
+        let mut out = Vec::with_capacity(gh * gw * dim);
+        for br in 0..gh / m {
+            for bc in 0..gw / m {
+                for a in 0..m {
+                    for b in 0..m {
+                        let (py, px) = ((br * m + a) * p, (bc * m + b) * p);
+                        for c in 0..3 {
+                            for _ in 0..t {
+                                for yy in 0..p {
+                                    let row = (c * th + py + yy) * tw + px;
+                                    out.extend_from_slice(&chw[row..row + p]);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(ProcessedImage { pixel_values: out, grid_thw: [1, gh, gw] })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_images_reach_the_minimum_budget() {
+        // 16 tokens of 2·28² pixels: a 10×10 image becomes a 112×112 canvas (4×4 merge blocks)
+        assert_eq!(smart_resize(2, 10, 10, 2, 28, 16, 8000).unwrap(), (112, 112));
+    }
+
+    #[test]
+    fn huge_images_fit_the_maximum_budget() {
+        let (h, w) = smart_resize(2, 10_000, 3_000, 2, 28, 16, 8000).unwrap();
+        assert!(h * w / (28 * 28) <= 8000 && h % 28 == 0 && w % 28 == 0, "{h}×{w}");
+    }
+}

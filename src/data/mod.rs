@@ -1,0 +1,4 @@
+//! Data: the image processor (and, later, the chat format and MedPix reader).
+
+pub mod image_processor;
+pub mod resize;
