@@ -543,6 +543,84 @@ def image_fixture():
     save_file(out, d / "reference.safetensors")
 
 
+# A GLM-5-style chat template (the release format: [gMASK]<sop>, role tokens, <think></think>,
+# images as <|begin_of_image|><|image|><|end_of_image|>); `{% generation %}` marks what SFT
+# labels cover: the assistant content and the <|endoftext|> that ends the turn.
+CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}<|system|>\n{{ m.content }}"
+    "{% elif m.role == 'user' %}<|user|>\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+    "{% if c.type == 'image' %}<|begin_of_image|><|image|><|end_of_image|>{% elif c.type == 'text' %}{{ c.text }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% elif m.role == 'assistant' %}<|assistant|>\n<think></think>\n{% generation %}"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endif %}"
+    "<|endoftext|>{% endgeneration %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n<think></think>\n{% endif %}"
+)
+GLM_SPECIAL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+               "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
+               "<|video|>", "<think>", "</think>"]
+
+
+def chat_fixture():
+    """A small byte-level BPE tokenizer carrying the GLM special tokens, the chat template above,
+    and the reference processor's `apply_chat_template` ids and assistant masks."""
+    from PIL import Image
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.glm5_next.image_processing_glm5_next import Glm5NextImageProcessor
+    from transformers.models.glm5_next.processing_glm5_next import Glm5NextProcessor
+    from transformers.models.glm5_next.video_processing_glm5_next import Glm5NextVideoProcessor
+    d = OUT / "chat"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    corpus = ["What does the scan show? A small lesion in the left lobe of the liver.",
+              "Compare the two images and describe the difference in size.",
+              "The second lesion is larger; no calcification is visible on CT or MRI.",
+              "You are a careful radiologist. Answer briefly and precisely."] * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=GLM_SPECIAL,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(d / "tokenizer.json"))
+    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), eos_token="<|endoftext|>",
+                                     pad_token="<|endoftext|>")
+    proc = Glm5NextProcessor(image_processor=Glm5NextImageProcessor(), tokenizer=hf_tok,
+                             video_processor=Glm5NextVideoProcessor(), chat_template=CHAT_TEMPLATE)
+    images = {"a.png": pattern_image(60, 40, 11), "b.png": pattern_image(100, 130, 12)}
+    for name, arr in images.items():
+        Image.fromarray(arr).save(d / name)
+    img = lambda n: {"type": "image", "image": Image.open(d / n).convert("RGB")}  # noqa: E731
+    convs = [
+        ([{"role": "user", "content": [img("a.png"), {"type": "text", "text": "What does the scan show?"}]},
+          {"role": "assistant", "content": "A small lesion in the left lobe."}], False),
+        ([{"role": "system", "content": "You are a careful radiologist."},
+          {"role": "user", "content": [{"type": "text", "text": "Compare "}, img("a.png"), {"type": "text", "text": " and "},
+                                       img("b.png")]},
+          {"role": "assistant", "content": "The second is larger."},
+          {"role": "user", "content": "Any calcification?"},
+          {"role": "assistant", "content": [{"type": "text", "text": "No calcification is visible."}]}], False),
+        ([{"role": "user", "content": [img("b.png"), {"type": "text", "text": "Describe the image."}]}], True),
+    ]
+    cases = []
+    for messages, gen in convs:
+        out = proc.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=gen,
+                                       return_assistant_tokens_mask=True)
+        plain = [{**m, "content": m["content"] if isinstance(m["content"], str) else
+                  [{"type": "image", "path": next(k for k in images if c["image"].size == Image.open(d / k).size)}
+                   if c["type"] == "image" else c for c in m["content"]]} for m in messages]
+        cases.append({"messages": plain, "add_generation_prompt": gen, "input_ids": out["input_ids"][0],
+                      "assistant_masks": out["assistant_masks"][0], "image_grid_thw": out["image_grid_thw"].tolist()
+                      if "image_grid_thw" in out else []})
+    (d / "cases.json").write_text(json.dumps(cases, indent=1) + "\n")
+    print(f"chat: {len(cases)} conversations, lengths {[len(c['input_ids']) for c in cases]}")
+
+
 FP8_BLOCK = [16, 16]  # small blocks so the tiny weights have partial edge blocks (24 rows, 24 cols)
 FP8_PATTERNS = ("mlp.experts.", "mlp.shared_experts.", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                 "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight",
@@ -712,6 +790,8 @@ def main():
         vlm_fixture()
     if not only or "images" in only:
         image_fixture()
+    if not only or "chat" in only:
+        chat_fixture()
     if not only or "kda" in only:
         kda_fixture()
     if not only or "config" in only:
