@@ -1,6 +1,6 @@
 //! The vision tower and the multimodal merge against the reference (float64 run of a tiny
 //! VLM written by `save_pretrained`): two images of different sizes in one prompt, a second,
-//! left-padded sample without images.
+//! left-padded sample without images, a third with one image.
 
 mod common;
 
@@ -68,7 +68,7 @@ fn bad_multimodal_inputs_are_errors() {
     let mut extra = ids.clone();
     extra[s + 20] = m.config.image_token_id; // sample 1, a text position
     let e = run(&extra, Some((pixels(), &g))).expect("count mismatch");
-    assert!(e.contains("do not match") && e.contains("8 <|image|>") && e.contains("7 image features"), "{e}");
+    assert!(e.contains("do not match") && e.contains("10 <|image|>") && e.contains("9 image features"), "{e}");
     // placeholders without pixel values
     assert!(run(&ids, None).expect("no pixels").contains("no pixel_values"));
     // a grid that does not describe the pixel rows

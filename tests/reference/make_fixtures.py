@@ -419,7 +419,9 @@ def release_like_fixture():
 
 VLM_VISION = {"depth": 2, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32, "out_hidden_size": 32,
               "projection_intermediate_size": 48}
-VLM_GRIDS = [[1, 4, 6], [1, 2, 2]]  # two images of different sizes in sample 0; sample 1 has none
+# two images of different sizes in sample 0, none in sample 1, one in sample 2
+VLM_GRIDS = [[1, 4, 6], [1, 2, 2], [1, 2, 4]]
+VLM_IMAGES_PER_SAMPLE = [2, 0, 1]
 
 
 @torch.no_grad()
@@ -451,14 +453,17 @@ def vlm_fixture():
         init_vision(model, gen)
         n_tokens = [t * h * w // 4 for t, h, w in VLM_GRIDS]
         seq = 48
-        ids = torch.randint(1, 120, (2, seq), generator=gen)
-        pos = 5
-        for n in n_tokens:  # <|begin_of_image|> <|image|>×n <|end_of_image|>
-            ids[0, pos] = config.image_start_token_id
-            ids[0, pos + 1:pos + 1 + n] = config.image_token_id
-            ids[0, pos + 1 + n] = config.image_end_token_id
-            pos += n + 8
-        mask = torch.ones(2, seq, dtype=torch.long)
+        ids = torch.randint(1, 120, (3, seq), generator=gen)
+        k = 0
+        for row, count in enumerate(VLM_IMAGES_PER_SAMPLE):
+            pos = 5 if row != 2 else 20
+            for n in n_tokens[k:k + count]:  # <|begin_of_image|> <|image|>×n <|end_of_image|>
+                ids[row, pos] = config.image_start_token_id
+                ids[row, pos + 1:pos + 1 + n] = config.image_token_id
+                ids[row, pos + 1 + n] = config.image_end_token_id
+                pos += n + 8
+            k += count
+        mask = torch.ones(3, seq, dtype=torch.long)
         ids[1, :9] = text["pad_token_id"]
         mask[1, :9] = 0
         pixel_values = torch.randn(sum(t * h * w for t, h, w in VLM_GRIDS), 1176, generator=gen)
