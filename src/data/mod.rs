@@ -3,3 +3,43 @@
 pub mod chat;
 pub mod image_processor;
 pub mod resize;
+
+use chat::{ChatError, ChatFormat};
+use image_processor::{ImageError, ImageProcessor, RgbImage};
+
+/// A user turn with images and text, ready for `forward_multimodal`.
+#[derive(Debug, Clone)]
+pub struct MultimodalPrompt {
+    pub ids: Vec<i64>,
+    /// `[N_patches, 1176]` row-major, all images concatenated.
+    pub pixel_values: Vec<f32>,
+    pub patch_dim: usize,
+    pub grid_thw: Vec<[usize; 3]>,
+}
+
+/// Errors of prompt building.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    #[error(transparent)]
+    Chat(#[from] ChatError),
+}
+
+/// One user turn — the images, then `text` — rendered with the chat template and a generation
+/// prompt, images processed and their placeholders expanded.
+pub fn user_prompt(chat: &ChatFormat, processor: &ImageProcessor, images: &[RgbImage], text: &str) -> Result<MultimodalPrompt, PromptError> {
+    let processed = images.iter().map(|im| processor.process(im)).collect::<Result<Vec<_>, _>>()?;
+    let mut content: Vec<serde_json::Value> = images.iter().map(|_| serde_json::json!({"type": "image"})).collect();
+    content.push(serde_json::json!({"type": "text", "text": text}));
+    let messages = serde_json::json!([{"role": "user", "content": content}]);
+    let tokens: Vec<usize> = processed.iter().map(|p| p.n_tokens(processor.merge_size)).collect();
+    let enc = chat.encode(&messages, true, &tokens)?;
+    let patch_dim = 3 * processor.temporal_patch_size * processor.patch_size * processor.patch_size;
+    Ok(MultimodalPrompt {
+        ids: enc.ids.iter().map(|&x| x as i64).collect(),
+        pixel_values: processed.iter().flat_map(|p| p.pixel_values.iter().copied()).collect(),
+        patch_dim,
+        grid_thw: processed.iter().map(|p| p.grid_thw).collect(),
+    })
+}

@@ -625,6 +625,41 @@ def chat_fixture():
     (d / "cases.json").write_text(json.dumps(cases, indent=1) + "\n")
     print(f"chat: {len(cases)} conversations, lengths {[len(c['input_ids']) for c in cases]}")
 
+    # end to end: a tiny VLM speaking this tokenizer, run by the reference on an image + prompt
+    ids_of = hf_tok.convert_tokens_to_ids
+    text = base_text(vocab_size=len(hf_tok), pad_token_id=ids_of("<|endoftext|>"))
+    extra = {"vision_config": VLM_VISION, "image_token_id": ids_of("<|image|>"), "video_token_id": ids_of("<|video|>"),
+             "image_start_token_id": ids_of("<|begin_of_image|>"), "image_end_token_id": ids_of("<|end_of_image|>"),
+             "video_start_token_id": ids_of("<|begin_of_video|>"), "video_end_token_id": ids_of("<|end_of_video|>")}
+    messages = [{"role": "user", "content": [img("b.png"), {"type": "text", "text": "What does the scan show?"}]}]
+    inputs = proc.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True,
+                                      return_tensors="pt")
+    images = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+    # random models differ a lot in how much they amplify fp32 rounding; take the first seed whose
+    # reference fp32 run stays within the parity bars of its own float64 run, without index ties
+    for seed in range(4242, 4292):
+        gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        model = Glm5NextForConditionalGeneration(build_config(text, extra)).eval()
+        init_weights(model, gen)
+        init_vision(model, gen)
+        with Recorder() as rec, torch.no_grad():
+            l32 = model(**inputs).logits.double()
+        if min([boundary_margin(sc.float(), k) for _, sc, k, _ in rec.calls] or [1.0]) < MARGIN:
+            continue
+        out, _ = run_float64(model, inputs["input_ids"], inputs["attention_mask"], images=images)
+        gap = (l32 - out.logits).abs().max().item()
+        kl = (out.logits.log_softmax(-1).exp() * (out.logits.log_softmax(-1) - l32.log_softmax(-1))).sum(-1).mean()
+        print(f"chat e2e: seed {seed}: reference fp32 vs fp64 max|d| {gap:.2e}, mean KL {kl.item():.2e}")
+        if gap < 5e-5:
+            break
+    else:
+        raise SystemExit("chat e2e: no well-conditioned seed")
+    model.save_pretrained(d / "model", safe_serialization=True)
+    save_file({"input_ids": inputs["input_ids"].to(torch.int64), "logits": out.logits.float().contiguous()},
+              d / "e2e.safetensors")
+    print(f"chat e2e: {inputs['input_ids'].shape[1]} tokens, next-token argmax {out.logits[0, -1].argmax().item()}")
+
 
 FP8_BLOCK = [16, 16]  # small blocks so the tiny weights have partial edge blocks (24 rows, 24 cols)
 FP8_PATTERNS = ("mlp.experts.", "mlp.shared_experts.", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
