@@ -45,9 +45,23 @@ enum BackendChoice {
     Vulkan,
 }
 
-/// Compute GLM-5.3-Flash logits for token ids with a Hugging Face checkpoint.
+/// Compute GLM-5.3-Flash logits for token ids with a Hugging Face checkpoint, or, with
+/// `--prompt`, run image files and a prompt through the processor and chat format and print
+/// the most likely next tokens.
 #[derive(Parser)]
 struct Args {
+    /// Images for the prompt (repeatable; PNG or JPEG), with `--prompt`.
+    #[arg(long = "image", requires = "prompt")]
+    images: Vec<PathBuf>,
+    /// A user prompt: rendered with the tokenizer's chat template, images first.
+    #[arg(long, requires = "tokenizer", conflicts_with_all = ["input", "output"])]
+    prompt: Option<String>,
+    /// `tokenizer.json`; its chat template is `chat_template.jinja` or `tokenizer_config.json` beside it.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// How many next tokens to print with `--prompt`.
+    #[arg(long, default_value_t = 5)]
+    top: usize,
     /// Backend to run on.
     #[arg(long, value_enum, default_value = "flex")]
     backend: BackendChoice,
@@ -55,11 +69,11 @@ struct Args {
     #[arg(long)]
     checkpoint: PathBuf,
     /// Input safetensors with `input_ids` (I64 [B, S]) and optional `attention_mask`.
-    #[arg(long)]
-    input: PathBuf,
+    #[arg(long, required_unless_present = "prompt")]
+    input: Option<PathBuf>,
     /// Output safetensors receiving `logits` (F32 [B, S, V]).
-    #[arg(long)]
-    output: PathBuf,
+    #[arg(long, required_unless_present = "prompt")]
+    output: Option<PathBuf>,
     /// Weight and activation precision (fp32 is kept where the reference keeps it).
     #[arg(long, value_enum, default_value = "f32")]
     dtype: Precision,
@@ -92,7 +106,11 @@ fn main() {
 }
 
 fn run<B: Backend>(args: &Args, device: &B::Device) -> Result<()> {
-    let inputs = TokenInputs::read(&args.input)?;
+    if let Some(prompt) = &args.prompt {
+        return run_prompt::<B>(args, prompt, device);
+    }
+    let (input, output) = (args.input.clone().expect("clap requires it"), args.output.clone().expect("clap requires it"));
+    let inputs = TokenInputs::read(&input)?;
     let (b, s) = (inputs.batch, inputs.seq);
     let dtype = match args.dtype {
         Precision::F32 => DType::F32,
@@ -118,12 +136,12 @@ fn run<B: Backend>(args: &Args, device: &B::Device) -> Result<()> {
     let out = loaded
         .model
         .forward_multimodal(&inputs.ids, b, s, Some(mask), pixels, &opts, false)
-        .with_context(|| format!("{}", args.input.display()))?;
+        .with_context(|| format!("{}", input.display()))?;
     let logits: Vec<f32> = out.logits.cast(DType::F32).into_data().convert::<f32>().into_vec().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let v = logits.len() / (b * s);
     eprintln!("forward [{b}, {s}] -> [{b}, {s}, {v}] in {:.2?}", start.elapsed());
-    write_logits(&args.output, &logits, [b, s, v])?;
-    eprintln!("wrote {}", args.output.display());
+    write_logits(&output, &logits, [b, s, v])?;
+    eprintln!("wrote {}", output.display());
 
     if let Some((reference, rv)) = &inputs.reference_logits {
         if *rv == v {
@@ -141,6 +159,44 @@ fn run<B: Backend>(args: &Args, device: &B::Device) -> Result<()> {
             }
             eprintln!("parity vs the reference logits in the input: max|Δ| {max_abs:.3e}, mean KL {:.3e} over {n} positions", kl_sum / n.max(1) as f64);
         }
+    }
+    Ok(())
+}
+
+fn run_prompt<B: Backend>(args: &Args, prompt: &str, device: &B::Device) -> Result<()> {
+    use glm5_burn::data::chat::ChatFormat;
+    use glm5_burn::data::image_processor::{ImageProcessor, RgbImage};
+    let tok = args.tokenizer.as_ref().expect("clap requires it");
+    let dir = tok.parent().unwrap_or(std::path::Path::new("."));
+    let chat = ChatFormat::from_dir(dir).with_context(|| format!("loading the tokenizer and chat template from {}", dir.display()))?;
+    let images = args.images.iter().map(|p| RgbImage::open(p)).collect::<Result<Vec<_>, _>>()?;
+    let p = glm5_burn::data::user_prompt(&chat, &ImageProcessor::default(), &images, prompt)?;
+    let dtype = if matches!(args.dtype, Precision::Bf16) { DType::BF16 } else { DType::F32 };
+    let load = LoadOptions { vision: !images.is_empty(), ..LoadOptions::with_dtype(dtype) };
+    let loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
+    let image_id = chat.tokenizer.token_to_id("<|image|>").map(|x| x as i64);
+    if !images.is_empty() && image_id != Some(loaded.config.image_token_id) {
+        anyhow::bail!(
+            "the tokenizer's <|image|> id {:?} differs from the checkpoint's image_token_id {}",
+            image_id,
+            loaded.config.image_token_id
+        );
+    }
+    let n = p.pixel_values.len() / p.patch_dim;
+    let pixels = (!images.is_empty())
+        .then(|| (Tensor::<B, 2>::from_data(TensorData::new(p.pixel_values.clone(), [n, p.patch_dim]), device), p.grid_thw.as_slice()));
+    let s = p.ids.len();
+    let out = loaded.model.forward_multimodal(&p.ids, 1, s, None, pixels, &ForwardOptions::default(), false)?;
+    let v = loaded.config.text_config.vocab_size;
+    let last: Vec<f32> = out.logits.slice([0..1, s - 1..s, 0..v]).cast(DType::F32).into_data().convert::<f32>().into_vec().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let m = last.iter().fold(f32::MIN, |a, &b| a.max(b));
+    let z: f32 = last.iter().map(|x| (x - m).exp()).sum();
+    let mut order: Vec<usize> = (0..v).collect();
+    order.sort_by(|a, b| last[*b].total_cmp(&last[*a]));
+    println!("{s} prompt tokens ({} images, grids {:?}); next token:", images.len(), p.grid_thw);
+    for &i in order.iter().take(args.top) {
+        let text = chat.tokenizer.decode(&[i as u32], false).unwrap_or_default();
+        println!("  {i:>7}  p={:.4}  {text:?}", (last[i] - m).exp() / z);
     }
     Ok(())
 }
