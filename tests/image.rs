@@ -14,7 +14,7 @@ fn pattern(w: usize, h: usize, seed: i64) -> RgbImage {
     let mut data = Vec::with_capacity(w * h * 3);
     for y in 0..h as i64 {
         for x in 0..w as i64 {
-            let hsh = (x * 73856093 ^ y * 19349663 ^ seed * 83492791) & 0xFFFF;
+            let hsh = ((x * 73856093) ^ (y * 19349663) ^ (seed * 83492791)) & 0xFFFF;
             let r = (x * 255 / (w as i64 - 1).max(1) + (hsh & 31)) & 0xFF;
             let g = (y * 255 / (h as i64 - 1).max(1) + ((hsh >> 5) & 31)) & 0xFF;
             let b = ((x + y) * 7 + ((hsh >> 10) & 63)) & 0xFF;

@@ -8,8 +8,10 @@ use std::path::Path;
 
 use super::resize::{resize_u8, Arithmetic};
 
-/// OpenAI CLIP mean and std.
+/// OpenAI CLIP mean and std (the reference's `OPENAI_CLIP_MEAN`/`_STD` literals).
+#[allow(clippy::excessive_precision)]
 pub const CLIP_MEAN: [f32; 3] = [0.48145466, 0.4578275, 0.40821073];
+#[allow(clippy::excessive_precision)]
 pub const CLIP_STD: [f32; 3] = [0.26862954, 0.26130258, 0.27577711];
 
 /// Errors of the image pipeline, naming the image.
@@ -98,6 +100,9 @@ impl ProcessedImage {
     }
 }
 
+/// `(height, width)`.
+pub type Size = (usize, usize);
+
 fn align(v: usize, f: usize) -> usize {
     v.div_ceil(f) * f
 }
@@ -159,7 +164,7 @@ fn round_half_even(x: f64) -> f64 {
 
 impl ImageProcessor {
     /// The canvas and content sizes for an image: `((canvas_h, canvas_w), (content_h, content_w))`.
-    pub fn geometry(&self, height: usize, width: usize) -> Result<((usize, usize), (usize, usize)), ImageError> {
+    pub fn geometry(&self, height: usize, width: usize) -> Result<(Size, Size), ImageError> {
         let factor = self.patch_size * self.merge_size;
         let t = self.temporal_patch_size;
         let (th, tw) = smart_resize(t, height, width, t, factor, self.min_image_tokens, self.max_image_tokens)?;
