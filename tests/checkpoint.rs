@@ -11,16 +11,8 @@ use common::*;
 use glm5_burn::checkpoint::safetensors_io::{serialize, OwnedTensor};
 use glm5_burn::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
 use glm5_burn::{CheckpointError, ForwardOptions};
-use safetensors::tensor::{Dtype, SafeTensors};
+use safetensors::tensor::Dtype;
 
-fn read_all(path: &Path) -> BTreeMap<String, OwnedTensor> {
-    let bytes = std::fs::read(path).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(n, v)| (n, OwnedTensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data().to_vec() }))
-        .collect()
-}
 
 fn write_all(path: &Path, t: &BTreeMap<String, OwnedTensor>) {
     std::fs::write(path, serialize(t).unwrap()).unwrap();

@@ -11,16 +11,8 @@ use common::*;
 use glm5_burn::checkpoint::convert::{convert_checkpoint, ConvertOptions};
 use glm5_burn::checkpoint::safetensors_io::{serialize, OwnedTensor};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
-use safetensors::tensor::{Dtype, SafeTensors};
+use safetensors::tensor::Dtype;
 
-fn read_all(path: &Path) -> BTreeMap<String, OwnedTensor> {
-    let bytes = std::fs::read(path).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(n, v)| (n, OwnedTensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data().to_vec() }))
-        .collect()
-}
 
 fn convert(input: &Path, output: &Path, max: usize) -> Result<glm5_burn::checkpoint::convert::ConvertReport, String> {
     let opts = ConvertOptions { max_shard_bytes: max, ..ConvertOptions::default() };

@@ -14,7 +14,7 @@ use glm5_burn::checkpoint::fp8::E4M3_TABLE;
 use glm5_burn::checkpoint::safetensors_io::{serialize, OwnedTensor, SafetensorsFiles};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::{ForwardOptions, TokenMask};
-use safetensors::tensor::{Dtype, SafeTensors};
+use safetensors::tensor::Dtype;
 
 fn oracle() -> Io {
     Io::open(&fixtures().join("fp8_oracle.safetensors"))
@@ -73,14 +73,6 @@ fn fp8_checkpoint_logits_match_reference_on_dequantised_weights() {
     assert!(st.mean_kl <= 1e-10 && st.max_abs <= 1e-4 && st.top1 == 1.0, "{st:?}");
 }
 
-fn read_all(path: &Path) -> BTreeMap<String, OwnedTensor> {
-    let bytes = std::fs::read(path).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(n, v)| (n, OwnedTensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data().to_vec() }))
-        .collect()
-}
 
 fn edited(edit: impl FnOnce(&mut BTreeMap<String, OwnedTensor>)) -> tempfile::TempDir {
     let src = fixtures().join("fp8_f32_scales");

@@ -2,7 +2,7 @@
 //!
 //! `y = W_down( act(min(W_gate x, L)) ⊙ clamp(W_up x, −L, L) )` with `L = swiglu_limit`;
 //! the gate is clamped above only, up on both sides, both before the activation.
-//! HF: `Glm5NextTextMLP.forward`. Shapes `[..., D] -> [..., D]`, hidden `[..., I]`.
+//! HF: `Glm5NextTextMLP.forward` (and `Glm5NextVisionMLP.forward`, with biases). Shapes `[..., D] -> [..., D]`, hidden `[..., I]`.
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
@@ -36,10 +36,15 @@ pub fn clamped_swiglu<B: Backend, const D: usize>(
 
 impl<B: Backend> Mlp<B> {
     pub fn new(hidden: usize, intermediate: usize, act: Activation, limit: f64, device: &B::Device) -> Self {
+        Self::with_bias(hidden, intermediate, act, limit, false, device)
+    }
+
+    /// With biases on all three projections (the vision tower's MLP when `attention_bias`).
+    pub fn with_bias(hidden: usize, intermediate: usize, act: Activation, limit: f64, bias: bool, device: &B::Device) -> Self {
         Self {
-            gate_proj: linear(hidden, intermediate, false, device),
-            up_proj: linear(hidden, intermediate, false, device),
-            down_proj: linear(intermediate, hidden, false, device),
+            gate_proj: linear(hidden, intermediate, bias, device),
+            up_proj: linear(hidden, intermediate, bias, device),
+            down_proj: linear(intermediate, hidden, bias, device),
             act,
             limit,
         }

@@ -24,7 +24,7 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::config::{Activation, VisionConfig};
 use crate::error::ModelError;
-use crate::text::mlp::{clamped_swiglu, linear};
+use crate::text::mlp::{clamped_swiglu, linear, Mlp};
 use crate::text::norm::{LayerNorm, RmsNorm};
 
 /// A convolution whose kernel equals its stride, applied as a matmul over flattened patches.
@@ -65,30 +65,13 @@ pub struct VisionAttention<B: Backend> {
     pub num_heads: usize,
 }
 
-/// Clamped SwiGLU with biases (`mlp` of a vision block).
-#[derive(Module, Debug)]
-pub struct VisionMlp<B: Backend> {
-    pub gate_proj: Linear<B>,
-    pub up_proj: Linear<B>,
-    pub down_proj: Linear<B>,
-    pub act: Activation,
-    pub limit: f64,
-}
-
-impl<B: Backend> VisionMlp<B> {
-    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let h = clamped_swiglu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x), self.limit, self.act);
-        self.down_proj.forward(h)
-    }
-}
-
 /// One pre-norm vision block.
 #[derive(Module, Debug)]
 pub struct VisionBlock<B: Backend> {
     pub norm1: RmsNorm<B>,
     pub norm2: RmsNorm<B>,
     pub attn: VisionAttention<B>,
-    pub mlp: VisionMlp<B>,
+    pub mlp: Mlp<B>,
 }
 
 /// The patch merger: projection, LayerNorm + exact GELU, clamped SwiGLU (no biases).
@@ -139,13 +122,7 @@ impl<B: Backend> VisionModel<B> {
                         num_heads: c.num_heads,
                     },
                     // NOTE: the reference gives the vision MLP biases exactly when `attention_bias`
-                    mlp: VisionMlp {
-                        gate_proj: linear(h, i, c.attention_bias, device),
-                        up_proj: linear(h, i, c.attention_bias, device),
-                        down_proj: linear(i, h, c.attention_bias, device),
-                        act: c.hidden_act,
-                        limit: c.swiglu_limit,
-                    },
+                    mlp: Mlp::with_bias(h, i, c.hidden_act, c.swiglu_limit, c.attention_bias, device),
                 })
                 .collect(),
             post_layernorm: RmsNorm::new(h, eps, device),

@@ -56,6 +56,16 @@ impl Io {
     }
 }
 
+/// Every tensor of a safetensors file, owned (for tests that edit checkpoints).
+pub fn read_all(path: &Path) -> std::collections::BTreeMap<String, glm5_burn::checkpoint::safetensors_io::OwnedTensor> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, glm5_burn::checkpoint::safetensors_io::OwnedTensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data().to_vec() }))
+        .collect()
+}
+
 pub fn host<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data().convert::<f32>().into_vec().unwrap()
 }
