@@ -531,6 +531,7 @@ def image_fixture():
     Image.fromarray(pattern_image(64, 48, 5)[..., 0]).save(d / "gray.png")
     rgba = np.concatenate([pattern_image(50, 50, 6), np.full((50, 50, 1), 128, np.uint8)], -1)
     Image.fromarray(rgba, "RGBA").save(d / "rgba.png")
+    Image.fromarray(pattern_image(40, 30, 7)).save(d / "photo.jpg", quality=90)
     cases = [(f"pattern_{w}x{h}", pattern_image(w, h, i)) for i, (w, h) in enumerate(IMAGE_SIZES)]
     cases += [("gray_png", np.array(Image.open(d / "gray.png").convert("RGB"))),
               ("rgba_png", np.array(Image.open(d / "rgba.png").convert("RGB")))]
@@ -545,6 +546,7 @@ def image_fixture():
             out[f"{name}.{tag}.sum"] = pv.double().sum().reshape(1)
         print(f"image {name}: {arr.shape[1]}x{arr.shape[0]} -> grid {out[f'{name}.tv.grid'].tolist()}, "
               f"tv vs pil max|d| {(out[f'{name}.tv.sample'] - out[f'{name}.pil.sample']).abs().max().item():.4f}")
+    out["photo_jpg.pil_rgb"] = torch.from_numpy(np.array(Image.open(d / "photo.jpg").convert("RGB")).astype(np.float32))
     save_file(out, d / "reference.safetensors")
 
 
