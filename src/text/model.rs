@@ -23,6 +23,8 @@ pub struct TextModel<B: Backend> {
     pub layers: Vec<DecoderLayer<B>>,
     pub norm: RmsNorm<B>,
     pub hc_mult: usize,
+    /// Embedding row that takes no gradient (`nn.Embedding(padding_idx=pad_token_id)`).
+    pub pad_token_id: Option<i64>,
 }
 
 /// Everything a forward can report besides the final hidden state.
@@ -46,12 +48,22 @@ impl<B: Backend> TextModel<B> {
             layers: (0..c.num_hidden_layers).map(|i| DecoderLayer::new(c, i, device)).collect(),
             norm: RmsNorm::new(c.hidden_size, c.rms_norm_eps, device),
             hc_mult: c.hc_mult,
+            pad_token_id: c.pad_token_id,
         }
     }
 
-    /// Embedding lookup `[B, S]` → `[B, S, D]`.
+    /// Embedding lookup `[B, S]` → `[B, S, D]`. Like the reference's
+    /// `nn.Embedding(padding_idx=pad_token_id)`, the padding row receives no gradient.
     pub fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        self.embed_tokens.forward(ids)
+        let e = self.embed_tokens.forward(ids.clone());
+        match self.pad_token_id {
+            Some(pad) if B::ad_enabled(&e.device()) => {
+                let is_pad = ids.equal_elem(pad).unsqueeze_dim::<3>(2).expand(e.dims());
+                let frozen = e.clone().detach();
+                e.mask_where(is_pad, frozen)
+            }
+            _ => e,
+        }
     }
 
     /// Run the decoder on input embeddings `[B, S, D]`.

@@ -109,6 +109,9 @@ RELEASE_LIKE = ("bf16_release_like", base_text(
                                                            "gate_lower_bound": -5.0}), 1, 160)
 
 
+GRAD_CASES = ("base_k4", "leftpad")  # cases that also store float64 gradients of the loss
+
+
 def build_config(text, extra):
     cfg = {
         "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
@@ -320,6 +323,44 @@ def run_float64(model, ids, mask, labels=None, images=None):
     return out, store
 
 
+def grads_float64(model, ids, mask, labels, directory):
+    """Gradients of the reference's loss (cross-entropy + router_aux_loss_coef × aux) w.r.t.
+    every parameter, from the float64 run, written in the published checkpoint layout: the
+    parameters of a copy are replaced by their gradients and saved with `save_pretrained`."""
+    m64 = copy.deepcopy(model).double().train()
+    for mod in m64.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and hasattr(cfg, "_experts_implementation_internal"):
+            cfg._experts_implementation_internal = "eager"
+    orig = M.chunk_kimi_delta_attention
+    M.chunk_kimi_delta_attention = chunk_kda_f64
+    try:
+        out = m64(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        out.loss.backward()
+    finally:
+        M.chunk_kimi_delta_attention = orig
+    with torch.no_grad():
+        for p in m64.parameters():
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+    # the reference's own fp32 gradients, to state how far fp32 gets from the float64 truth
+    m32 = copy.deepcopy(model).train()
+    m32(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True).loss.backward()
+    worst = 0.0
+    for (n, p64), p32 in zip(m64.named_parameters(), m32.parameters()):
+        if p32.grad is not None and p64.abs().max() > 0 and not n.startswith("model.visual"):
+            worst = max(worst, ((p32.grad.double() - p64).abs().max() / p64.abs().max()).item())
+    tmp = directory.with_suffix(".grads")
+    shutil.rmtree(tmp, ignore_errors=True)
+    m64.float().save_pretrained(tmp, safe_serialization=True)
+    grads = {k: v for k, v in load_file(tmp / "model.safetensors").items()
+             if not k.startswith("model.visual.") and not k.endswith("e_score_correction_bias")}
+    shutil.rmtree(tmp)
+    grads["hf_f32_rel_err"] = torch.tensor([worst], dtype=torch.float32)
+    save_file({k: v.contiguous() for k, v in grads.items()}, directory / "grads.safetensors")
+    print(f"  {directory.name}: gradients; the reference's fp32 gradients are within {worst:.2e} (max|d|/max|ref|)")
+    return out.loss.item()
+
+
 def model_fixture(name, spec):
     """Reference outputs come from the float64 run of the HF model (the truth the fp32 bars are
     measured against); the fp32 run picks the seed (no top-k boundary near-ties), and how far it
@@ -366,6 +407,8 @@ def model_fixture(name, spec):
     m16 = Glm5NextForConditionalGeneration.from_pretrained(d, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         tensors["logits_hf_bf16"] = m16(input_ids=ids, attention_mask=mask).logits.float().contiguous()
+    if name in GRAD_CASES:
+        grads_float64(model, ids, mask, labels, d)
     save_file(tensors, d / "io.safetensors", metadata={"seed": str(seed), "transformers": transformers.__version__,
                                                        "torch": torch.__version__})
     keep = mask.bool()
