@@ -93,7 +93,10 @@ impl<B: Backend> DecoderLayer<B> {
         let y = match &self.self_attn {
             Mixer::Kda(kda) => kda.forward(h, mask, opts),
             Mixer::Mla(mla) => {
-                let (y, idx, margin) = mla.forward(h, mask, indices.as_deref(), opts);
+                let (y, idx, margin) = match &mask.documents {
+                    Some(docs) => mla.forward_documents(h, docs, indices.as_deref(), opts),
+                    None => mla.forward(h, mask, indices.as_deref(), opts),
+                };
                 if mla.indexer.is_some() {
                     *indices = Some(idx);
                 }

@@ -127,9 +127,24 @@ impl<B: Backend> KdaAttention<B> {
         }
     }
 
-    /// `u` `[B, T, D]` → `[B, T, D]`.
+    /// `u` `[B, T, D]` → `[B, T, D]`. Packed documents are scanned separately, each from a
+    /// zero state and a zero conv window.
     pub fn forward(&self, u: Tensor<B, 3>, mask: &TokenMask<B>, opts: &ForwardOptions) -> Tensor<B, 3> {
-        self.forward_with_state(u, mask, opts, None).0
+        match &mask.documents {
+            Some(docs) => {
+                let [_, _, d] = u.dims();
+                let device = u.device();
+                let outs: Vec<Tensor<B, 3>> = docs
+                    .iter()
+                    .map(|r| {
+                        let part = u.clone().slice([0..1, r.clone(), 0..d]);
+                        self.forward_with_state(part, &TokenMask::all(1, r.len(), &device), opts, None).0
+                    })
+                    .collect();
+                Tensor::cat(outs, 1)
+            }
+            None => self.forward_with_state(u, mask, opts, None).0,
+        }
     }
 
     /// Like [`Self::forward`], starting from a recurrent state `[B, H, d, d]` (fp32) and

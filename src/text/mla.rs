@@ -63,6 +63,39 @@ impl<B: Backend> MlaAttention<B> {
         }
     }
 
+    /// Packed documents: each document attends (and selects pools) only within itself; the
+    /// index rows come back in row coordinates.
+    pub fn forward_documents(
+        &self,
+        x: Tensor<B, 3>,
+        docs: &[std::ops::Range<usize>],
+        shared_indices: Option<&[i64]>,
+        opts: &ForwardOptions,
+    ) -> (Tensor<B, 3>, Vec<i64>, Option<f32>) {
+        let [_, s, d] = x.dims();
+        let device = x.device();
+        let w = self.index_width;
+        let mut all = vec![-1i64; s * w];
+        let mut outs = Vec::with_capacity(docs.len());
+        let mut margin: Option<f32> = None;
+        for r in docs {
+            let local: Option<Vec<i64>> = shared_indices.map(|idx| {
+                idx[r.start * w..r.end * w].iter().map(|&i| if i >= 0 { i - r.start as i64 } else { -1 }).collect()
+            });
+            let part = x.clone().slice([0..1, r.clone(), 0..d]);
+            let (y, idx, m) = self.forward(part, &TokenMask::all(1, r.len(), &device), local.as_deref(), opts);
+            for (dst, &i) in all[r.start * w..r.end * w].iter_mut().zip(&idx) {
+                *dst = if i >= 0 { i + r.start as i64 } else { -1 };
+            }
+            margin = match (margin, m) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            outs.push(y);
+        }
+        (Tensor::cat(outs, 1), all, margin)
+    }
+
     /// `x` `[B, S, D]` → (`[B, S, D]`, the index rows used, the indexer's boundary margin).
     pub fn forward(
         &self,

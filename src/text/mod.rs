@@ -64,6 +64,9 @@ pub struct TokenMask<B: Backend> {
     pub seq: usize,
     /// `[B, S, 1]` float 1/0, for zeroing padded inputs.
     pub float: Tensor<B, 3>,
+    /// Packed documents of a `B = 1` row (THD layout): token ranges that never see each other
+    /// (KDA state and short conv restart, attention and KPool pools stay inside a document).
+    pub documents: Option<Vec<std::ops::Range<usize>>>,
 }
 
 impl<B: Backend> TokenMask<B> {
@@ -72,7 +75,25 @@ impl<B: Backend> TokenMask<B> {
         assert_eq!(host.len(), batch * seq, "token mask has the wrong length");
         let f: Vec<f32> = host.iter().map(|&m| if m { 1.0 } else { 0.0 }).collect();
         let float = Tensor::from_data(TensorData::new(f, [batch, seq, 1]), device);
-        Self { host, batch, seq, float }
+        Self { host, batch, seq, float, documents: None }
+    }
+
+    /// One packed row of documents of the given lengths (`cu_seqlens` = their prefix sums).
+    pub fn packed(doc_lengths: &[usize], device: &B::Device) -> Self {
+        let seq: usize = doc_lengths.iter().sum();
+        let mut m = Self::all(1, seq, device);
+        let mut start = 0;
+        m.documents = Some(
+            doc_lengths
+                .iter()
+                .filter(|&&l| l > 0)
+                .map(|&l| {
+                    start += l;
+                    start - l..start
+                })
+                .collect(),
+        );
+        m
     }
 
     /// Every position is a token.
