@@ -79,8 +79,8 @@ fn gradients_match_reference() {
                     }
                 }
             }
-            if !(rel <= worst) {
-                worst = rel;
+            if rel.is_nan() || rel > worst {
+                worst = if rel.is_nan() { f32::INFINITY } else { rel };
                 worst_name = name.clone();
             }
             compared += 1;
