@@ -19,6 +19,7 @@ pub mod io;
 pub mod model;
 pub mod ops;
 pub mod text;
+pub mod train;
 pub mod vision;
 
 pub use config::{Glm5Config, TextConfig, VisionConfig};

@@ -1,0 +1,4 @@
+//! Fine-tuning (in progress): the recipe today; the loop, packing of datasets and
+//! checkpointing follow (see the fine-tuning issue).
+
+pub mod recipe;

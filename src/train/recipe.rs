@@ -1,0 +1,312 @@
+//! The training recipe: a YAML file with NeMo AutoModel's sections (`step_scheduler`,
+//! `model`, `distributed`, `dataset`, `validation_dataset`, `packed_sequence`, `optimizer`,
+//! `lr_scheduler`, `freeze_config`, `checkpoint`, `rng`), deserialised into typed structs.
+//! Unknown keys are errors naming their path; `--section.key=value` overrides are applied to
+//! the YAML before it is typed (values are parsed as YAML scalars, so `5`, `true`, `1e-5`
+//! keep their types).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_yaml::Value;
+
+/// Recipe errors, naming the file and key.
+#[derive(Debug, thiserror::Error)]
+pub enum RecipeError {
+    #[error("{path}: {message}")]
+    File { path: String, message: String },
+    #[error("{source_name}: key `{key}`: {message}")]
+    Key { source_name: String, key: String, message: String },
+    #[error("override `{0}`: expected --section.key=value")]
+    Override(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepScheduler {
+    /// Samples (packed sequences) per optimizer step, across accumulation micro-steps.
+    pub global_batch_size: usize,
+    /// Samples per micro-step.
+    pub local_batch_size: usize,
+    pub max_steps: usize,
+    #[serde(default)]
+    pub ckpt_every_steps: Option<usize>,
+    #[serde(default)]
+    pub val_every_steps: Option<usize>,
+}
+
+/// Which implementation of the hot spots to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PathKind {
+    #[default]
+    Reference,
+    Kernel,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct BackendSelect {
+    #[serde(default)]
+    pub attn: PathKind,
+    #[serde(default)]
+    pub linear: PathKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    F32,
+    Bf16,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// HF checkpoint directory; `None` builds the `tiny` preset with seeded weights.
+    #[serde(default)]
+    pub checkpoint: Option<PathBuf>,
+    pub dtype: Precision,
+    #[serde(default)]
+    pub backend: BackendSelect,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Distributed {
+    #[serde(default = "one")]
+    pub dp_size: usize,
+    #[serde(default = "one")]
+    pub ep_size: usize,
+    #[serde(default = "one")]
+    pub cp_size: usize,
+    #[serde(default)]
+    pub activation_checkpointing: bool,
+}
+
+fn one() -> usize {
+    1
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DatasetFormat {
+    /// MedPix-VQA's HF layout: parquet shards with `image_id`, `question`, `answer`, …
+    Parquet,
+    /// One JSON object per line (`image`, `question`, `answer`) beside an image folder.
+    Jsonl,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetSection {
+    pub path: PathBuf,
+    pub format: DatasetFormat,
+    #[serde(default = "train_split")]
+    pub split: String,
+    #[serde(default)]
+    pub max_samples: Option<usize>,
+}
+
+fn train_split() -> String {
+    "train".into()
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PackedSequence {
+    /// Tokens per packed THD sequence (0 disables packing).
+    pub packed_sequence_size: usize,
+    /// Drop samples longer than a pack instead of truncating them.
+    #[serde(default = "yes")]
+    pub drop_long_samples: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Optimizer {
+    /// Only `adamw`.
+    pub name: String,
+    pub lr: f64,
+    #[serde(default = "betas")]
+    pub betas: [f64; 2],
+    /// PyTorch's AdamW default (Burn's is 1e-5): written out so both sides agree.
+    #[serde(default = "eps")]
+    pub eps: f64,
+    /// PyTorch's AdamW default (Burn's is 1e-4).
+    #[serde(default = "weight_decay")]
+    pub weight_decay: f64,
+    /// Clip the global gradient norm over all trainable parameters.
+    #[serde(default)]
+    pub max_grad_norm: Option<f64>,
+}
+
+fn betas() -> [f64; 2] {
+    [0.9, 0.999]
+}
+fn eps() -> f64 {
+    1e-8
+}
+fn weight_decay() -> f64 {
+    0.01
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecayStyle {
+    Constant,
+    Linear,
+    Cosine,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LrScheduler {
+    pub lr_decay_style: DecayStyle,
+    #[serde(default)]
+    pub lr_warmup_steps: usize,
+    #[serde(default)]
+    pub min_lr: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FreezeConfig {
+    #[serde(default = "yes")]
+    pub freeze_embeddings: bool,
+    #[serde(default = "yes")]
+    pub freeze_vision_tower: bool,
+    #[serde(default)]
+    pub freeze_language_model: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    pub checkpoint_dir: PathBuf,
+    /// How many step checkpoints to keep.
+    #[serde(default = "two")]
+    pub keep_last: usize,
+}
+
+fn two() -> usize {
+    2
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rng {
+    pub seed: u64,
+}
+
+/// A whole recipe.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    pub step_scheduler: StepScheduler,
+    pub model: ModelSection,
+    #[serde(default = "single_device")]
+    pub distributed: Distributed,
+    pub dataset: DatasetSection,
+    #[serde(default)]
+    pub validation_dataset: Option<DatasetSection>,
+    pub packed_sequence: PackedSequence,
+    pub optimizer: Optimizer,
+    pub lr_scheduler: LrScheduler,
+    pub freeze_config: FreezeConfig,
+    pub checkpoint: CheckpointSection,
+    pub rng: Rng,
+}
+
+fn single_device() -> Distributed {
+    Distributed { dp_size: 1, ep_size: 1, cp_size: 1, activation_checkpointing: false }
+}
+
+/// Set `a.b.c = value` in a YAML mapping, creating nothing: the path's parent must exist.
+fn set_path(root: &mut Value, dotted: &str, value: Value, source: &str) -> Result<(), RecipeError> {
+    let keys: Vec<&str> = dotted.split('.').collect();
+    let mut node = root;
+    for (i, k) in keys.iter().enumerate() {
+        let map = node.as_mapping_mut().ok_or_else(|| RecipeError::Key {
+            source_name: source.into(),
+            key: keys[..i].join("."),
+            message: "is not a section".into(),
+        })?;
+        let key = Value::String((*k).to_string());
+        if i + 1 == keys.len() {
+            map.insert(key, value);
+            return Ok(());
+        }
+        node = map.entry(key).or_insert_with(|| Value::Mapping(Default::default()));
+    }
+    Ok(())
+}
+
+impl Recipe {
+    /// Parse YAML text, apply `section.key=value` overrides, type and validate it.
+    pub fn from_yaml(text: &str, source: &str, overrides: &[String]) -> Result<Self, RecipeError> {
+        let mut value: Value =
+            serde_yaml::from_str(text).map_err(|e| RecipeError::File { path: source.into(), message: e.to_string() })?;
+        for o in overrides {
+            let o = o.trim_start_matches("--");
+            let (k, v) = o.split_once('=').ok_or_else(|| RecipeError::Override(o.to_string()))?;
+            if k.is_empty() {
+                return Err(RecipeError::Override(o.to_string()));
+            }
+            let v: Value = serde_yaml::from_str(v).map_err(|_| RecipeError::Override(o.to_string()))?;
+            set_path(&mut value, k, v, source)?;
+        }
+        let recipe: Recipe = serde_path_to_error::deserialize(value).map_err(|e| RecipeError::Key {
+            source_name: source.into(),
+            key: e.path().to_string(),
+            message: e.inner().to_string(),
+        })?;
+        recipe.validate(source)?;
+        Ok(recipe)
+    }
+
+    /// Read a recipe file.
+    pub fn from_file(path: &Path, overrides: &[String]) -> Result<Self, RecipeError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| RecipeError::File { path: path.display().to_string(), message: e.to_string() })?;
+        Self::from_yaml(&text, &path.display().to_string(), overrides)
+    }
+
+    /// Accumulation micro-steps per optimizer step.
+    pub fn accumulation_steps(&self) -> usize {
+        self.step_scheduler.global_batch_size / self.step_scheduler.local_batch_size
+    }
+
+    fn validate(&self, source: &str) -> Result<(), RecipeError> {
+        let bad = |key: &str, message: String| Err(RecipeError::Key { source_name: source.into(), key: key.into(), message });
+        let s = &self.step_scheduler;
+        if s.local_batch_size == 0 || s.global_batch_size == 0 || s.global_batch_size % s.local_batch_size != 0 {
+            return bad(
+                "step_scheduler.global_batch_size",
+                format!("must be a positive multiple of local_batch_size ({})", s.local_batch_size),
+            );
+        }
+        for (key, v) in [
+            ("distributed.dp_size", self.distributed.dp_size),
+            ("distributed.ep_size", self.distributed.ep_size),
+            ("distributed.cp_size", self.distributed.cp_size),
+        ] {
+            if v != 1 {
+                return bad(key, format!("is {v}: data/expert/context parallelism is not implemented yet; use 1"));
+            }
+        }
+        if self.optimizer.name != "adamw" {
+            return bad("optimizer.name", format!("{:?} is not supported (only \"adamw\")", self.optimizer.name));
+        }
+        if !(self.optimizer.lr > 0.0) {
+            return bad("optimizer.lr", "must be positive".into());
+        }
+        Ok(())
+    }
+}
