@@ -304,7 +304,7 @@ impl Recipe {
         if self.optimizer.name != "adamw" {
             return bad("optimizer.name", format!("{:?} is not supported (only \"adamw\")", self.optimizer.name));
         }
-        if !(self.optimizer.lr > 0.0) {
+        if self.optimizer.lr.is_nan() || self.optimizer.lr <= 0.0 {
             return bad("optimizer.lr", "must be positive".into());
         }
         Ok(())
