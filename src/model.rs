@@ -211,6 +211,13 @@ impl<B: Backend> Glm5ForCausalLM<B> {
 
     /// Shifted next-token cross-entropy (mean over labels ≠ −100). `labels` `[B, S]` host.
     pub fn lm_loss(logits: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1> {
+        let (sum, count) = Self::lm_loss_sum(logits, labels);
+        sum / count.max(1) as f64
+    }
+
+    /// The summed shifted cross-entropy and the number of label tokens it covers (to
+    /// normalise by the label tokens of a whole global batch).
+    pub fn lm_loss_sum(logits: Tensor<B, 3>, labels: &[i64]) -> (Tensor<B, 1>, usize) {
         let [b, s, v] = logits.dims();
         let device = logits.device();
         let mut target = Vec::with_capacity(b * s);
@@ -223,12 +230,20 @@ impl<B: Backend> Glm5ForCausalLM<B> {
                 weight.push(if ok { 1.0f32 } else { 0.0 });
             }
         }
-        let count = weight.iter().sum::<f32>().max(1.0);
+        let count = weight.iter().filter(|&&w| w > 0.0).count();
         let target = Tensor::<B, 2, Int>::from_data(TensorData::new(target, [b * s, 1]), &device);
         let weight = Tensor::<B, 1>::from_data(TensorData::new(weight, [b * s]), &device);
         let logp = log_softmax(logits.cast(DType::F32).reshape([b * s, v]), 1);
         let nll = logp.gather(1, target).reshape([b * s]).neg();
-        (nll * weight).sum() / count as f64
+        ((nll * weight).sum(), count)
+    }
+
+    /// Number of label tokens of a `[B, S]` label buffer after the shift.
+    pub fn count_labels(labels: &[i64], batch: usize, seq: usize, vocab: usize) -> usize {
+        (0..batch)
+            .flat_map(|b| (1..seq).map(move |t| labels[b * seq + t]))
+            .filter(|&l| l >= 0 && (l as usize) < vocab)
+            .count()
     }
 
     /// Load-balancing loss over the MoE layers' router logits (`[B·S, E]` each); `mask`

@@ -781,6 +781,58 @@ def fp8_fixture():
     print(f"fp8: {len(dequantised)} FP8 tensors per variant, block {FP8_BLOCK}")
 
 
+LOSS_CURVE = {"steps": 20, "lr": 1e-4, "min_lr": 1e-5, "warmup": 3, "betas": (0.9, 0.999), "eps": 1e-8,
+              "weight_decay": 0.01, "max_grad_norm": 1.0}
+
+
+def loss_curve_fixture():
+    """20 AdamW steps of the reference (float64) on the `leftpad` checkpoint: two micro-batches
+    (its two rows) per step, cross-entropy summed and divided by the step's label tokens,
+    global-norm clipping, cosine schedule with warm-up (the formula of train::schedule)."""
+    c = LOSS_CURVE
+    d = OUT / "leftpad"
+    io = load_file(d / "io.safetensors")
+    model = Glm5NextForConditionalGeneration.from_pretrained(d, dtype=torch.float64).train()
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and hasattr(cfg, "_experts_implementation_internal"):
+            cfg._experts_implementation_internal = "eager"
+    params = [p for n, p in model.named_parameters() if not n.startswith("model.visual")]
+    opt = torch.optim.AdamW(params, lr=c["lr"], betas=c["betas"], eps=c["eps"], weight_decay=c["weight_decay"])
+
+    def lr_at(step):
+        if step < c["warmup"]:
+            return c["lr"] * (step + 1) / c["warmup"]
+        p = min(max((step - c["warmup"]) / max(c["steps"] - c["warmup"], 1), 0.0), 1.0)
+        return c["min_lr"] + (c["lr"] - c["min_lr"]) * 0.5 * (1 + math.cos(math.pi * p))
+
+    ids, mask, labels = io["input_ids"], io["attention_mask"], io["labels"]
+    total = (labels[:, 1:] != -100).sum().item()
+    losses, norms = [], []
+    orig = M.chunk_kimi_delta_attention
+    M.chunk_kimi_delta_attention = chunk_kda_f64
+    try:
+        for step in range(c["steps"]):
+            opt.zero_grad()
+            step_loss = 0.0
+            for row in range(ids.shape[0]):
+                logits = model(input_ids=ids[row:row + 1], attention_mask=mask[row:row + 1]).logits
+                ce = torch.nn.functional.cross_entropy(logits[0, :-1], labels[row, 1:], ignore_index=-100,
+                                                       reduction="sum")
+                (ce / total).backward()
+                step_loss += (ce / total).item()
+            norms.append(torch.nn.utils.clip_grad_norm_(params, c["max_grad_norm"]).item())
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            opt.step()
+            losses.append(step_loss)
+    finally:
+        M.chunk_kimi_delta_attention = orig
+    save_file({"loss": torch.tensor(losses, dtype=torch.float64), "grad_norm": torch.tensor(norms, dtype=torch.float64)},
+              OUT / "loss_curve.safetensors")
+    print(f"loss curve: {losses[0]:.4f} -> {losses[-1]:.4f} over {c['steps']} steps")
+
+
 def kda_recurrent_f64(q, k, v, g, beta, h0):
     """Independent float64 token recurrence (HF's functions cast to float32 internally)."""
     q, k, v, g, beta, S = (x.double() for x in (q, k, v, g, beta, h0))
@@ -877,6 +929,8 @@ def main():
         image_fixture()
     if not only or "chat" in only:
         chat_fixture()
+    if not only or "loss_curve" in only:
+        loss_curve_fixture()
     if not only or "kda" in only:
         kda_fixture()
     if not only or "config" in only:

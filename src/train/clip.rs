@@ -1,0 +1,64 @@
+//! Gradient clipping by the global L2 norm over all trainable parameters (what PyTorch's
+//! `clip_grad_norm_` and NeMo do; Burn's built-in clipping works per tensor):
+//! `g ← g · min(1, max_norm / (‖g‖₂ + 1e-6))` with `‖g‖₂` over every gradient.
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor};
+
+struct SquaredNorm<'a, B: AutodiffBackend> {
+    grads: &'a GradientsParams,
+    total: f64,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            self.total += g.cast(DType::F32).square().sum().into_scalar().to_f64_lossy();
+        }
+    }
+}
+
+struct Scale<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    factor: f64,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.grads.register::<B::InnerBackend, D>(param.id, g * self.factor);
+        }
+    }
+}
+
+trait ToF64 {
+    fn to_f64_lossy(self) -> f64;
+}
+
+impl<E: burn::tensor::ElementConversion> ToF64 for E {
+    fn to_f64_lossy(self) -> f64 {
+        self.elem::<f64>()
+    }
+}
+
+/// The global gradient norm of `module`'s parameters.
+pub fn global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams) -> f64 {
+    let mut v = SquaredNorm::<B> { grads, total: 0.0, _b: std::marker::PhantomData };
+    module.visit(&mut v);
+    v.total.sqrt()
+}
+
+/// Clip to `max_norm`; returns the norm before clipping.
+pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &mut GradientsParams, max_norm: f64) -> f64 {
+    let norm = global_norm::<B, M>(module, grads);
+    let factor = max_norm / (norm + 1e-6);
+    if factor < 1.0 {
+        let mut v = Scale::<B> { grads, factor, _b: std::marker::PhantomData };
+        module.visit(&mut v);
+    }
+    norm
+}

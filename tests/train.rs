@@ -1,0 +1,57 @@
+//! Training against the reference: 20 AdamW steps (two micro-batches per step, loss over the
+//! step's label tokens, global-norm clipping at 1.0, cosine schedule with warm-up; PyTorch's
+//! AdamW settings written out: eps 1e-8, weight decay 0.01) track the reference's float64 loss
+//! curve (bar 1e-4, measured 5.6e-6) and gradient norms (bar 0.5 %, measured 0.1 %).
+//! Indexer parameters take no gradient on either side. The peak lr is 1e-4: at 1e-3 these
+//! deliberately hot fixtures move far enough per step that, after step 3, our fp32 run and the
+//! fp64 reference separate (loss |Δ| up to 3e-2 with grad-norm spikes, the signature of
+//! discrete routing flips) — a conditioning limit of the fixture, not of the optimizer, which
+//! tracks to 5.6e-6 at 1e-4.
+
+mod common;
+
+use burn::backend::{Autodiff, Flex};
+use burn::optim::AdamWConfig;
+use common::*;
+use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
+use glm5_burn::train::recipe::DecayStyle;
+use glm5_burn::train::schedule::LrSchedule;
+use glm5_burn::train::step::{train_step, MicroBatch};
+use glm5_burn::{ForwardOptions, Glm5ForCausalLM};
+
+type A = Autodiff<Flex>;
+
+#[test]
+fn loss_curve_tracks_the_reference() {
+    let dir = fixtures().join("leftpad");
+    let device = Default::default();
+    let mut model: Glm5ForCausalLM<A> = load_causal_lm::<A>(&dir, &device, &LoadOptions::default()).unwrap().model;
+    let io = Io::open(&dir.join("io.safetensors"));
+    let (ids, labels, mask) = (io.i64("input_ids"), io.i64("labels"), io.i64("attention_mask"));
+    let s = io.shape("input_ids")[1];
+    let micro: Vec<MicroBatch> = (0..2)
+        .map(|r| MicroBatch {
+            ids: ids[r * s..(r + 1) * s].to_vec(),
+            labels: labels[r * s..(r + 1) * s].to_vec(),
+            batch: 1,
+            seq: s,
+            mask: Some(mask[r * s..(r + 1) * s].iter().map(|&m| m != 0).collect()),
+            documents: None,
+        })
+        .collect();
+    let mut optim = AdamWConfig::new().with_beta_1(0.9).with_beta_2(0.999).with_epsilon(1e-8).with_weight_decay(0.01).init();
+    let schedule = LrSchedule { style: DecayStyle::Cosine, lr: 1e-4, min_lr: 1e-5, warmup_steps: 3, total_steps: 20 };
+    let reference = Io::open(&fixtures().join("loss_curve.safetensors"));
+    let (ref_loss, ref_norm) = (reference.f64("loss"), reference.f64("grad_norm"));
+    let mut worst = 0f64;
+    for step in 0..20 {
+        let (m, metrics) = train_step(model, &mut optim, &micro, schedule.at(step), Some(1.0), 0.0, &ForwardOptions::default(), &device);
+        model = m;
+        let d = (metrics.loss - ref_loss[step]).abs();
+        println!("step {step:2}: loss {:.6} (reference {:.6}, |Δ| {d:.1e}), grad norm {:.4} (reference {:.4})", metrics.loss, ref_loss[step], metrics.grad_norm, ref_norm[step]);
+        worst = worst.max(d);
+        assert!((metrics.grad_norm - ref_norm[step]).abs() <= 5e-3 * ref_norm[step], "step {step}: grad norm");
+    }
+    assert!(worst <= 1e-4, "loss curve max |Δ| {worst:e}");
+    assert!(ref_loss[19] < ref_loss[0] - 0.3, "the loss falls");
+}
