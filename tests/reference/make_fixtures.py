@@ -297,14 +297,19 @@ def chunk_kda_f64(query, key, value, g, beta, chunk_size=64, initial_state=None,
     return o.to(query.dtype), (s if output_final_state else None)
 
 
+def eager_experts(model):
+    """Route the MoE experts through the reference's eager loop (grouped_mm has no float64 kernel)."""
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and hasattr(cfg, "_experts_implementation_internal"):
+            cfg._experts_implementation_internal = "eager"
+
+
 def run_float64(model, ids, mask, labels=None, images=None):
     """The same HF model in float64 (eager experts; KDA through `chunk_kda_f64`); with
     `labels`, also the loss with the load-balancing term (`output_router_logits=True`)."""
     m64 = copy.deepcopy(model).double()
-    for mod in m64.modules():
-        cfg = getattr(mod, "config", None)
-        if cfg is not None and hasattr(cfg, "_experts_implementation_internal"):
-            cfg._experts_implementation_internal = "eager"  # grouped_mm has no float64 kernel
+    eager_experts(m64)
     orig = M.chunk_kimi_delta_attention
     M.chunk_kimi_delta_attention = chunk_kda_f64
     try:
@@ -328,10 +333,7 @@ def grads_float64(model, ids, mask, labels, directory):
     every parameter, from the float64 run, written in the published checkpoint layout: the
     parameters of a copy are replaced by their gradients and saved with `save_pretrained`."""
     m64 = copy.deepcopy(model).double().train()
-    for mod in m64.modules():
-        cfg = getattr(mod, "config", None)
-        if cfg is not None and hasattr(cfg, "_experts_implementation_internal"):
-            cfg._experts_implementation_internal = "eager"
+    eager_experts(m64)
     orig = M.chunk_kimi_delta_attention
     M.chunk_kimi_delta_attention = chunk_kda_f64
     try:
@@ -520,10 +522,7 @@ def vlm_fixture():
     feats = {}
     hook = None
     m64 = copy.deepcopy(model).double()
-    for mod in m64.modules():
-        cfg = getattr(mod, "config", None)
-        if cfg is not None and hasattr(cfg, "_experts_implementation_internal"):
-            cfg._experts_implementation_internal = "eager"
+    eager_experts(m64)
     hook = m64.model.visual.register_forward_hook(lambda mod, a, out: feats.__setitem__("v", out.pooler_output))
     orig = M.chunk_kimi_delta_attention
     M.chunk_kimi_delta_attention = chunk_kda_f64
@@ -793,10 +792,7 @@ def loss_curve_fixture():
     d = OUT / "leftpad"
     io = load_file(d / "io.safetensors")
     model = Glm5NextForConditionalGeneration.from_pretrained(d, dtype=torch.float64).train()
-    for mod in model.modules():
-        cfg = getattr(mod, "config", None)
-        if cfg is not None and hasattr(cfg, "_experts_implementation_internal"):
-            cfg._experts_implementation_internal = "eager"
+    eager_experts(model)
     params = [p for n, p in model.named_parameters() if not n.startswith("model.visual")]
     opt = torch.optim.AdamW(params, lr=c["lr"], betas=c["betas"], eps=c["eps"], weight_decay=c["weight_decay"])
 
