@@ -1,7 +1,10 @@
-//! Data: the image processor (and, later, the chat format and MedPix reader).
+//! Data: the image processor, the chat format, the MedPix-VQA reader and THD packing.
 
 pub mod chat;
 pub mod image_processor;
+pub mod loader;
+pub mod medpix;
+pub mod packing;
 pub mod resize;
 
 use chat::{ChatError, ChatFormat};

@@ -1,7 +1,11 @@
-//! Fine-tuning (in progress): the recipe today; the loop, packing of datasets and
-//! checkpointing follow (see the fine-tuning issue).
+//! Fine-tuning: the recipe, the training step and [`trainer::Trainer`] (the loop as a library),
+//! parameter tools (freezing, mixed precision), LR schedules, global-norm clipping and
+//! resumable checkpoints.
 
+pub mod checkpoint;
 pub mod clip;
+pub mod params;
 pub mod recipe;
 pub mod schedule;
 pub mod step;
+pub mod trainer;

@@ -33,6 +33,18 @@ pub struct StepScheduler {
     pub ckpt_every_steps: Option<usize>,
     #[serde(default)]
     pub val_every_steps: Option<usize>,
+    /// What a non-finite loss or gradient norm does: `abort` (default) or `skip` the step
+    /// (nothing applied, counted).
+    #[serde(default)]
+    pub on_nonfinite: NonFinitePolicy,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum NonFinitePolicy {
+    #[default]
+    Abort,
+    Skip,
 }
 
 /// Which implementation of the hot spots to use.
@@ -63,9 +75,16 @@ pub enum Precision {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
-    /// HF checkpoint directory; `None` builds the `tiny` preset with seeded weights.
+    /// HF checkpoint directory; without one the model is built from `config` with seeded
+    /// weights.
     #[serde(default)]
     pub checkpoint: Option<PathBuf>,
+    /// HF `config.json` for a seeded model (ignored when `checkpoint` is set).
+    #[serde(default)]
+    pub config: Option<PathBuf>,
+    /// Directory with `tokenizer.json` and the chat template; defaults to `checkpoint`.
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
     pub dtype: Precision,
     #[serde(default)]
     pub backend: BackendSelect,
@@ -199,6 +218,20 @@ fn two() -> usize {
     2
 }
 
+/// Mixture-of-experts training knobs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct MoeSection {
+    /// Weight of the Switch-style load-balancing loss added to the cross-entropy (0: off).
+    #[serde(default)]
+    pub aux_loss_coef: f64,
+    /// γ of DeepSeek-V3's aux-loss-free balancing: after each step every router's
+    /// `e_score_correction_bias` moves by γ toward under-loaded experts. 0 (the default) keeps
+    /// the checkpoint's bias fixed, as NeMo's SFT recipe does.
+    #[serde(default)]
+    pub router_bias_update_rate: f64,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Rng {
@@ -220,6 +253,8 @@ pub struct Recipe {
     pub optimizer: Optimizer,
     pub lr_scheduler: LrScheduler,
     pub freeze_config: FreezeConfig,
+    #[serde(default)]
+    pub moe: MoeSection,
     pub checkpoint: CheckpointSection,
     pub rng: Rng,
 }
@@ -306,6 +341,15 @@ impl Recipe {
         }
         if self.optimizer.lr.is_nan() || self.optimizer.lr <= 0.0 {
             return bad("optimizer.lr", "must be positive".into());
+        }
+        if self.model.checkpoint.is_none() && self.model.config.is_none() {
+            return bad("model", "needs `checkpoint` (an HF checkpoint directory) or `config` (a config.json for seeded weights)".into());
+        }
+        if self.model.checkpoint.is_none() && self.model.tokenizer.is_none() {
+            return bad("model.tokenizer", "is required when there is no checkpoint to take the tokenizer from".into());
+        }
+        if self.moe.router_bias_update_rate < 0.0 || self.moe.router_bias_update_rate.is_nan() {
+            return bad("moe.router_bias_update_rate", "must be ≥ 0".into());
         }
         Ok(())
     }

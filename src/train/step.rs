@@ -1,14 +1,31 @@
 //! One optimizer step over micro-batches: the cross-entropy of every micro-batch is summed and
 //! divided by the label tokens of the whole global batch (NeMo's `MaskedCrossEntropy`), the
 //! gradients accumulate over micro-batches, are clipped by their global norm and applied.
+//!
+//! ```text
+//! L = Σ_m Σ_{t ∈ labels(m)} CE_t / N_labels(global batch)  [+ aux_coef · mean_m aux_m]
+//! ```
+//!
+//! The step refuses to apply a non-finite loss or gradient norm: the weights and optimizer
+//! state are left as they were and the caller decides (skip and count, or abort).
 
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Tensor, TensorData};
 
-use super::clip::clip_global_norm;
-use crate::model::Glm5ForCausalLM;
+use super::clip::{clip_global_norm, global_norm};
+use crate::error::ModelError;
+use crate::model::{CausalLmOutput, Glm5ForCausalLM};
 use crate::text::{ForwardOptions, TokenMask};
+
+/// The images of a micro-batch, in placeholder order.
+#[derive(Debug, Clone)]
+pub struct Images {
+    /// `[N_patches, patch_dim]` row-major.
+    pub pixel_values: Vec<f32>,
+    pub patch_dim: usize,
+    pub grid_thw: Vec<[usize; 3]>,
+}
 
 /// One micro-batch of token rows.
 #[derive(Debug, Clone)]
@@ -19,8 +36,59 @@ pub struct MicroBatch {
     pub seq: usize,
     /// `[B, S]` validity (padding), or `None`.
     pub mask: Option<Vec<bool>>,
-    /// Packed document lengths of a `B = 1` row, or `None`.
+    /// Packed document lengths of a `B = 1` THD row, or `None`.
     pub documents: Option<Vec<usize>>,
+    pub images: Option<Images>,
+}
+
+impl MicroBatch {
+    /// A text-only micro-batch of `batch` rows.
+    pub fn text(ids: Vec<i64>, labels: Vec<i64>, batch: usize, seq: usize, mask: Option<Vec<bool>>) -> Self {
+        Self { ids, labels, batch, seq, mask, documents: None, images: None }
+    }
+
+    /// Label tokens after the shift (what the loss is normalised by).
+    pub fn label_tokens(&self, vocab: usize) -> usize {
+        Glm5ForCausalLM::<burn_flex::Flex>::count_labels(&self.labels, self.batch, self.seq, vocab)
+    }
+
+    fn check(&self) -> Result<(), TrainError> {
+        let n = self.batch * self.seq;
+        let bad = |m: String| Err(TrainError::Batch(m));
+        if self.ids.len() != n || self.labels.len() != n {
+            return bad(format!("{} ids and {} labels for shape [{}, {}]", self.ids.len(), self.labels.len(), self.batch, self.seq));
+        }
+        if let Some(m) = &self.mask {
+            if m.len() != n {
+                return bad(format!("mask has {} entries for shape [{}, {}]", m.len(), self.batch, self.seq));
+            }
+        }
+        if let Some(d) = &self.documents {
+            if self.batch != 1 || d.iter().sum::<usize>() != self.seq || d.contains(&0) {
+                return bad(format!("documents {d:?} must be positive lengths summing to the one THD row's {} tokens", self.seq));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Training errors.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("micro-batch: {0}")]
+    Batch(String),
+    #[error("step {step}: non-finite {what} (loss {loss}, gradient norm {grad_norm}); the update was not applied")]
+    NonFinite { step: usize, what: &'static str, loss: f64, grad_norm: f64 },
+    #[error("{0}")]
+    Checkpoint(String),
+}
+
+impl From<super::checkpoint::CheckpointIoError> for TrainError {
+    fn from(e: super::checkpoint::CheckpointIoError) -> Self {
+        TrainError::Checkpoint(e.to_string())
+    }
 }
 
 /// What a step did.
@@ -32,9 +100,103 @@ pub struct StepMetrics {
     pub grad_norm: f64,
     pub lr: f64,
     pub label_tokens: usize,
+    /// Tokens processed (all micro-batches, padding excluded).
+    pub tokens: usize,
 }
 
-/// Forward/backward every micro-batch, then one optimizer step.
+/// Forward one micro-batch (text or multimodal, padded or packed).
+pub fn forward_micro<B: Backend>(
+    model: &Glm5ForCausalLM<B>,
+    m: &MicroBatch,
+    opts: &ForwardOptions,
+    device: &B::Device,
+) -> Result<CausalLmOutput<B>, TrainError> {
+    m.check()?;
+    let mask = match (&m.documents, &m.mask) {
+        (Some(docs), _) => Some(TokenMask::packed(docs, device)),
+        (None, Some(mk)) => Some(TokenMask::new(mk.clone(), m.batch, m.seq, device)),
+        (None, None) => None,
+    };
+    let images = match &m.images {
+        None => None,
+        Some(im) => {
+            let n = im.pixel_values.len() / im.patch_dim.max(1);
+            if n * im.patch_dim != im.pixel_values.len() {
+                return Err(TrainError::Batch(format!("{} pixel values are not rows of {}", im.pixel_values.len(), im.patch_dim)));
+            }
+            Some(Tensor::<B, 2>::from_data(TensorData::new(im.pixel_values.clone(), [n, im.patch_dim]), device))
+        }
+    };
+    let images = images.map(|p| (p, m.images.as_ref().map(|i| i.grid_thw.as_slice()).unwrap_or(&[])));
+    Ok(model.forward_multimodal(&m.ids, m.batch, m.seq, mask, images, opts, false)?)
+}
+
+/// Summed cross-entropy and label tokens of one micro-batch (no gradient needed; use on the
+/// inner backend for validation).
+pub fn micro_loss_sum<B: Backend>(
+    model: &Glm5ForCausalLM<B>,
+    m: &MicroBatch,
+    opts: &ForwardOptions,
+    device: &B::Device,
+) -> Result<(f64, usize), TrainError> {
+    let out = forward_micro(model, m, opts, device)?;
+    let (sum, count) = Glm5ForCausalLM::<B>::lm_loss_sum(out.logits, &m.labels);
+    Ok((sum.into_scalar().elem::<f64>(), count))
+}
+
+/// Gradients of one global batch, before clipping.
+pub struct Accumulated {
+    pub grads: GradientsParams,
+    pub loss: f64,
+    pub label_tokens: usize,
+    pub tokens: usize,
+    /// Router logits `[N, E]` (host, row-major) of every MoE layer, per micro-batch, with
+    /// the validity of each row — for the router bias update.
+    pub router_logits: Vec<(Vec<Vec<f32>>, Vec<bool>)>,
+}
+
+/// Forward/backward every micro-batch, accumulating gradients of the globally normalised loss.
+/// With `keep_router_logits`, the router logits come back to the host.
+pub fn accumulate<B: AutodiffBackend>(
+    model: &Glm5ForCausalLM<B>,
+    micro: &[MicroBatch],
+    aux_coef: f64,
+    opts: &ForwardOptions,
+    device: &B::Device,
+    keep_router_logits: bool,
+) -> Result<Accumulated, TrainError> {
+    let vocab = model.vocab_size;
+    let total: usize = micro.iter().map(|m| m.label_tokens(vocab)).sum();
+    let mut acc = GradientsAccumulator::<Glm5ForCausalLM<B>>::new();
+    let mut loss_value = 0.0;
+    let mut tokens = 0;
+    let mut router_logits = Vec::new();
+    for m in micro {
+        let valid: Vec<bool> = m.mask.clone().unwrap_or_else(|| vec![true; m.batch * m.seq]);
+        tokens += valid.iter().filter(|&&v| v).count();
+        let out = forward_micro(model, m, opts, device)?;
+        let (sum, _) = Glm5ForCausalLM::<B>::lm_loss_sum(out.logits, &m.labels);
+        let mut loss = sum / total.max(1) as f64;
+        if aux_coef != 0.0 {
+            if let Some(aux) = model.aux_loss(&out.text.router_logits, &valid) {
+                loss = loss + aux * (aux_coef / micro.len() as f64);
+            }
+        }
+        if keep_router_logits {
+            let host = out.text.router_logits.iter().map(|l| l.clone().detach().into_data().convert::<f32>().into_vec::<f32>());
+            let host = host.collect::<Result<Vec<_>, _>>().map_err(|e| TrainError::Batch(format!("router logits: {e:?}")))?;
+            router_logits.push((host, valid.clone()));
+        }
+        loss_value += loss.clone().into_scalar().elem::<f64>();
+        let grads = GradientsParams::from_grads(loss.backward(), model);
+        acc.accumulate(model, grads);
+    }
+    Ok(Accumulated { grads: acc.grads(), loss: loss_value, label_tokens: total, tokens, router_logits })
+}
+
+/// Forward/backward every micro-batch, then one optimizer step (the low-level form of
+/// [`super::trainer::Trainer::step`], for a caller's own optimizer). On a non-finite loss or
+/// gradient norm the model comes back unchanged with [`TrainError::NonFinite`].
 #[allow(clippy::too_many_arguments)]
 pub fn train_step<B: AutodiffBackend, O: Optimizer<Glm5ForCausalLM<B>, B>>(
     model: Glm5ForCausalLM<B>,
@@ -45,38 +207,30 @@ pub fn train_step<B: AutodiffBackend, O: Optimizer<Glm5ForCausalLM<B>, B>>(
     aux_coef: f64,
     opts: &ForwardOptions,
     device: &B::Device,
-) -> (Glm5ForCausalLM<B>, StepMetrics) {
-    let vocab = model.vocab_size;
-    let total: usize = micro.iter().map(|m| Glm5ForCausalLM::<B>::count_labels(&m.labels, m.batch, m.seq, vocab)).sum();
-    let mut acc = GradientsAccumulator::<Glm5ForCausalLM<B>>::new();
-    let mut loss_value = 0.0;
-    for m in micro {
-        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(m.ids.clone(), [m.batch, m.seq]), device);
-        let mask = match (&m.documents, &m.mask) {
-            (Some(docs), _) => Some(TokenMask::packed(docs, device)),
-            (None, Some(mk)) => Some(TokenMask::new(mk.clone(), m.batch, m.seq, device)),
-            (None, None) => None,
-        };
-        let valid: Vec<bool> = m.mask.clone().unwrap_or_else(|| vec![true; m.batch * m.seq]);
-        let out = model.forward(ids, mask, opts, false);
-        let (sum, _) = Glm5ForCausalLM::<B>::lm_loss_sum(out.logits, &m.labels);
-        let mut loss = sum / total.max(1) as f64;
-        if aux_coef != 0.0 {
-            if let Some(aux) = model.aux_loss(&out.text.router_logits, &valid) {
-                loss = loss + aux * (aux_coef / micro.len() as f64);
-            }
-        }
-        loss_value += loss.clone().into_scalar().elem::<f64>();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        acc.accumulate(&model, grads);
-    }
-    let mut grads = acc.grads();
+) -> (Glm5ForCausalLM<B>, Result<StepMetrics, TrainError>) {
+    let acc = match accumulate(&model, micro, aux_coef, opts, device, false) {
+        Ok(a) => a,
+        Err(e) => return (model, Err(e)),
+    };
+    let mut grads = acc.grads;
     let grad_norm = match max_grad_norm {
         Some(max) => clip_global_norm::<B, _>(&model, &mut grads, max),
-        None => super::clip::global_norm::<B, _>(&model, &grads),
+        None => global_norm::<B, _>(&model, &grads),
     };
+    if let Some(what) = non_finite(acc.loss, grad_norm) {
+        return (model, Err(TrainError::NonFinite { step: 0, what, loss: acc.loss, grad_norm }));
+    }
     let model = optim.step(lr, model, grads);
-    (model, StepMetrics { loss: loss_value, grad_norm, lr, label_tokens: total })
+    (model, Ok(StepMetrics { loss: acc.loss, grad_norm, lr, label_tokens: acc.label_tokens, tokens: acc.tokens }))
 }
 
-use burn::tensor::ElementConversion;
+/// Which of loss / gradient is not finite, if any.
+pub fn non_finite(loss: f64, grad_norm: f64) -> Option<&'static str> {
+    if !loss.is_finite() {
+        Some("loss")
+    } else if !grad_norm.is_finite() {
+        Some("gradient")
+    } else {
+        None
+    }
+}

@@ -1,0 +1,218 @@
+//! A packed SFT dataset and its sampler: records → tokenised samples → THD packs, served as
+//! micro-batches (each micro-batch is `local_batch_size` packs concatenated into one THD row,
+//! document boundaries kept, images processed on demand).
+//!
+//! Order: samples are shuffled once with the recipe seed before packing (so packs mix records);
+//! the packs are reshuffled every epoch with `(seed, epoch)`. The sampler's position is just
+//! `(epoch, cursor)`, which is what a checkpoint stores to resume on the same batch.
+
+use std::path::Path;
+
+use super::chat::ChatFormat;
+use super::image_processor::ImageProcessor;
+use super::medpix::{read_split, DatasetError, ReadReport, VqaRecord};
+use super::packing::{encode_record, pack_greedy, Pack, PackReport, SampleError, SftSample};
+use crate::train::recipe::DatasetFormat;
+use crate::train::step::{Images, MicroBatch};
+
+/// Errors building or serving the dataset.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    #[error(transparent)]
+    Sample(#[from] SampleError),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// SplitMix64: a small, fully specified generator, so a data order is reproducible from
+/// `(seed, epoch)` on any platform and version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Fisher–Yates shuffle of `0..n`.
+    pub fn permutation(&mut self, n: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() {
+            let j = (self.next_u64() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+        v
+    }
+}
+
+/// Records, their packs and what reading/packing skipped.
+pub struct PackedDataset {
+    pub records: Vec<VqaRecord>,
+    pub packs: Vec<Pack>,
+    pub read_report: ReadReport,
+    pub pack_report: PackReport,
+    pub processor: ImageProcessor,
+    pub image_token_id: i64,
+}
+
+/// How to build a [`PackedDataset`].
+#[derive(Debug, Clone)]
+pub struct PackingOptions {
+    /// Tokens per pack; 0 = no packing (one sample per sequence).
+    pub max_length: usize,
+    pub drop_long_samples: bool,
+    pub seed: u64,
+}
+
+impl PackedDataset {
+    /// Read `split` of the dataset at `dir`, tokenise with `chat`, pack.
+    #[allow(clippy::too_many_arguments)]
+    pub fn build(
+        dir: &Path,
+        format: DatasetFormat,
+        split: &str,
+        max_samples: Option<usize>,
+        chat: &ChatFormat,
+        processor: ImageProcessor,
+        image_token_id: i64,
+        packing: &PackingOptions,
+    ) -> Result<Self, DataError> {
+        let (records, read_report) = read_split(dir, format, split, max_samples)?;
+        let mut samples: Vec<SftSample> =
+            records.iter().enumerate().map(|(i, r)| encode_record(chat, &processor, r, i)).collect::<Result<_, _>>()?;
+        if !samples.iter().any(|s| s.ids.contains(&image_token_id)) {
+            return Err(DataError::Other(format!(
+                "{}: the tokenizer never produces the image token id {image_token_id} (config.json `image_token_id`): tokenizer and model disagree",
+                dir.display()
+            )));
+        }
+        let order = SplitMix64(packing.seed).permutation(samples.len());
+        let mut shuffled: Vec<Option<SftSample>> = samples.drain(..).map(Some).collect();
+        let samples: Vec<SftSample> = order.iter().filter_map(|&i| shuffled[i].take()).collect();
+        let (packs, pack_report) = if packing.max_length == 0 {
+            let longest = samples.iter().map(|s| s.ids.len()).max().unwrap_or(1);
+            let n = samples.len();
+            let packs: Vec<Pack> = samples.into_iter().map(|s| Pack { samples: vec![s] }).collect();
+            let tokens: usize = packs.iter().map(Pack::len).sum();
+            let report = PackReport { packs: n, samples: n, fill: tokens as f64 / (n * longest).max(1) as f64, ..Default::default() };
+            (packs, report)
+        } else {
+            pack_greedy(samples, packing.max_length, packing.drop_long_samples, image_token_id)
+        };
+        if packs.is_empty() {
+            return Err(DataError::Other(format!(
+                "{}: split `{split}`: every sample is longer than packed_sequence_size {} ({} dropped); raise it or set drop_long_samples: false",
+                dir.display(),
+                packing.max_length,
+                pack_report.dropped_long
+            )));
+        }
+        Ok(Self { records, packs, read_report, pack_report, processor, image_token_id })
+    }
+
+    /// One THD row holding `packs` (indices into [`Self::packs`]), images processed.
+    pub fn micro_batch(&self, packs: &[usize]) -> Result<MicroBatch, DataError> {
+        let mut ids = Vec::new();
+        let mut labels = Vec::new();
+        let mut documents = Vec::new();
+        let mut pixel_values = Vec::new();
+        let mut grid_thw = Vec::new();
+        let patch_dim = 3 * self.processor.temporal_patch_size * self.processor.patch_size * self.processor.patch_size;
+        for &p in packs {
+            let pack = self.packs.get(p).ok_or_else(|| DataError::Other(format!("pack {p} out of range ({} packs)", self.packs.len())))?;
+            for s in &pack.samples {
+                ids.extend_from_slice(&s.ids);
+                labels.extend_from_slice(&s.labels);
+                documents.push(s.ids.len());
+                let record = &self.records[s.record];
+                let image = record.image().map_err(|source| SampleError::Image { origin: record.origin.clone(), source })?;
+                let processed =
+                    self.processor.process(&image).map_err(|source| SampleError::Image { origin: record.origin.clone(), source })?;
+                pixel_values.extend_from_slice(&processed.pixel_values);
+                grid_thw.push(processed.grid_thw);
+            }
+        }
+        let seq = ids.len();
+        Ok(MicroBatch {
+            ids,
+            labels,
+            batch: 1,
+            seq,
+            mask: None,
+            documents: Some(documents),
+            images: (!grid_thw.is_empty()).then_some(Images { pixel_values, patch_dim, grid_thw }),
+        })
+    }
+
+    /// Tokens over all packs.
+    pub fn tokens(&self) -> usize {
+        self.packs.iter().map(Pack::len).sum()
+    }
+}
+
+/// Epoch-wise shuffled order over `n` packs; its state is `(epoch, cursor)`.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    n: usize,
+    seed: u64,
+    pub epoch: usize,
+    pub cursor: usize,
+    order: Vec<usize>,
+}
+
+impl Sampler {
+    pub fn new(n: usize, seed: u64) -> Self {
+        Self::at(n, seed, 0, 0)
+    }
+
+    /// Resume at `(epoch, cursor)`.
+    pub fn at(n: usize, seed: u64, epoch: usize, cursor: usize) -> Self {
+        let order = Self::order(n, seed, epoch);
+        Self { n, seed, epoch, cursor, order }
+    }
+
+    fn order(n: usize, seed: u64, epoch: usize) -> Vec<usize> {
+        SplitMix64(seed ^ (epoch as u64).wrapping_mul(0xA24B_AED4_963E_E407)).permutation(n)
+    }
+
+    /// The next `k` pack indices, rolling over epochs.
+    pub fn take(&mut self, k: usize) -> Vec<usize> {
+        let mut out = Vec::with_capacity(k);
+        while out.len() < k {
+            if self.cursor == self.n {
+                self.epoch += 1;
+                self.cursor = 0;
+                self.order = Self::order(self.n, self.seed, self.epoch);
+            }
+            out.push(self.order[self.cursor]);
+            self.cursor += 1;
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampler_resumes_where_it_stopped() {
+        let mut a = Sampler::new(7, 5);
+        let first: Vec<usize> = (0..5).flat_map(|_| a.take(3)).collect();
+        let mut b = Sampler::new(7, 5);
+        b.take(3);
+        b.take(3);
+        let mut c = Sampler::at(7, 5, b.epoch, b.cursor);
+        let rest: Vec<usize> = (0..3).flat_map(|_| c.take(3)).collect();
+        assert_eq!(&first[6..], &rest[..]);
+        let mut sorted = first[..7].to_vec();
+        sorted.sort();
+        assert_eq!(sorted, (0..7).collect::<Vec<_>>(), "an epoch visits every pack once");
+    }
+}

@@ -1,0 +1,191 @@
+//! Parameter-level tools of the training loop: freezing, the bf16 compute copy of fp32 master
+//! weights, gradient casts, and parameter ids by module path (so optimizer state saved under
+//! one process's ids is found again after a reload).
+//!
+//! Module paths are Burn's (enum variants skipped, as burn-store names them), e.g.
+//! `language_model.layers.3.self_attn.q_a_proj.weight`; [`crate::checkpoint::hf_map`] maps them
+//! to checkpoint names.
+
+use std::collections::BTreeMap;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Tensor};
+
+use super::recipe::FreezeConfig;
+use crate::checkpoint::hf_map::resolve;
+use crate::model::Glm5ForCausalLM;
+
+/// Tracks the module path during a visit or map (enum variants add no segment).
+#[derive(Default)]
+struct PathTracker {
+    path: Vec<String>,
+    containers: Vec<bool>,
+}
+
+impl PathTracker {
+    fn enter(&mut self, name: &str, container_type: &str) {
+        let variant = container_type.starts_with("Enum:");
+        self.containers.push(variant);
+        if !variant {
+            self.path.push(name.to_string());
+        }
+    }
+    fn exit(&mut self) {
+        if !self.containers.pop().unwrap_or(false) {
+            self.path.pop();
+        }
+    }
+    fn current(&self) -> String {
+        self.path.join(".")
+    }
+}
+
+struct Ids {
+    tracker: PathTracker,
+    out: BTreeMap<String, ParamId>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Ids {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.tracker.enter(name, container_type);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.tracker.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.out.insert(self.tracker.current(), param.id);
+    }
+}
+
+/// Every float parameter's id by module path.
+pub fn param_ids<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, ParamId> {
+    let mut v = Ids { tracker: PathTracker::default(), out: BTreeMap::new() };
+    module.visit(&mut v);
+    v.out
+}
+
+struct AssignIds<'a> {
+    tracker: PathTracker,
+    ids: &'a BTreeMap<String, ParamId>,
+    missing: Vec<String>,
+}
+
+impl<B: Backend> ModuleMapper<B> for AssignIds<'_> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.tracker.enter(name, container_type);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.tracker.exit();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let path = self.tracker.current();
+        match self.ids.get(&path) {
+            Some(&id) => {
+                let (_, tensor, mapper) = param.consume();
+                Param::from_mapped_value(id, tensor, mapper)
+            }
+            None => {
+                self.missing.push(path);
+                param
+            }
+        }
+    }
+}
+
+/// Give the parameters the ids recorded by [`param_ids`] (of an identically shaped model);
+/// returns the paths that had no recorded id.
+pub fn assign_param_ids<B: Backend, M: Module<B>>(module: M, ids: &BTreeMap<String, ParamId>) -> (M, Vec<String>) {
+    let mut m = AssignIds { tracker: PathTracker::default(), ids, missing: Vec::new() };
+    let module = module.map(&mut m);
+    (module, m.missing)
+}
+
+/// Freeze per the recipe: frozen parameters stop requiring gradients, so backward produces none
+/// for them and the optimizer never creates state for them.
+///
+/// - `freeze_embeddings`: `language_model.embed_tokens` (with a tied head, the head too).
+/// - `freeze_vision_tower`: `visual` (patch embedding, blocks, merger).
+/// - `freeze_language_model`: every text parameter (embedding, decoder layers, final norm, LM head).
+pub fn freeze<B: Backend>(mut model: Glm5ForCausalLM<B>, f: &FreezeConfig) -> Glm5ForCausalLM<B> {
+    if f.freeze_language_model {
+        model.language_model = model.language_model.no_grad();
+        model.lm_head = model.lm_head.map(|h| h.no_grad());
+    } else if f.freeze_embeddings {
+        model.language_model.embed_tokens = model.language_model.embed_tokens.no_grad();
+    }
+    if f.freeze_vision_tower {
+        model.visual = model.visual.map(|v| v.no_grad());
+    }
+    model
+}
+
+/// Trainable (gradient-requiring) and frozen parameter counts.
+pub fn trainable_counts<B: Backend>(model: &Glm5ForCausalLM<B>) -> (usize, usize) {
+    struct Count(usize, usize);
+    impl<B: Backend> ModuleVisitor<B> for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let n = param.lazy_shape().num_elements();
+            if param.is_require_grad() {
+                self.0 += n;
+            } else {
+                self.1 += n;
+            }
+        }
+    }
+    let mut c = Count(0, 0);
+    model.visit(&mut c);
+    (c.0, c.1)
+}
+
+struct CastCompute {
+    tracker: PathTracker,
+    dtype: DType,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for CastCompute {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.tracker.enter(name, container_type);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.tracker.exit();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let keep = resolve(&self.tracker.current()).map(|r| r.rule.keep_f32).unwrap_or(false);
+        let (id, tensor, mapper) = param.consume();
+        let grad = tensor.is_require_grad();
+        let inner = tensor.inner();
+        let inner = if keep { inner } else { inner.cast(self.dtype) };
+        // a fresh leaf: gradients land on the same id as the master parameter
+        let mut t = Tensor::<B, D>::from_inner(inner);
+        if grad {
+            t = t.require_grad();
+        }
+        Param::from_mapped_value(id, t, mapper)
+    }
+}
+
+/// The compute copy of fp32 master weights: every parameter cast to `dtype` (the checkpoint's
+/// fp32-kept tensors — router bias, mHC scales — stay fp32), as graph leaves with the master's
+/// ids, so its gradients can be applied to the master.
+pub fn compute_copy<B: AutodiffBackend>(master: &Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
+    master.clone().map(&mut CastCompute { tracker: PathTracker::default(), dtype })
+}
+
+struct CastGrads<'a> {
+    grads: &'a mut GradientsParams,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for CastGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.grads.register::<B::InnerBackend, D>(param.id, g.cast(DType::F32));
+        }
+    }
+}
+
+/// Cast every gradient of `module`'s parameters to fp32 (for the fp32 master update).
+pub fn grads_to_f32<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &mut GradientsParams) {
+    module.visit(&mut CastGrads { grads });
+}

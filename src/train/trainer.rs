@@ -1,0 +1,327 @@
+//! The training loop as a library: a [`Trainer`] owns the model, AdamW and the schedule, and
+//! runs one optimizer step per call over the micro-batches of a global batch. A user's own loop
+//! calls [`Trainer::step`] with batches from anywhere (our [`crate::data::loader`] or theirs).
+//!
+//! Per step (NeMo AutoModel's SFT loop, single device):
+//!
+//! ```text
+//! compute ← master                      (bf16 copy when precision = bf16; fp32: the master)
+//! for each micro-batch m: backward of Σ_t CE_t(m) / N_labels(global batch) [+ aux]
+//! g ← accumulated gradients (→ fp32),  ‖g‖ over all trainable parameters
+//! non-finite loss or ‖g‖ → nothing applied; skip and count, or abort (recipe)
+//! g ← g · min(1, max_norm / (‖g‖ + 1e-6));  master ← AdamW(master, g, lr_schedule(step))
+//! router bias b_e += γ · sign(mean load − load_e)   (aux-loss-free balancing; γ = 0: off)
+//! ```
+//!
+//! Frozen parameters ([`super::params::freeze`]) require no gradient: backward skips them and
+//! AdamW never allocates their moments. The indexer's parameters get no gradient either — the
+//! reference runs the indexer under `no_grad`; training it needs its own objective.
+//! Activation checkpointing is a property of the autodiff backend type in Burn 0.21
+//! (`Autodiff<B, BalancedCheckpointing>` recomputes cheap ops in backward instead of keeping
+//! their outputs); the trainer is generic over it and the `finetune` example dispatches the
+//! recipe flag to the two monomorphised backends.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::module::{AutodiffModule, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, AdamWConfig, Optimizer};
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor, TensorData};
+use serde_json::Value;
+
+use super::checkpoint::{self as ckpt, TrainerState};
+use super::clip::{clip_global_norm, global_norm};
+use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, param_ids};
+use super::recipe::{FreezeConfig, NonFinitePolicy, Precision, Recipe};
+use super::schedule::LrSchedule;
+use super::step::{accumulate, micro_loss_sum, non_finite, MicroBatch, StepMetrics, TrainError};
+use crate::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
+use crate::model::Glm5ForCausalLM;
+use crate::text::decoder::Ffn;
+use crate::text::ForwardOptions;
+
+/// Everything a step needs besides the data.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    pub lr: LrSchedule,
+    pub betas: [f64; 2],
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub max_grad_norm: Option<f64>,
+    /// Weight of the router load-balancing loss (0: off).
+    pub aux_loss_coef: f64,
+    /// γ of the aux-loss-free router bias update (0: off, the default).
+    pub router_bias_update_rate: f64,
+    pub precision: Precision,
+    pub on_nonfinite: NonFinitePolicy,
+    pub freeze: FreezeConfig,
+    pub forward: ForwardOptions,
+}
+
+impl TrainOptions {
+    /// The options a recipe describes.
+    pub fn from_recipe(r: &Recipe) -> Self {
+        Self {
+            lr: LrSchedule {
+                style: r.lr_scheduler.lr_decay_style,
+                lr: r.optimizer.lr,
+                min_lr: r.lr_scheduler.min_lr,
+                warmup_steps: r.lr_scheduler.lr_warmup_steps,
+                total_steps: r.step_scheduler.max_steps,
+            },
+            betas: r.optimizer.betas,
+            eps: r.optimizer.eps,
+            weight_decay: r.optimizer.weight_decay,
+            max_grad_norm: r.optimizer.max_grad_norm,
+            aux_loss_coef: r.moe.aux_loss_coef,
+            router_bias_update_rate: r.moe.router_bias_update_rate,
+            precision: r.model.dtype,
+            on_nonfinite: r.step_scheduler.on_nonfinite,
+            freeze: r.freeze_config.clone(),
+            forward: ForwardOptions::default(),
+        }
+    }
+}
+
+/// What [`Trainer::step`] did.
+#[derive(Debug, Clone, Copy)]
+pub enum StepOutcome {
+    Applied(StepMetrics),
+    /// Non-finite loss or gradient under `on_nonfinite: skip`: nothing was applied.
+    Skipped { loss: f64, grad_norm: f64, what: &'static str },
+}
+
+type Adam<B> = OptimizerAdaptor<AdamW, Glm5ForCausalLM<B>, B>;
+type OptimRecord<B> = <Adam<B> as Optimizer<Glm5ForCausalLM<B>, B>>::Record;
+
+/// Model + AdamW + schedule + step counter.
+pub struct Trainer<B: AutodiffBackend> {
+    model: Option<Glm5ForCausalLM<B>>,
+    optim: Adam<B>,
+    pub options: TrainOptions,
+    /// Optimizer steps taken (applied or skipped).
+    pub step: usize,
+    pub skipped_steps: usize,
+    device: B::Device,
+}
+
+fn adamw<B: AutodiffBackend>(o: &TrainOptions) -> Adam<B> {
+    AdamWConfig::new()
+        .with_beta_1(o.betas[0] as f32)
+        .with_beta_2(o.betas[1] as f32)
+        .with_epsilon(o.eps as f32)
+        .with_weight_decay(o.weight_decay as f32)
+        .init()
+}
+
+impl<B: AutodiffBackend> Trainer<B> {
+    /// Start training `model` (fp32 master weights): applies the freeze configuration.
+    pub fn new(model: Glm5ForCausalLM<B>, options: TrainOptions, device: &B::Device) -> Self {
+        let model = freeze(model, &options.freeze);
+        Self { model: Some(model), optim: adamw::<B>(&options), options, step: 0, skipped_steps: 0, device: device.clone() }
+    }
+
+    /// The current (master) model.
+    pub fn model(&self) -> &Glm5ForCausalLM<B> {
+        self.model.as_ref().expect("the trainer always holds its model between steps")
+    }
+
+    /// Give the model back.
+    pub fn into_model(self) -> Glm5ForCausalLM<B> {
+        self.model.expect("the trainer always holds its model between steps")
+    }
+
+    /// One optimizer step over the micro-batches of a global batch.
+    pub fn step(&mut self, micro: &[MicroBatch]) -> Result<StepOutcome, TrainError> {
+        let lr = self.options.lr.at(self.step);
+        let master = self.model.take().expect("the trainer always holds its model between steps");
+        let result = self.step_inner(&master, micro);
+        let (mut grads, acc_loss, label_tokens, tokens, router) = match result {
+            Ok(x) => x,
+            Err(e) => {
+                self.model = Some(master);
+                return Err(e);
+            }
+        };
+        let grad_norm = match self.options.max_grad_norm {
+            Some(max) => clip_global_norm::<B, _>(&master, &mut grads, max),
+            None => global_norm::<B, _>(&master, &grads),
+        };
+        self.step += 1;
+        if let Some(what) = non_finite(acc_loss, grad_norm) {
+            self.model = Some(master);
+            return match self.options.on_nonfinite {
+                NonFinitePolicy::Skip => {
+                    self.skipped_steps += 1;
+                    Ok(StepOutcome::Skipped { loss: acc_loss, grad_norm, what })
+                }
+                NonFinitePolicy::Abort => Err(TrainError::NonFinite { step: self.step, what, loss: acc_loss, grad_norm }),
+            };
+        }
+        let mut model = self.optim.step(lr, master, grads);
+        if self.options.router_bias_update_rate != 0.0 {
+            model = update_router_bias(model, &router, self.options.router_bias_update_rate);
+        }
+        self.model = Some(model);
+        Ok(StepOutcome::Applied(StepMetrics { loss: acc_loss, grad_norm, lr, label_tokens, tokens }))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn step_inner(
+        &self,
+        master: &Glm5ForCausalLM<B>,
+        micro: &[MicroBatch],
+    ) -> Result<(burn::optim::GradientsParams, f64, usize, usize, Vec<(Vec<Vec<f32>>, Vec<bool>)>), TrainError> {
+        let keep_router = self.options.router_bias_update_rate != 0.0;
+        let o = &self.options;
+        match o.precision {
+            Precision::F32 => {
+                let acc = accumulate(master, micro, o.aux_loss_coef, &o.forward, &self.device, keep_router)?;
+                Ok((acc.grads, acc.loss, acc.label_tokens, acc.tokens, acc.router_logits))
+            }
+            Precision::Bf16 => {
+                let compute = compute_copy(master, DType::BF16);
+                let acc = accumulate(&compute, micro, o.aux_loss_coef, &o.forward, &self.device, keep_router)?;
+                let mut grads = acc.grads;
+                grads_to_f32::<B, _>(master, &mut grads);
+                Ok((grads, acc.loss, acc.label_tokens, acc.tokens, acc.router_logits))
+            }
+        }
+    }
+
+    /// Mean cross-entropy over the label tokens of `batches` (no gradients), in the training
+    /// precision.
+    pub fn evaluate(&self, batches: &[MicroBatch]) -> Result<(f64, usize), TrainError> {
+        let mut model = self.model().valid();
+        if self.options.precision == Precision::Bf16 {
+            model = compute_copy(self.model(), DType::BF16).valid();
+        }
+        let device = self.device.clone();
+        let mut sum = 0.0;
+        let mut count = 0;
+        for b in batches {
+            let (s, c) = micro_loss_sum::<B::InnerBackend>(&model, b, &self.options.forward, &device)?;
+            sum += s;
+            count += c;
+        }
+        Ok((sum / count.max(1) as f64, count))
+    }
+
+    /// Write a checkpoint under `root` (see [`super::checkpoint`]): the HF-layout model with
+    /// `config_json`, the `extra_files` (tokenizer, chat template) beside it, the optimizer
+    /// moments and the trainer state with the data position.
+    pub fn save_checkpoint(
+        &self,
+        root: &Path,
+        keep_last: usize,
+        config_json: &Value,
+        extra_files: &[PathBuf],
+        data_position: (usize, usize),
+        seed: u64,
+    ) -> Result<PathBuf, TrainError> {
+        let ids: BTreeMap<String, u64> = param_ids::<B, _>(self.model()).into_iter().map(|(k, v)| (k, v.val())).collect();
+        let state = TrainerState {
+            step: self.step,
+            epoch: data_position.0,
+            cursor: data_position.1,
+            seed,
+            skipped_steps: self.skipped_steps,
+            param_ids: ids,
+        };
+        let cerr = |e: String| TrainError::Checkpoint(e);
+        ckpt::write(root, &state, keep_last, |dir: &Path| -> Result<(), TrainError> {
+            let model_dir = dir.join("model");
+            save_causal_lm(self.model(), config_json, &model_dir).map_err(|e| cerr(e.to_string()))?;
+            for f in extra_files {
+                let name = f.file_name().ok_or_else(|| cerr(format!("{}: not a file name", f.display())))?;
+                std::fs::copy(f, model_dir.join(name)).map_err(|e| cerr(format!("{}: {e}", f.display())))?;
+            }
+            NamedMpkFileRecorder::<FullPrecisionSettings>::new()
+                .record(self.optim.to_record(), dir.join("optimizer"))
+                .map_err(|e| cerr(format!("{}: {e}", dir.join("optimizer.mpk").display())))?;
+            Ok(())
+        })
+        .map_err(|e| match e {
+            TrainError::Checkpoint(m) => TrainError::Checkpoint(format!("saving step {}: {m}", self.step)),
+            other => other,
+        })
+    }
+
+    /// Continue from a checkpoint directory written by [`Self::save_checkpoint`]: weights,
+    /// optimizer moments, step counter. Returns the trainer and the saved state (whose data
+    /// position the caller's sampler resumes at).
+    pub fn resume(dir: &Path, options: TrainOptions, vision: bool, device: &B::Device) -> Result<(Self, TrainerState), TrainError> {
+        let cerr = |m: String| TrainError::Checkpoint(format!("{}: {m}", dir.display()));
+        let state = ckpt::read_state(dir).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+        let load = LoadOptions { vision, ..LoadOptions::default() };
+        let loaded = load_causal_lm::<B>(dir.join("model"), device, &load).map_err(|e| cerr(e.to_string()))?;
+        let ids: BTreeMap<String, ParamId> = state.param_ids.iter().map(|(k, &v)| (k.clone(), ParamId::from(v))).collect();
+        let (model, missing) = assign_param_ids(loaded.model, &ids);
+        if !missing.is_empty() {
+            return Err(cerr(format!(
+                "trainer_state.json has no parameter id for {} module tensors (first: {}); the checkpoint is from another model",
+                missing.len(),
+                missing[0]
+            )));
+        }
+        let record: OptimRecord<B> = NamedMpkFileRecorder::<FullPrecisionSettings>::new()
+            .load(dir.join("optimizer"), device)
+            .map_err(|e| cerr(format!("optimizer.mpk: {e}")))?;
+        let mut trainer = Self::new(model, options, device);
+        trainer.optim = trainer.optim.load_record(record);
+        trainer.step = state.step;
+        trainer.skipped_steps = state.skipped_steps;
+        Ok((trainer, state))
+    }
+}
+
+/// Aux-loss-free balancing (DeepSeek-V3): per MoE layer, count the tokens each expert was
+/// selected for (with the current bias, as routing does) and move the bias by `rate` toward
+/// the mean load: `b_e += rate · sign(mean − load_e)`.
+fn update_router_bias<B: AutodiffBackend>(
+    mut model: Glm5ForCausalLM<B>,
+    router_logits: &[(Vec<Vec<f32>>, Vec<bool>)],
+    rate: f64,
+) -> Glm5ForCausalLM<B> {
+    let mut moe_index = 0;
+    for layer in model.language_model.layers.iter_mut() {
+        let Ffn::Moe(moe) = &mut layer.mlp else { continue };
+        let e = moe.gate.weight.dims()[0];
+        let bias: Vec<f32> = moe.gate.e_score_correction_bias.val().into_data().convert::<f32>().into_vec().unwrap_or_default();
+        let mut load = vec![0f64; e];
+        for (layers, valid) in router_logits {
+            let Some(logits) = layers.get(moe_index) else { continue };
+            let choice: Vec<f32> =
+                logits.iter().enumerate().map(|(i, &l)| 1.0 / (1.0 + (-l).exp()) + bias.get(i % e).copied().unwrap_or(0.0)).collect();
+            let n = logits.len() / e;
+            for (r, experts) in moe.gate.select(&choice, n, e).chunks(moe.gate.top_k).enumerate() {
+                if valid.get(r).copied().unwrap_or(true) {
+                    for &x in experts {
+                        load[x] += 1.0;
+                    }
+                }
+            }
+        }
+        let mean = load.iter().sum::<f64>() / e as f64;
+        let delta: Vec<f32> = load
+            .iter()
+            .map(|&l| if l < mean { rate as f32 } else if l > mean { -rate as f32 } else { 0.0 })
+            .collect();
+        let device = moe.gate.e_score_correction_bias.device();
+        let d = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(delta, [e]), &device);
+        moe.gate.e_score_correction_bias = moe.gate.e_score_correction_bias.clone().map(|t| {
+            let grad = t.is_require_grad();
+            let t = Tensor::<B, 1>::from_inner(t.inner() + d.cast(DType::F32));
+            if grad {
+                t.require_grad()
+            } else {
+                t
+            }
+        });
+        moe_index += 1;
+    }
+    model
+}
