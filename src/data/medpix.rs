@@ -237,7 +237,7 @@ fn accept(
         },
         _ => return report.skip(&origin, "missing image", "no bytes and no path".into()),
     };
-    let img = match RgbImage::decode(&bytes, &origin) {
+    let img = match RgbImage::decode(&bytes, "image") {
         Ok(i) => i,
         Err(e) => return report.skip(&origin, "undecodable image", e.to_string()),
     };

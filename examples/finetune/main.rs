@@ -1,0 +1,288 @@
+//! Supervised fine-tuning from a recipe.
+//!
+//! ```text
+//! cargo run --release --example finetune                       # the embedded default (tiny model, bundled sample)
+//! cargo run --release --example finetune -- RECIPE.yaml [--section.key=value ...] [--no-resume]
+//! ```
+//!
+//! Reads the dataset (MedPix-VQA parquet or JSONL + images), packs it into THD sequences, and
+//! trains with [`glm5_burn::train::trainer::Trainer`]: a progress bar (step, loss, tokens/s,
+//! ETA), one JSON line of metrics per step in `CHECKPOINT_DIR/metrics.jsonl`, validation loss
+//! every `val_every_steps`, checkpoints every `ckpt_every_steps` and at the end, and
+//! `CHECKPOINT_DIR/loss_curve.png`. A run whose checkpoint directory already holds checkpoints
+//! continues from the newest one (data position, optimizer and step included); `--no-resume`
+//! refuses to start over such a directory instead of overwriting it.
+
+mod plot;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
+use glm5_burn::config::Glm5Config;
+use glm5_burn::data::chat::ChatFormat;
+use glm5_burn::data::image_processor::ImageProcessor;
+use glm5_burn::data::loader::{PackedDataset, PackingOptions, Sampler};
+use glm5_burn::train::checkpoint as ckpt;
+use glm5_burn::train::params::trainable_counts;
+use glm5_burn::train::recipe::{DatasetSection, Recipe};
+use glm5_burn::train::step::MicroBatch;
+use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
+use glm5_burn::Glm5ForCausalLM;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
+
+const DEFAULT_RECIPE: &str = include_str!("../../configs/tiny_medpix.yaml");
+
+struct Args {
+    recipe: Option<PathBuf>,
+    overrides: Vec<String>,
+    no_resume: bool,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut a = Args { recipe: None, overrides: Vec::new(), no_resume: false };
+    for arg in std::env::args().skip(1) {
+        if arg == "--no-resume" {
+            a.no_resume = true;
+        } else if arg == "-h" || arg == "--help" {
+            println!("usage: finetune [RECIPE.yaml] [--section.key=value ...] [--no-resume]\n(no recipe: the embedded tiny MedPix default)");
+            std::process::exit(0);
+        } else if arg.starts_with("--") {
+            a.overrides.push(arg);
+        } else if a.recipe.is_none() {
+            a.recipe = Some(PathBuf::from(arg));
+        } else {
+            bail!("unexpected argument {arg:?} (one recipe file, then --section.key=value overrides)");
+        }
+    }
+    Ok(a)
+}
+
+/// Relative paths of the embedded default point into this repository, wherever it is run from.
+fn anchor(p: &Path, embedded: bool) -> PathBuf {
+    if embedded && p.is_relative() && !p.exists() {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join(p)
+    } else {
+        p.to_path_buf()
+    }
+}
+
+fn main() -> Result<()> {
+    let args = parse_args()?;
+    let embedded = args.recipe.is_none();
+    let mut recipe = match &args.recipe {
+        Some(p) => Recipe::from_file(p, &args.overrides)?,
+        None => Recipe::from_yaml(DEFAULT_RECIPE, "configs/tiny_medpix.yaml (embedded default)", &args.overrides)?,
+    };
+    if embedded {
+        recipe.model.config = recipe.model.config.map(|p| anchor(&p, true));
+        recipe.model.tokenizer = recipe.model.tokenizer.map(|p| anchor(&p, true));
+        recipe.dataset.path = anchor(&recipe.dataset.path, true);
+        if let Some(v) = recipe.validation_dataset.as_mut() {
+            v.path = anchor(&v.path, true);
+        }
+    }
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    println!("recipe: {}  ({threads} threads)", args.recipe.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "embedded tiny_medpix".into()));
+    if recipe.distributed.activation_checkpointing {
+        run::<Autodiff<Flex, BalancedCheckpointing>>(&recipe, args.no_resume)
+    } else {
+        run::<Autodiff<Flex, NoCheckpointing>>(&recipe, args.no_resume)
+    }
+}
+
+fn build_dataset(s: &DatasetSection, recipe: &Recipe, chat: &ChatFormat, image_token: i64, label: &str) -> Result<PackedDataset> {
+    let packing = PackingOptions {
+        max_length: recipe.packed_sequence.packed_sequence_size,
+        drop_long_samples: recipe.packed_sequence.drop_long_samples,
+        seed: recipe.rng.seed,
+    };
+    let ds = PackedDataset::build(&s.path, s.format, &s.split, s.max_samples, chat, ImageProcessor::default(), image_token, &packing)
+        .with_context(|| format!("{label} dataset"))?;
+    let r = &ds.read_report;
+    println!(
+        "{label}: {} records usable of {} read ({} skipped{}), {} packs of ≤{} tokens ({} tokens, fill {:.0}%, {} too long dropped, {} truncated)",
+        r.usable,
+        r.read,
+        r.skipped_total(),
+        if r.skipped.is_empty() { String::new() } else { format!(": {}", r.skipped.iter().map(|(k, v)| format!("{v}× {k}")).collect::<Vec<_>>().join(", ")) },
+        ds.packs.len(),
+        recipe.packed_sequence.packed_sequence_size,
+        ds.tokens(),
+        100.0 * ds.pack_report.fill,
+        ds.pack_report.dropped_long,
+        ds.pack_report.truncated,
+    );
+    for e in r.examples.iter().take(3) {
+        println!("  skipped {e}");
+    }
+    Ok(ds)
+}
+
+/// Peak resident set size of this process (Linux `VmHWM`), MB.
+fn peak_rss_mb() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+/// Keep the metrics lines up to `step` (a resumed run recomputes the later ones).
+fn truncate_metrics(path: &Path, step: usize) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| serde_json::from_str::<Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s as usize <= step))
+        .collect();
+    let tmp = path.with_extension("jsonl.partial");
+    std::fs::write(&tmp, kept.iter().map(|l| format!("{l}\n")).collect::<String>()).with_context(|| tmp.display().to_string())?;
+    std::fs::rename(&tmp, path).with_context(|| path.display().to_string())?;
+    Ok(())
+}
+
+fn run<B: AutodiffBackend>(recipe: &Recipe, no_resume: bool) -> Result<()> {
+    let device: B::Device = Default::default();
+    let seed = recipe.rng.seed;
+    B::seed(&device, seed);
+
+    // model description and tokenizer
+    let (config, config_json) = match (&recipe.model.checkpoint, &recipe.model.config) {
+        (Some(dir), _) => glm5_burn::checkpoint::read_config(dir)?,
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("model.config: {}", path.display()))?;
+            let json: Value = serde_json::from_str(&text).with_context(|| format!("model.config: {}", path.display()))?;
+            (Glm5Config::from_hf_value(&json).with_context(|| format!("model.config: {}", path.display()))?, json)
+        }
+        (None, None) => bail!("the recipe names neither model.checkpoint nor model.config"),
+    };
+    let tok_dir = recipe.model.tokenizer.clone().or_else(|| recipe.model.checkpoint.clone()).context("model.tokenizer")?;
+    let chat = ChatFormat::from_dir(&tok_dir)?;
+    let extra_files: Vec<PathBuf> =
+        ["tokenizer.json", "chat_template.jinja", "tokenizer_config.json"].iter().map(|f| tok_dir.join(f)).filter(|p| p.is_file()).collect();
+
+    let train = build_dataset(&recipe.dataset, recipe, &chat, config.image_token_id, "train")?;
+    let val = match &recipe.validation_dataset {
+        Some(v) => Some(build_dataset(v, recipe, &chat, config.image_token_id, "validation")?),
+        None => None,
+    };
+
+    let root = recipe.checkpoint.checkpoint_dir.clone();
+    let options = TrainOptions::from_recipe(recipe);
+    let latest = if recipe.checkpoint.enabled { ckpt::latest(&root) } else { None };
+    let (mut trainer, mut sampler) = match latest {
+        Some(dir) if !no_resume => {
+            let (t, state) = Trainer::<B>::resume(&dir, options, true, &device)?;
+            if state.seed != seed {
+                bail!("{}: saved with rng.seed {} but the recipe has {seed}; the data order would differ", dir.display(), state.seed);
+            }
+            println!("resumed from {} (step {}, epoch {}, pack {})", dir.display(), state.step, state.epoch, state.cursor);
+            truncate_metrics(&root.join("metrics.jsonl"), state.step)?;
+            (t, Sampler::at(train.packs.len(), seed, state.epoch, state.cursor))
+        }
+        Some(dir) => bail!("{} holds checkpoints (newest {}); with --no-resume pick an empty checkpoint.checkpoint_dir", root.display(), dir.display()),
+        None => {
+            let model: Glm5ForCausalLM<B> = match &recipe.model.checkpoint {
+                Some(dir) => load_causal_lm::<B>(dir, &device, &LoadOptions { vision: true, ..Default::default() })?.model,
+                None => Glm5ForCausalLM::<B>::try_new_with_vision(&config, None, &device)?,
+            };
+            if root.join("metrics.jsonl").exists() {
+                truncate_metrics(&root.join("metrics.jsonl"), 0)?;
+            }
+            (Trainer::new(model, options, &device), Sampler::new(train.packs.len(), seed))
+        }
+    };
+    let (trainable, frozen) = trainable_counts(trainer.model());
+    println!("parameters: {:.2} M trainable, {:.2} M frozen", trainable as f64 / 1e6, frozen as f64 / 1e6);
+    std::fs::create_dir_all(&root).with_context(|| root.display().to_string())?;
+    let metrics_path = root.join("metrics.jsonl");
+    let mut metrics = std::fs::OpenOptions::new().create(true).append(true).open(&metrics_path).with_context(|| metrics_path.display().to_string())?;
+
+    let s = &recipe.step_scheduler;
+    let accum = recipe.accumulation_steps();
+    let bar = ProgressBar::new(s.max_steps as u64);
+    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]").expect("valid template"));
+    bar.set_position(trainer.step as u64);
+
+    let validate = |trainer: &Trainer<B>| -> Result<Option<f64>> {
+        let Some(v) = &val else { return Ok(None) };
+        let local = s.local_batch_size;
+        let batches: Vec<MicroBatch> = (0..v.packs.len())
+            .collect::<Vec<_>>()
+            .chunks(local)
+            .map(|c| v.micro_batch(c))
+            .collect::<Result<_, _>>()?;
+        Ok(Some(trainer.evaluate(&batches)?.0))
+    };
+
+    let started = trainer.step;
+    while trainer.step < s.max_steps {
+        let t0 = Instant::now();
+        let micro: Vec<MicroBatch> = (0..accum).map(|_| train.micro_batch(&sampler.take(s.local_batch_size))).collect::<Result<_, _>>()?;
+        let outcome = trainer.step(&micro)?;
+        let secs = t0.elapsed().as_secs_f64();
+        let step = trainer.step;
+        let mut line = json!({"step": step, "epoch": sampler.epoch, "seconds": secs, "peak_rss_mb": peak_rss_mb()});
+        match outcome {
+            StepOutcome::Applied(m) => {
+                line["loss"] = json!(m.loss);
+                line["grad_norm"] = json!(m.grad_norm);
+                line["lr"] = json!(m.lr);
+                line["tokens"] = json!(m.tokens);
+                line["label_tokens"] = json!(m.label_tokens);
+                line["tokens_per_s"] = json!(m.tokens as f64 / secs);
+                bar.set_message(format!("loss {:.4}  {:.0} tok/s", m.loss, m.tokens as f64 / secs));
+            }
+            StepOutcome::Skipped { loss, grad_norm, what } => {
+                line["skipped"] = json!(format!("non-finite {what}"));
+                line["loss"] = json!(loss.to_string());
+                line["grad_norm"] = json!(grad_norm.to_string());
+                bar.println(format!("step {step}: non-finite {what}; skipped ({} so far)", trainer.skipped_steps));
+            }
+        }
+        if s.val_every_steps.is_some_and(|k| k > 0 && step % k == 0) || step == s.max_steps {
+            if let Some(v) = validate(&trainer)? {
+                line["val_loss"] = json!(v);
+                bar.println(format!("step {step}: validation loss {v:.4}"));
+            }
+        }
+        writeln!(metrics, "{line}").and_then(|_| metrics.flush()).with_context(|| metrics_path.display().to_string())?;
+        bar.set_position(step as u64);
+        let ckpt_due = s.ckpt_every_steps.is_some_and(|k| k > 0 && step % k == 0) || step == s.max_steps;
+        if recipe.checkpoint.enabled && ckpt_due {
+            let dir = trainer.save_checkpoint(&root, recipe.checkpoint.keep_last, &config_json, &extra_files, (sampler.epoch, sampler.cursor), seed)?;
+            bar.println(format!("step {step}: checkpoint {}", dir.display()));
+        }
+    }
+    bar.finish();
+
+    // the loss curve of the whole run (resumed runs included), from the metrics file
+    let text = std::fs::read_to_string(&metrics_path).with_context(|| metrics_path.display().to_string())?;
+    let rows: Vec<Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let train_pts: Vec<(f64, f64)> = rows.iter().filter_map(|r| Some((r["step"].as_f64()?, r["loss"].as_f64()?))).collect();
+    let val_pts: Vec<(f64, f64)> = rows.iter().filter_map(|r| Some((r["step"].as_f64()?, r["val_loss"].as_f64()?))).collect();
+    if !train_pts.is_empty() {
+        let png = root.join("loss_curve.png");
+        plot::loss_curve(&png, &train_pts, &val_pts).map_err(anyhow::Error::msg)?;
+        let first = train_pts.first().map(|p| p.1).unwrap_or(f64::NAN);
+        let last = train_pts.last().map(|p| p.1).unwrap_or(f64::NAN);
+        println!(
+            "trained steps {}..{}: loss {first:.4} → {last:.4}{}; metrics {}, curve {}",
+            started + 1,
+            trainer.step,
+            val_pts.last().map(|v| format!(", validation {:.4}", v.1)).unwrap_or_default(),
+            metrics_path.display(),
+            png.display()
+        );
+    }
+    if let Some(p) = peak_rss_mb() {
+        println!("peak RSS {p:.0} MB");
+    }
+    let _ = <B as Backend>::name(&device);
+    Ok(())
+}
