@@ -134,6 +134,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.model.expect("the trainer always holds its model between steps")
     }
 
+    /// Ids of the parameters AdamW holds moments for (frozen and gradient-less parameters
+    /// have none).
+    pub fn optimizer_state_ids(&self) -> std::collections::HashSet<ParamId> {
+        self.optim.to_record().keys().copied().collect()
+    }
+
     /// One optimizer step over the micro-batches of a global batch.
     pub fn step(&mut self, micro: &[MicroBatch]) -> Result<StepOutcome, TrainError> {
         let lr = self.options.lr.at(self.step);

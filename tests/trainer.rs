@@ -1,0 +1,201 @@
+//! The library training loop on the bundled tiny VLM (seeded weights) and sample: freezing
+//! (no gradient, no optimizer state, unchanged weights), the non-finite policy (nothing
+//! applied), bf16 compute with fp32 master weights, the router bias update (off by default),
+//! and an in-process save/resume that continues bit for bit.
+
+use std::path::{Path, PathBuf};
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{DType, Tensor};
+use glm5_burn::config::Glm5Config;
+use glm5_burn::data::chat::ChatFormat;
+use glm5_burn::data::image_processor::ImageProcessor;
+use glm5_burn::data::loader::{PackedDataset, PackingOptions};
+use glm5_burn::text::decoder::Ffn;
+use glm5_burn::train::params::param_ids;
+use glm5_burn::train::recipe::{DatasetFormat, NonFinitePolicy, Precision, Recipe};
+use glm5_burn::train::step::{MicroBatch, TrainError};
+use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
+use glm5_burn::Glm5ForCausalLM;
+
+type A = Autodiff<Flex>;
+
+fn bundle() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/tiny_medpix")
+}
+
+fn setup() -> (Glm5Config, serde_json::Value, Vec<MicroBatch>, TrainOptions) {
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(bundle().join("config.json")).unwrap()).unwrap();
+    let config = Glm5Config::from_hf_value(&json).unwrap();
+    let chat = ChatFormat::from_dir(&bundle()).unwrap();
+    let packing = PackingOptions { max_length: 128, drop_long_samples: true, seed: 1 };
+    let ds = PackedDataset::build(&bundle(), DatasetFormat::Parquet, "train", Some(12), &chat, ImageProcessor::default(), config.image_token_id, &packing)
+        .unwrap();
+    let micro = vec![ds.micro_batch(&[0]).unwrap(), ds.micro_batch(&[1]).unwrap()];
+    let recipe = Recipe::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &["--lr_scheduler.lr_warmup_steps=0".into()]).unwrap();
+    (config, json, micro, TrainOptions::from_recipe(&recipe))
+}
+
+/// A seeded model, initialised now: parameters are lazy, and the RNG is process-global (tests
+/// run in parallel threads), so seeding and drawing happen under one lock.
+fn model(config: &Glm5Config, seed: u64) -> Glm5ForCausalLM<A> {
+    use burn::tensor::backend::Backend;
+    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = RNG.lock().unwrap();
+    let device = Default::default();
+    A::seed(&device, seed);
+    let m = Glm5ForCausalLM::<A>::try_new_with_vision(config, None, &device).unwrap();
+    values(&m);
+    m
+}
+
+fn values<M: Module<A>>(m: &M) -> Vec<Vec<f32>> {
+    struct V(Vec<Vec<f32>>);
+    impl burn::module::ModuleVisitor<A> for V {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<A, D>>) {
+            self.0.push(p.val().into_data().convert::<f32>().into_vec().unwrap());
+        }
+    }
+    let mut v = V(Vec::new());
+    m.visit(&mut v);
+    v.0
+}
+
+#[test]
+fn frozen_parameters_take_no_update_and_no_state() {
+    let (config, _, micro, opts) = setup();
+    let device = Default::default();
+    let m = model(&config, 7);
+    let (embed0, vision0, layers0) = (values(&m.language_model.embed_tokens), values(m.visual.as_ref().unwrap()), values(&m.language_model.layers));
+    let mut t = Trainer::<A>::new(m, opts, &device);
+    let StepOutcome::Applied(metrics) = t.step(&micro).unwrap() else { panic!("finite step") };
+    assert!(metrics.loss.is_finite() && metrics.grad_norm > 0.0);
+    let m = t.model();
+    assert_eq!(values(&m.language_model.embed_tokens), embed0, "freeze_embeddings");
+    assert_eq!(values(m.visual.as_ref().unwrap()), vision0, "freeze_vision_tower");
+    assert_ne!(values(&m.language_model.layers), layers0, "the decoder trains");
+    let state = t.optimizer_state_ids();
+    let frozen = param_ids::<A, _>(&m.language_model.embed_tokens).into_values().chain(param_ids::<A, _>(m.visual.as_ref().unwrap()).into_values());
+    for id in frozen {
+        assert!(!state.contains(&id), "a frozen parameter has optimizer state");
+    }
+    let trained = param_ids::<A, _>(&m.language_model.layers);
+    let with_state = trained.values().filter(|id| state.contains(id)).count();
+    assert!(with_state > 0 && with_state < trained.len(), "decoder parameters have state, except the indexer's (no gradient)");
+    for (path, id) in &trained {
+        assert_eq!(state.contains(id), !path.contains("indexer") && !path.contains("e_score_correction_bias"), "{path}");
+    }
+}
+
+struct Poison;
+impl ModuleMapper<A> for Poison {
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<A, D>>) -> Param<Tensor<A, D>> {
+        p.map(|t| {
+            let rg = t.is_require_grad();
+            let t = Tensor::from_inner(t.inner() * f32::NAN);
+            if rg {
+                t.require_grad()
+            } else {
+                t
+            }
+        })
+    }
+}
+
+#[test]
+fn non_finite_steps_apply_nothing() {
+    let (config, _, micro, mut opts) = setup();
+    let device = Default::default();
+    let mut m = model(&config, 7);
+    m.lm_head = m.lm_head.map(|h| h.map(&mut Poison)); // NaN logits → NaN loss and gradients
+    let before = values(&m.language_model.layers);
+    opts.on_nonfinite = NonFinitePolicy::Skip;
+    let mut t = Trainer::<A>::new(m.clone(), opts.clone(), &device);
+    let out = t.step(&micro).unwrap();
+    assert!(matches!(out, StepOutcome::Skipped { what: "loss", .. }), "{out:?}");
+    assert_eq!((t.step, t.skipped_steps), (1, 1));
+    assert_eq!(values(&t.model().language_model.layers), before, "weights untouched");
+    assert!(t.optimizer_state_ids().is_empty(), "no optimizer state created");
+    opts.on_nonfinite = NonFinitePolicy::Abort;
+    let mut t = Trainer::<A>::new(m, opts, &device);
+    let e = t.step(&micro).unwrap_err();
+    assert!(matches!(e, TrainError::NonFinite { .. }) && e.to_string().contains("non-finite loss"), "{e}");
+    assert_eq!(values(&t.model().language_model.layers), before);
+}
+
+#[test]
+fn bf16_compute_updates_fp32_master_weights() {
+    let (config, _, micro, mut opts) = setup();
+    let device = Default::default();
+    let m = model(&config, 7);
+    let mut f32_run = Trainer::<A>::new(m.clone(), opts.clone(), &device);
+    opts.precision = Precision::Bf16;
+    let mut bf16_run = Trainer::<A>::new(m, opts, &device);
+    for step in 0..3 {
+        let (StepOutcome::Applied(a), StepOutcome::Applied(b)) = (f32_run.step(&micro).unwrap(), bf16_run.step(&micro).unwrap()) else { panic!() };
+        println!("step {step}: loss f32 {:.5} bf16 {:.5}, grad norm {:.4} / {:.4}", a.loss, b.loss, a.grad_norm, b.grad_norm);
+        // bf16 rounding (8 mantissa bits) in every matmul: a few parts in a thousand
+        assert!((a.loss - b.loss).abs() < 2e-2 * a.loss, "step {step}: {} vs {}", a.loss, b.loss);
+        assert!((a.grad_norm - b.grad_norm).abs() < 5e-2 * a.grad_norm);
+    }
+    let w = bf16_run.model().language_model.layers[0].post_attention_layernorm.weight.val();
+    assert_eq!(w.dtype(), DType::F32, "master weights stay fp32");
+    let (_, count) = bf16_run.evaluate(&micro).unwrap();
+    assert!(count > 0);
+}
+
+#[test]
+fn router_bias_moves_only_when_enabled() {
+    let (config, _, micro, mut opts) = setup();
+    let device = Default::default();
+    let bias = |t: &Trainer<A>| -> Vec<Vec<f32>> {
+        t.model().language_model.layers.iter().filter_map(|l| match &l.mlp {
+            Ffn::Moe(m) => Some(m.gate.e_score_correction_bias.val().into_data().convert::<f32>().into_vec().unwrap()),
+            Ffn::Dense(_) => None,
+        }).collect()
+    };
+    let mut off = Trainer::<A>::new(model(&config, 7), opts.clone(), &device);
+    let b0 = bias(&off);
+    off.step(&micro).unwrap();
+    assert_eq!(bias(&off), b0, "off by default");
+    opts.router_bias_update_rate = 1e-3;
+    let mut on = Trainer::<A>::new(model(&config, 7), opts, &device);
+    on.step(&micro).unwrap();
+    let b1 = bias(&on);
+    for (layer, (new, old)) in b1.iter().zip(&b0).enumerate() {
+        let moved: Vec<f32> = new.iter().zip(old).map(|(a, b)| a - b).collect();
+        assert!(moved.iter().all(|d| d.abs() < 1.0001e-3 && (d.abs() < 1e-9 || d.abs() > 0.9999e-3)), "layer {layer}: ±γ or 0: {moved:?}");
+        assert!(moved.iter().any(|d| *d > 0.0) && moved.iter().any(|d| *d < 0.0), "layer {layer}: under-loaded up, over-loaded down");
+    }
+}
+
+#[test]
+fn save_and_resume_continue_exactly() {
+    let (config, json, micro, opts) = setup();
+    let device = Default::default();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut straight = Trainer::<A>::new(model(&config, 7), opts.clone(), &device);
+    let mut first = Trainer::<A>::new(model(&config, 7), opts.clone(), &device);
+    let mut losses = Vec::new();
+    for _ in 0..2 {
+        let (StepOutcome::Applied(a), StepOutcome::Applied(b)) = (straight.step(&micro).unwrap(), first.step(&micro).unwrap()) else { panic!() };
+        assert_eq!(a.loss, b.loss, "seeded init is reproducible");
+        losses.push(a.loss);
+    }
+    let dir = first.save_checkpoint(tmp.path(), 2, &json, &[bundle().join("tokenizer.json")], (3, 5), 42).unwrap();
+    assert!(dir.ends_with("step_000002") && dir.join("model/tokenizer.json").is_file());
+    drop(first);
+    let (mut resumed, state) = Trainer::<A>::resume(&dir, opts, true, &device).unwrap();
+    assert_eq!((state.step, state.epoch, state.cursor, state.seed), (2, 3, 5, 42));
+    for step in 2..4 {
+        let (StepOutcome::Applied(a), StepOutcome::Applied(b)) = (straight.step(&micro).unwrap(), resumed.step(&micro).unwrap()) else { panic!() };
+        assert_eq!((a.loss, a.grad_norm, a.lr), (b.loss, b.grad_norm, b.lr), "step {step}");
+    }
+    // a directory that is not a checkpoint is refused, naming the file
+    let e = Trainer::<A>::resume(&tmp.path().join("missing"), TrainOptions::from_recipe(&Recipe::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &[]).unwrap()), true, &device)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("trainer_state.json"), "{e}");
+}
