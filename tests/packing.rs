@@ -42,3 +42,91 @@ fn packed_documents_equal_separate_runs() {
         }
     }
 }
+
+/// The multimodal form on the bundled tiny VLM: a THD row of several conversations, each with
+/// its image, gives each conversation's logits and summed loss as when it runs alone (vision
+/// attention per image, every text path per document).
+///
+/// Bar: 1e-5 of the logit scale, or twice this model's fp32 floor for a change of batch shape
+/// alone, whichever is larger. The floor is measured here: the same conversation run as one row
+/// and as two identical rows differs by ~1.6e-5 relative, because the vision tower's matmuls
+/// round differently for a different number of patch rows (1e-6 relative on the features) and
+/// the seeded tower's features are ~7× the token embeddings, so that rounding reaches the
+/// logits amplified. Text-only rows show no such floor (bit-identical across batch shapes).
+#[test]
+fn packed_conversations_with_images_equal_separate_runs() {
+    use glm5_burn::data::chat::ChatFormat;
+    use glm5_burn::data::image_processor::ImageProcessor;
+    use glm5_burn::data::loader::{PackedDataset, PackingOptions};
+    use glm5_burn::train::recipe::DatasetFormat;
+    use glm5_burn::train::step::{forward_micro, MicroBatch};
+    use glm5_burn::Glm5ForCausalLM;
+
+    let bundle = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/tiny_medpix");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(bundle.join("config.json")).unwrap()).unwrap();
+    let config = glm5_burn::config::Glm5Config::from_hf_value(&json).unwrap();
+    let device = Default::default();
+    <B as burn::tensor::backend::Backend>::seed(&device, 5);
+    let model = Glm5ForCausalLM::<B>::try_new_with_vision(&config, None, &device).unwrap();
+    let chat = ChatFormat::from_dir(&bundle).unwrap();
+    let packing = PackingOptions { max_length: 200, drop_long_samples: true, seed: 9 };
+    let ds = PackedDataset::build(&bundle, DatasetFormat::Parquet, "validation", None, &chat, ImageProcessor::default(), config.image_token_id, &packing)
+        .unwrap();
+    let packed = ds.micro_batch(&[0]).unwrap();
+    let docs = packed.documents.clone().unwrap();
+    assert!(docs.len() >= 3, "{docs:?}");
+    let vocab = config.text_config.vocab_size;
+    for attention in [AttentionImpl::Dense, AttentionImpl::Sparse] {
+        let opts = ForwardOptions { attention, ..Default::default() };
+        let out = forward_micro(&model, &packed, &opts, &device).unwrap();
+        let all = host(out.logits.clone());
+        let (packed_sum, packed_count) = Glm5ForCausalLM::<B>::lm_loss_sum(out.logits, &packed.labels);
+        let packed_sum: f32 = packed_sum.into_scalar();
+        let images = packed.images.as_ref().unwrap();
+        let (mut start, mut patch) = (0, 0);
+        let (mut sum, mut count) = (0f64, 0);
+        for (k, &l) in docs.iter().enumerate() {
+            let g = images.grid_thw[k];
+            let rows = g[0] * g[1] * g[2];
+            let alone = MicroBatch {
+                ids: packed.ids[start..start + l].to_vec(),
+                labels: packed.labels[start..start + l].to_vec(),
+                batch: 1,
+                seq: l,
+                mask: None,
+                documents: None,
+                images: Some(glm5_burn::train::step::Images {
+                    pixel_values: images.pixel_values[patch * images.patch_dim..(patch + rows) * images.patch_dim].to_vec(),
+                    patch_dim: images.patch_dim,
+                    grid_thw: vec![g],
+                }),
+            };
+            let o = forward_micro(&model, &alone, &opts, &device).unwrap();
+            let logits = host(o.logits.clone());
+            let keep = vec![true; l];
+            let d = max_abs_diff(&logits, &all[start * vocab..(start + l) * vocab], vocab, &keep);
+            let scale = max_abs(&logits, vocab, &keep);
+            let twice = MicroBatch {
+                ids: alone.ids.repeat(2),
+                labels: alone.labels.repeat(2),
+                batch: 2,
+                images: alone.images.clone().map(|i| glm5_burn::train::step::Images {
+                    pixel_values: i.pixel_values.repeat(2),
+                    grid_thw: vec![g; 2],
+                    ..i
+                }),
+                ..alone.clone()
+            };
+            let floor = max_abs_diff(&logits, &host(forward_micro(&model, &twice, &opts, &device).unwrap().logits)[..l * vocab], vocab, &keep);
+            println!("{attention:?}: conversation {k} ({l} tokens): packed vs alone max|Δ| {d:.2e}, batch-shape floor {floor:.2e}, scale {scale:.2}");
+            assert!(d <= (1e-5 * scale).max(2.0 * floor), "{attention:?}: conversation {k}: max|Δ| {d:e} (scale {scale}, floor {floor:e})");
+            let (s, c) = Glm5ForCausalLM::<B>::lm_loss_sum(o.logits, &alone.labels);
+            sum += s.into_scalar() as f64;
+            count += c;
+            start += l;
+            patch += rows;
+        }
+        assert_eq!(count, packed_count);
+        assert!((sum - packed_sum as f64).abs() <= 1e-5 * sum.abs(), "{attention:?}: loss {sum} alone vs {packed_sum} packed");
+    }
+}
