@@ -125,6 +125,16 @@ fn build_dataset(s: &DatasetSection, recipe: &Recipe, chat: &ChatFormat, image_t
     Ok(ds)
 }
 
+/// A log line above the progress bar, or on stdout when there is no terminal to draw it on
+/// (indicatif drops `println` on a hidden bar).
+fn say(bar: &ProgressBar, msg: String) {
+    if bar.is_hidden() {
+        println!("{msg}");
+    } else {
+        bar.println(msg);
+    }
+}
+
 /// Peak resident set size of this process (Linux `VmHWM`), MB.
 fn peak_rss_mb() -> Option<f64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -236,19 +246,23 @@ fn run<B: AutodiffBackend>(recipe: &Recipe, no_resume: bool) -> Result<()> {
                 line["tokens"] = json!(m.tokens);
                 line["label_tokens"] = json!(m.label_tokens);
                 line["tokens_per_s"] = json!(m.tokens as f64 / secs);
-                bar.set_message(format!("loss {:.4}  {:.0} tok/s", m.loss, m.tokens as f64 / secs));
+                let msg = format!("loss {:.4}  {:.0} tok/s", m.loss, m.tokens as f64 / secs);
+                if bar.is_hidden() {
+                    println!("step {step}/{}: {msg}  grad norm {:.3}  lr {:.2e}", s.max_steps, m.grad_norm, m.lr);
+                }
+                bar.set_message(msg);
             }
             StepOutcome::Skipped { loss, grad_norm, what } => {
                 line["skipped"] = json!(format!("non-finite {what}"));
                 line["loss"] = json!(loss.to_string());
                 line["grad_norm"] = json!(grad_norm.to_string());
-                bar.println(format!("step {step}: non-finite {what}; skipped ({} so far)", trainer.skipped_steps));
+                say(&bar, format!("step {step}: non-finite {what}; skipped ({} so far)", trainer.skipped_steps));
             }
         }
         if s.val_every_steps.is_some_and(|k| k > 0 && step % k == 0) || step == s.max_steps {
             if let Some(v) = validate(&trainer)? {
                 line["val_loss"] = json!(v);
-                bar.println(format!("step {step}: validation loss {v:.4}"));
+                say(&bar, format!("step {step}: validation loss {v:.4}"));
             }
         }
         writeln!(metrics, "{line}").and_then(|_| metrics.flush()).with_context(|| metrics_path.display().to_string())?;
@@ -256,7 +270,7 @@ fn run<B: AutodiffBackend>(recipe: &Recipe, no_resume: bool) -> Result<()> {
         let ckpt_due = s.ckpt_every_steps.is_some_and(|k| k > 0 && step % k == 0) || step == s.max_steps;
         if recipe.checkpoint.enabled && ckpt_due {
             let dir = trainer.save_checkpoint(&root, recipe.checkpoint.keep_last, &config_json, &extra_files, (sampler.epoch, sampler.cursor), seed)?;
-            bar.println(format!("step {step}: checkpoint {}", dir.display()));
+            say(&bar, format!("step {step}: checkpoint {}", dir.display()));
         }
     }
     bar.finish();

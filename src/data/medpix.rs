@@ -173,8 +173,11 @@ fn strings(batch: &RecordBatch, path: &Path, name: &str, required: bool) -> Resu
     Err(col_err(format!("expected a string column, found {}", col.data_type())))
 }
 
+/// An image cell: its bytes and/or its path.
+type ImageCell = (Option<Vec<u8>>, Option<String>);
+
 /// The `image_id` column: the `datasets` Image struct `{bytes, path}` (or plain binary).
-fn images(batch: &RecordBatch, path: &Path, name: &str) -> Result<Vec<(Option<Vec<u8>>, Option<String>)>, DatasetError> {
+fn images(batch: &RecordBatch, path: &Path, name: &str) -> Result<Vec<ImageCell>, DatasetError> {
     let col_err = |m: String| DatasetError::Column { path: path.display().to_string(), column: name.into(), message: m };
     let col = batch.column_by_name(name).ok_or_else(|| col_err("missing (the image column of MedPix-VQA)".into()))?;
     let binary = |a: &dyn Array, i: usize| -> Option<Vec<u8>> {
