@@ -118,17 +118,22 @@ pub fn forward_micro<B: Backend>(
         (None, None) => None,
     };
     let images = match &m.images {
-        None => None,
+        // text only: ids are embedded as they are (like the reference without pixel_values)
+        None => {
+            model.check_ids(&m.ids)?;
+            let ids = Tensor::<B, 2, burn::tensor::Int>::from_data(TensorData::new(m.ids.clone(), [m.batch, m.seq]), device);
+            return Ok(model.forward(ids, mask, opts, false));
+        }
         Some(im) => {
             let n = im.pixel_values.len() / im.patch_dim.max(1);
             if n * im.patch_dim != im.pixel_values.len() {
                 return Err(TrainError::Batch(format!("{} pixel values are not rows of {}", im.pixel_values.len(), im.patch_dim)));
             }
-            Some(Tensor::<B, 2>::from_data(TensorData::new(im.pixel_values.clone(), [n, im.patch_dim]), device))
+            Tensor::<B, 2>::from_data(TensorData::new(im.pixel_values.clone(), [n, im.patch_dim]), device)
         }
     };
-    let images = images.map(|p| (p, m.images.as_ref().map(|i| i.grid_thw.as_slice()).unwrap_or(&[])));
-    Ok(model.forward_multimodal(&m.ids, m.batch, m.seq, mask, images, opts, false)?)
+    let grid = m.images.as_ref().map(|i| i.grid_thw.as_slice()).unwrap_or(&[]);
+    Ok(model.forward_multimodal(&m.ids, m.batch, m.seq, mask, Some((images, grid)), opts, false)?)
 }
 
 /// Summed cross-entropy and label tokens of one micro-batch (no gradient needed; use on the
