@@ -18,6 +18,7 @@ pub mod error;
 pub mod io;
 pub mod model;
 pub mod ops;
+pub mod profile;
 pub mod text;
 pub mod train;
 pub mod vision;

@@ -104,6 +104,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
 
     /// `hidden` `[B, S, D]` → logits `[B, S, V]`.
     pub fn head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        let _t = crate::profile::scope("lm head");
         match &self.lm_head {
             Some(h) => h.forward(hidden),
             None => {
@@ -125,7 +126,9 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         let [b, s] = input_ids.dims();
         let device = input_ids.device();
         let mask = mask.unwrap_or_else(|| TokenMask::all(b, s, &device));
+        let t = crate::profile::scope("embedding");
         let embeds = self.language_model.embed(input_ids);
+        drop(t);
         let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
         CausalLmOutput {
             logits: self.head(text.hidden.clone()),
@@ -218,6 +221,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     /// The summed shifted cross-entropy and the number of label tokens it covers (to
     /// normalise by the label tokens of a whole global batch).
     pub fn lm_loss_sum(logits: Tensor<B, 3>, labels: &[i64]) -> (Tensor<B, 1>, usize) {
+        let _t = crate::profile::scope("loss");
         let [b, s, v] = logits.dims();
         let device = logits.device();
         let mut target = Vec::with_capacity(b * s);

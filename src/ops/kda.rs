@@ -28,7 +28,7 @@
 //! `initial_state`: `[B, H, d_k, d_v]`. Returns `o`: `[B, T, H, d_v]` (input dtype) and the
 //! final state `[B, H, d_k, d_v]` (fp32). Math in fp32.
 
-use burn::tensor::{backend::Backend, Bool, DType, Tensor, TensorData};
+use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 
 /// `x / sqrt(Σ x² + ε)` over the last dim (FLA `l2norm`, ε inside the sqrt).
 pub fn l2norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
@@ -111,6 +111,12 @@ pub fn kda_recurrent<B: Backend>(
 }
 
 /// Chunked WY form with chunk size `chunk` (64 by default in the model). See the module docs.
+///
+/// Everything that does not depend on the state — `Γ`, `L`, `P`, `T`, `W`, `U` — is computed for
+/// all chunks at once; only the state recurrence loops over chunks. The pair terms
+/// `Σ_c x_rc k_sc e^{Γ_rc−Γ_sc}` are formed exactly as the reference forms them (every pair of
+/// a chunk, `[C, C, d_k]`), with the rows of each pair gathered into contiguous tensors, so the
+/// elementwise work runs on equal shapes rather than through broadcasting.
 pub fn kda_chunked<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -125,62 +131,90 @@ pub fn kda_chunked<B: Backend>(
     let [b, t, h, dk] = k.dims();
     let dv = v.dims()[3];
     let device = q.device();
-    let Prepared { q, k, v, g, beta, mut state } = prepare(q, k, v, g, beta, initial_state);
+    let t_prep = crate::profile::scope("kda scan: prepare");
+    let Prepared { q, k, v, g, beta, state } = prepare(q, k, v, g, beta, initial_state);
 
-    // Pair masks of one chunk (row r = query/target, column s = source).
-    let upper_strict = pair_mask::<B>(chunk, |r, s| s > r, &device);
-    let upper_incl = pair_mask::<B>(chunk, |r, s| s >= r, &device);
-    let eye = Tensor::<B, 2>::eye(chunk, &device).cast(DType::F32).reshape([1, 1, chunk, chunk]);
-    let steps = (usize::BITS - (chunk - 1).leading_zeros()) as usize; // ⌈log₂ C⌉
-
-    let n_chunks = t.div_ceil(chunk);
-    let mut outs = Vec::with_capacity(n_chunks);
-    for c in 0..n_chunks {
-        let (lo, hi) = (c * chunk, ((c + 1) * chunk).min(t));
-        let n = hi - lo; // the last chunk may be partial: work on n×n blocks
-        let qc = q.clone().slice([0..b, 0..h, lo..hi, 0..dk]);
-        let kc = k.clone().slice([0..b, 0..h, lo..hi, 0..dk]);
-        let vc = v.clone().slice([0..b, 0..h, lo..hi, 0..dv]);
-        let bc = beta.clone().slice([0..b, 0..h, lo..hi]).unsqueeze_dim::<4>(3); // [B,H,n,1]
-        let gam = g.clone().slice([0..b, 0..h, lo..hi, 0..dk]).cumsum(2); // Γ, [B,H,n,dk]
-
-        let strict = upper_strict.clone().slice([0..n, 0..n]);
-        let incl = upper_incl.clone().slice([0..n, 0..n]);
-        // e^{Γ_r − Γ_s} for s ≤ r, 0 above the diagonal: [B,H,n(r),n(s),dk]. The exponent is
-        // clamped to ≤ 0 so the masked upper triangle never overflows before it is zeroed.
-        let diff = gam.clone().unsqueeze_dim::<5>(3) - gam.clone().unsqueeze_dim::<5>(2);
-        let lower = strict.clone().bool_not().float().reshape([1, 1, n, n, 1]);
-        let decay = diff.clamp_max(0.0).exp() * lower;
-
-        // L (strictly lower) and P (lower incl. diagonal)
-        let l = (kc.clone().unsqueeze_dim::<5>(3) * kc.clone().unsqueeze_dim::<5>(2) * decay.clone())
-            .sum_dim(4)
-            .squeeze_dim::<4>(4)
-            * bc.clone();
-        let l = l.mask_fill(incl.reshape([1, 1, n, n]).expand([b, h, n, n]), 0.0);
-        let p = (qc.clone().unsqueeze_dim::<5>(3) * kc.clone().unsqueeze_dim::<5>(2) * decay)
-            .sum_dim(4)
-            .squeeze_dim::<4>(4);
-
-        // T = (I + L)^{-1} = Π_j (I + M^{2^j}), M = −L (nilpotent)
-        let eye_n = eye.clone().slice([0..1, 0..1, 0..n, 0..n]);
-        let mut m_pow = l.neg();
-        let mut tmat = eye_n.clone() + m_pow.clone();
-        for _ in 1..steps {
-            m_pow = m_pow.clone().matmul(m_pow);
-            tmat = tmat.matmul(eye_n.clone() + m_pow.clone());
+    // Pad to whole chunks with inert tokens (k = v = q = 0, β = 0, g = 0: no decay, no write);
+    // a sequence shorter than a chunk is one chunk of its own length.
+    let chunk = chunk.min(t.max(1));
+    let n = t.div_ceil(chunk);
+    let tp = n * chunk;
+    let pad4 = |x: Tensor<B, 4>, d: usize| {
+        if tp == t {
+            x
+        } else {
+            Tensor::cat(vec![x, Tensor::zeros([b, h, tp - t, d], (&device, DType::F32))], 2)
         }
+    };
+    let beta = if tp == t { beta } else { Tensor::cat(vec![beta, Tensor::zeros([b, h, tp - t], (&device, DType::F32))], 2) };
+    let (x, c) = (b * h * n, chunk); // every chunk of every head is one batch row
+    let q = pad4(q, dk).reshape([x, c, dk]);
+    let k = pad4(k, dk).reshape([x, c, dk]);
+    let v = pad4(v, dv).reshape([x, c, dv]);
+    let beta = beta.reshape([x, c, 1]);
+    let gam = pad4(g, dk).reshape([x, c, dk]).cumsum(1); // Γ within each chunk, ≤ 0
+    drop(t_prep);
 
-        let w = tmat.clone().matmul(kc.clone() * gam.clone().exp() * bc.clone()); // [B,H,n,dk]
-        let u = tmat.matmul(vc * bc); // [B,H,n,dv]
-        let v_new = u - w.matmul(state.clone());
-        let o = (qc * gam.clone().exp()).matmul(state.clone()) + p.matmul(v_new.clone());
-        outs.push(o);
-
-        let g_last = gam.clone().slice([0..b, 0..h, n - 1..n, 0..dk]); // [B,H,1,dk]
-        let k_dec = kc * (g_last.clone() - gam).exp();
-        state = state * g_last.exp().swap_dims(2, 3) + k_dec.swap_dims(2, 3).matmul(v_new);
+    let t_pair = crate::profile::scope("kda scan: pair terms");
+    // rows (x, r, s) of every pair in a chunk, gathered from the flat [x·C, dk] tensors
+    let (mut r_rows, mut s_rows) = (Vec::with_capacity(x * c * c), Vec::with_capacity(x * c * c));
+    for xi in 0..x {
+        for r in 0..c {
+            for s_ in 0..c {
+                r_rows.push((xi * c + r) as i64);
+                s_rows.push((xi * c + s_) as i64);
+            }
+        }
     }
-    let o = Tensor::cat(outs, 2).swap_dims(1, 2).cast(dtype);
-    (o, state)
+    let index = |v: Vec<i64>| Tensor::<B, 1, Int>::from_data(TensorData::new(v.clone(), [v.len()]), &device);
+    let (r_rows, s_rows) = (index(r_rows), index(s_rows));
+    let at = |a: &Tensor<B, 3>, rows: &Tensor<B, 1, Int>| a.clone().reshape([x * c, dk]).select(0, rows.clone());
+    // e^{Γ_r − Γ_s}; clamped to ≤ 0 so the masked upper triangle never overflows
+    let decay = (at(&gam, &r_rows) - at(&gam, &s_rows)).clamp_max(0.0).exp(); // [(x, r, s), dk]
+    let k_s = at(&k, &s_rows);
+    let pair = |a: Tensor<B, 2>| (a * k_s.clone() * decay.clone()).sum_dim(1).reshape([x, c, c]);
+    let strict = pair_mask::<B>(c, |r, s_| s_ < r, &device).float().reshape([1, c, c]);
+    let incl = pair_mask::<B>(c, |r, s_| s_ <= r, &device).float().reshape([1, c, c]);
+    let l = pair(at(&k, &r_rows)) * strict * beta.clone(); // L, strictly lower
+    let p = pair(at(&q, &r_rows)) * incl; // P, lower incl. diagonal
+
+    drop(t_pair);
+    let t_inv = crate::profile::scope("kda scan: inverse + W, U");
+    // T = (I + L)^{-1} = Π_j (I + M^{2^j}), M = −L (nilpotent)
+    let eye = Tensor::<B, 2>::eye(c, &device).cast(DType::F32).reshape([1, c, c]);
+    let steps = (usize::BITS - (c - 1).leading_zeros()) as usize; // ⌈log₂ C⌉
+    let mut m_pow = l.neg();
+    let mut tmat = eye.clone() + m_pow.clone();
+    for _ in 1..steps {
+        m_pow = m_pow.clone().matmul(m_pow);
+        tmat = tmat.matmul(eye.clone() + m_pow.clone());
+    }
+    let g_exp = gam.clone().exp();
+    let w = tmat.clone().matmul(k.clone() * g_exp.clone() * beta.clone()); // [x, C, dk]
+    let u = tmat.matmul(v * beta); // [x, C, dv]
+    let qg = q * g_exp;
+    let g_last = gam.clone().slice([0..x, c - 1..c, 0..dk]); // [x, 1, dk]
+    let k_dec = k * (g_last.clone() - gam).exp();
+    let last_decay = g_last.exp().swap_dims(1, 2); // [x, dk, 1]
+
+    drop(t_inv);
+    let _t_rec = crate::profile::scope("kda scan: state recurrence");
+    // the state recurrence over chunks
+    let bh = b * h;
+    let per = |a: Tensor<B, 3>, d: usize| a.reshape([bh, n, c, d]);
+    let (w, u, qg, k_dec, p) = (per(w, dk), per(u, dv), per(qg, dk), per(k_dec, dk), p.reshape([bh, n, c, c]));
+    let last_decay = last_decay.reshape([bh, n, dk, 1]);
+    let mut state = state.reshape([bh, dk, dv]);
+    let mut outs = Vec::with_capacity(n);
+    let at = |a: &Tensor<B, 4>, i: usize| {
+        let [_, _, r, d] = a.dims();
+        a.clone().slice([0..bh, i..i + 1, 0..r, 0..d]).reshape([bh, r, d])
+    };
+    for i in 0..n {
+        let v_new = at(&u, i) - at(&w, i).matmul(state.clone());
+        outs.push(at(&qg, i).matmul(state.clone()) + at(&p, i).matmul(v_new.clone()));
+        state = state * at(&last_decay, i) + at(&k_dec, i).swap_dims(1, 2).matmul(v_new);
+    }
+    let o = Tensor::cat(outs, 1).slice([0..bh, 0..t, 0..dv]).reshape([b, h, t, dv]);
+    (o.swap_dims(1, 2).cast(dtype), state.reshape([b, h, dk, dv]))
 }

@@ -18,6 +18,7 @@ use super::moe::Moe;
 use super::norm::RmsNorm;
 use super::{ForwardOptions, TokenMask};
 use crate::config::{IndexerType, LayerType, MlpType, TextConfig};
+use crate::profile;
 
 /// Token mixer of a layer.
 #[allow(clippy::large_enum_variant)] // one per layer; boxing would hide the module tree from Burn
@@ -87,12 +88,18 @@ impl<B: Backend> DecoderLayer<B> {
         indices: &mut Option<Vec<i64>>,
         opts: &ForwardOptions,
     ) -> LayerOutput<B> {
+        let hc = profile::scope("mhc");
         let (w, h) = self.attn_hc.pre(streams.clone());
+        drop(hc);
         let h = self.input_layernorm.forward(h);
         let mut index_margin = None;
         let y = match &self.self_attn {
-            Mixer::Kda(kda) => kda.forward(h, mask, opts),
+            Mixer::Kda(kda) => {
+                let _t = profile::scope("kda");
+                kda.forward(h, mask, opts)
+            }
             Mixer::Mla(mla) => {
+                let _t = profile::scope("dsa (incl. indexer)");
                 let (y, idx, margin) = match &mask.documents {
                     Some(docs) => mla.forward_documents(h, docs, indices.as_deref(), opts),
                     None => mla.forward(h, mask, indices.as_deref(), opts),
@@ -104,17 +111,23 @@ impl<B: Backend> DecoderLayer<B> {
                 y
             }
         };
+        let hc = profile::scope("mhc");
         let streams = HyperConnection::post(w, y, streams);
-
         let (w, h) = self.ffn_hc.pre(streams.clone());
+        drop(hc);
         let h = self.post_attention_layernorm.forward(h);
         let (y, router_logits) = match &self.mlp {
-            Ffn::Dense(mlp) => (mlp.forward(h), None),
+            Ffn::Dense(mlp) => {
+                let _t = profile::scope("dense mlp");
+                (mlp.forward(h), None)
+            }
             Ffn::Moe(moe) => {
+                let _t = profile::scope("moe (router + experts + shared)");
                 let (y, logits) = moe.forward(h);
                 (y, Some(logits))
             }
         };
+        let _t = profile::scope("mhc");
         LayerOutput {
             streams: HyperConnection::post(w, y, streams),
             router_logits,

@@ -109,6 +109,7 @@ impl<B: Backend> Indexer<B> {
     /// Selected token indices `[B, S, width]` (host buffer, −1 = none) and the smallest
     /// score gap at any row's top-k boundary (see [`KpoolSelect::boundary_margin`]).
     pub fn forward(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>) -> (Vec<i64>, f32) {
+        let _t = crate::profile::scope("indexer");
         let [b, s, _] = x.dims();
         let scores = self.pool_scores(x, q_resid, mask);
         let host: Vec<f32> = scores.into_data().convert::<f32>().into_vec().expect("pool scores are f32");

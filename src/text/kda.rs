@@ -165,15 +165,18 @@ impl<B: Backend> KdaAttention<B> {
             let x = conv.forward(proj.forward(u.clone()));
             self.act.apply(x).cast(dtype).reshape([b, t, h, hd])
         };
+        let t_in = crate::profile::scope("kda: projections, conv, gates");
         let q = branch(&self.q_proj, &self.q_conv1d);
         let k = branch(&self.k_proj, &self.k_conv1d);
         let v = branch(&self.v_proj, &self.v_conv1d);
         let g = self.forget_gate(u.clone());
         let beta = sigmoid(self.b_proj.forward(u.clone()));
+        drop(t_in);
         let (o, state) = match opts.kda {
             KdaImpl::Chunked(c) => kda_chunked(q, k, v, g, beta, initial_state, c),
             KdaImpl::Recurrent => kda_recurrent(q, k, v, g, beta, initial_state),
         };
+        let _t_out = crate::profile::scope("kda: output gate, norm, o_proj");
         let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([b, t, h, hd]);
         let o = self.o_norm.forward(o, gate).reshape([b, t, h * hd]);
         (self.o_proj.forward(o), state)

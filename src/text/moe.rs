@@ -82,6 +82,7 @@ impl<B: Backend> Router<B> {
 
     /// Route `x` `[N, D]`.
     pub fn forward(&self, x: Tensor<B, 2>) -> Routing<B> {
+        let _t = crate::profile::scope("moe router");
         let [n, _] = x.dims();
         let e = self.weight.dims()[0];
         let device = x.device();
@@ -119,6 +120,7 @@ pub struct Experts<B: Backend> {
 impl<B: Backend> Experts<B> {
     /// `x` `[N, D]`, routing of those rows → `[N, D]`.
     pub fn forward(&self, x: Tensor<B, 2>, routing: &Routing<B>) -> Tensor<B, 2> {
+        let _t = crate::profile::scope("moe routed experts");
         let [n, d] = x.dims();
         let [e, _, i] = self.gate_proj.dims();
         let k = routing.experts.len() / n.max(1);

@@ -193,7 +193,9 @@ pub fn accumulate<B: AutodiffBackend>(
             router_logits.push((host, valid.clone()));
         }
         loss_value += loss.clone().into_scalar().elem::<f64>();
+        let backward = crate::profile::scope("backward");
         let grads = GradientsParams::from_grads(loss.backward(), model);
+        drop(backward);
         acc.accumulate(model, grads);
     }
     Ok(Accumulated { grads: acc.grads(), loss: loss_value, label_tokens: total, tokens, router_logits })

@@ -167,7 +167,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 NonFinitePolicy::Abort => Err(TrainError::NonFinite { step: self.step, what, loss: acc_loss, grad_norm }),
             };
         }
+        let update = crate::profile::scope("adamw update");
         let mut model = self.optim.step(lr, master, grads);
+        drop(update);
         if self.options.router_bias_update_rate != 0.0 {
             model = update_router_bias(model, &router, self.options.router_bias_update_rate);
         }

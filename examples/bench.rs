@@ -1,0 +1,200 @@
+//! Throughput and memory of a forward pass or a full training step on a seeded model built
+//! from an HF `config.json` (no checkpoint needed).
+//!
+//! ```text
+//! cargo run --release --example bench -- --config configs/bench_small.json --seq 512 \
+//!     [--batch 1] [--mode forward|train|both] [--steps 5] [--threads 2] [--profile]
+//! ```
+//!
+//! Prints one JSON line per mode: `{"impl", "mode", "tokens", "median_s", "tokens_per_s",
+//! "peak_rss_mb"}` (peak RSS: Linux `VmHWM` after the mode ran; forward runs first), the same
+//! shape as `tests/reference/bench_reference.py`, which runs the HF reference on the same config.
+//! A train step is forward, cross-entropy over all tokens, backward and the AdamW update
+//! (the library's `Trainer` with fp32 weights, no clipping). `--profile` adds the time per
+//! model part (forward scopes; backward and the AdamW update as wholes) for the timed iterations.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use clap::{Parser, ValueEnum};
+use glm5_burn::config::Glm5Config;
+use glm5_burn::data::loader::SplitMix64;
+use glm5_burn::train::recipe::{DecayStyle, FreezeConfig, NonFinitePolicy, Precision};
+use glm5_burn::train::schedule::LrSchedule;
+use glm5_burn::train::step::MicroBatch;
+use glm5_burn::train::trainer::{TrainOptions, Trainer};
+use glm5_burn::{profile, ForwardOptions, Glm5ForCausalLM};
+use serde_json::json;
+
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum Mode {
+    Forward,
+    Train,
+    Both,
+}
+
+#[derive(Parser)]
+struct Args {
+    /// HF config.json (nested or flat).
+    #[arg(long)]
+    config: std::path::PathBuf,
+    #[arg(long)]
+    seq: usize,
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    #[arg(long, value_enum, default_value = "both")]
+    mode: Mode,
+    /// Timed iterations (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Worker threads (rayon pool used by Flex).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Print time per model part.
+    #[arg(long)]
+    profile: bool,
+    /// Instead: measure this backend's f32 matmul rate at 512×256×768 (the model's FFN shape
+    /// at seq 512) and 2048³, printed as `{"gflops": {...}}`.
+    #[arg(long)]
+    matmul: bool,
+}
+
+/// f32 matmul GFLOP/s of Flex at `[m, k] × [k, n]` (best of ~1 s of repetitions).
+fn matmul_gflops(m: usize, k: usize, n: usize) -> f64 {
+    use burn::tensor::Distribution;
+    let device = Default::default();
+    let a = Tensor::<Flex, 2>::random([m, k], Distribution::Default, &device);
+    let b = Tensor::<Flex, 2>::random([k, n], Distribution::Default, &device);
+    for _ in 0..3 {
+        let _: f32 = a.clone().matmul(b.clone()).slice([0..1, 0..1]).into_scalar();
+    }
+    let (mut reps, t0) = (0u64, Instant::now());
+    while t0.elapsed().as_secs_f64() < 1.0 {
+        let _: f32 = a.clone().matmul(b.clone()).slice([0..1, 0..1]).into_scalar();
+        reps += 1;
+    }
+    2.0 * (m * k * n) as f64 * reps as f64 / t0.elapsed().as_secs_f64() / 1e9
+}
+
+fn peak_rss_mb() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn print_profile(total: f64) {
+    let mut rows: Vec<(String, f64, u64)> = profile::report().into_iter().map(|(k, d, n)| (k.to_string(), d.as_secs_f64(), n)).collect();
+    rows.sort_by(|a, b| b.1.total_cmp(&a.1));
+    eprintln!("  {:<34} {:>9} {:>7} {:>7}", "part (nested parts are inside their parent)", "seconds", "share", "calls");
+    for (k, s, n) in rows {
+        eprintln!("  {k:<34} {s:>9.3} {:>6.1}% {n:>7}", 100.0 * s / total);
+    }
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    if let Some(t) = a.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("rayon thread pool")?;
+    }
+    if a.matmul {
+        println!("{}", json!({"gflops": {"512x256x768": matmul_gflops(512, 256, 768), "2048x2048x2048": matmul_gflops(2048, 2048, 2048)}}));
+        return Ok(());
+    }
+    let config = Glm5Config::from_file(&a.config).with_context(|| a.config.display().to_string())?;
+    // active parameters per token without the input embedding (a lookup, no FLOPs); the LM
+    // head is a matmul and counts
+    let counts = glm5_burn::checkpoint::inventory::ParamCounts::of(&config);
+    let active_non_embedding = counts.trunk_active - (config.text_config.vocab_size * config.text_config.hidden_size) as u64;
+    let vocab = config.text_config.vocab_size;
+    let tokens = a.batch * a.seq;
+    let mut rng = SplitMix64(1);
+    let ids: Vec<i64> = (0..tokens).map(|_| 1 + (rng.next_u64() % (vocab as u64 - 1)) as i64).collect();
+    let threads = a.threads.unwrap_or_else(rayon::current_num_threads);
+    let report = |mode: &str, times: Vec<f64>| {
+        let med = median(times);
+        println!(
+            "{}",
+            json!({"impl": "glm5-burn-flex", "mode": mode, "tokens": tokens, "median_s": med, "tokens_per_s": tokens as f64 / med,
+                   "peak_rss_mb": peak_rss_mb(), "threads": threads, "active_non_embedding": active_non_embedding})
+        );
+    };
+    let opts = ForwardOptions::default();
+
+    if matches!(a.mode, Mode::Forward | Mode::Both) {
+        let device = Default::default();
+        Flex::seed(&device, 0);
+        let model = Glm5ForCausalLM::<Flex>::try_new(&config, &device)?;
+        let mut times = Vec::new();
+        profile::enable(false);
+        for i in 0..a.warmup + a.steps {
+            if i == a.warmup {
+                profile::reset();
+                profile::enable(a.profile);
+            }
+            let t = Tensor::<Flex, 2, Int>::from_data(TensorData::new(ids.clone(), [a.batch, a.seq]), &device);
+            let t0 = Instant::now();
+            let out = model.forward(t, None, &opts, false);
+            let _: f32 = out.logits.sum().into_scalar();
+            if i >= a.warmup {
+                times.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        profile::enable(false);
+        if a.profile {
+            eprintln!("forward profile ({} iterations):", a.steps);
+            print_profile(times.iter().sum());
+        }
+        report("forward", times);
+    }
+
+    if matches!(a.mode, Mode::Train | Mode::Both) {
+        type A = Autodiff<Flex>;
+        let device = Default::default();
+        A::seed(&device, 0);
+        let model = Glm5ForCausalLM::<A>::try_new(&config, &device)?;
+        let options = TrainOptions {
+            lr: LrSchedule { style: DecayStyle::Constant, lr: 1e-4, min_lr: 0.0, warmup_steps: 0, total_steps: a.warmup + a.steps },
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.01,
+            max_grad_norm: None,
+            aux_loss_coef: 0.0,
+            router_bias_update_rate: 0.0,
+            precision: Precision::F32,
+            on_nonfinite: NonFinitePolicy::Abort,
+            freeze: FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false },
+            forward: opts,
+        };
+        let mut trainer = Trainer::<A>::new(model, options, &device);
+        let micro = [MicroBatch::text(ids.clone(), ids.clone(), a.batch, a.seq, None)];
+        let mut times = Vec::new();
+        for i in 0..a.warmup + a.steps {
+            if i == a.warmup {
+                profile::reset();
+                profile::enable(a.profile);
+            }
+            let t0 = Instant::now();
+            trainer.step(&micro)?;
+            if i >= a.warmup {
+                times.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        profile::enable(false);
+        if a.profile {
+            eprintln!("train-step profile ({} iterations):", a.steps);
+            print_profile(times.iter().sum());
+        }
+        report("train", times);
+    }
+    Ok(())
+}
