@@ -6,7 +6,8 @@
 //! deliberately hot fixtures move far enough per step that, after step 3, our fp32 run and the
 //! fp64 reference separate (loss |Δ| up to 3e-2 with grad-norm spikes, the signature of
 //! discrete routing flips) — a conditioning limit of the fixture, not of the optimizer, which
-//! tracks to 5.6e-6 at 1e-4.
+//! tracks to 5.6e-6 at 1e-4. The packed variant (`loss_curve_packed`, the rows as documents in
+//! one THD row on our side, one document per forward on the reference's) tracks to 9e-6.
 
 mod common;
 
@@ -51,4 +52,34 @@ fn loss_curve_tracks_the_reference() {
     }
     assert!(worst <= 1e-4, "loss curve max |Δ| {worst:e}");
     assert!(ref_loss[19] < ref_loss[0] - 0.3, "the loss falls");
+}
+
+/// The same 20 steps with the two rows as packed documents: the reference runs each document
+/// in its own forward (it ignores `cu_seqlens`); ours runs both in one THD row with their
+/// boundaries — one micro-batch per step, so the step's loss and gradient come from the packed
+/// row alone.
+#[test]
+fn packed_loss_curve_tracks_the_reference_run_unpacked() {
+    let dir = fixtures().join("leftpad");
+    let device = Default::default();
+    let mut model: Glm5ForCausalLM<A> = load_causal_lm::<A>(&dir, &device, &LoadOptions::default()).unwrap().model;
+    let reference = Io::open(&fixtures().join("loss_curve_packed.safetensors"));
+    let (ids, labels) = (reference.i64("doc_ids"), reference.i64("doc_labels"));
+    let lengths: Vec<usize> = reference.i64("doc_lengths").iter().map(|&l| l as usize).collect();
+    let mut packed = MicroBatch::text(ids.clone(), labels, 1, ids.len(), None);
+    packed.documents = Some(lengths);
+    let mut optim = AdamWConfig::new().with_beta_1(0.9).with_beta_2(0.999).with_epsilon(1e-8).with_weight_decay(0.01).init();
+    let schedule = LrSchedule { style: DecayStyle::Cosine, lr: 1e-4, min_lr: 1e-5, warmup_steps: 3, total_steps: 20 };
+    let (ref_loss, ref_norm) = (reference.f64("loss"), reference.f64("grad_norm"));
+    let mut worst = 0f64;
+    for step in 0..20 {
+        let (m, metrics) = train_step(model, &mut optim, std::slice::from_ref(&packed), schedule.at(step), Some(1.0), 0.0, &ForwardOptions::default(), &device);
+        model = m;
+        let metrics = metrics.unwrap();
+        let d = (metrics.loss - ref_loss[step]).abs();
+        println!("packed step {step:2}: loss {:.6} (reference, unpacked {:.6}, |Δ| {d:.1e}), grad norm {:.4} ({:.4})", metrics.loss, ref_loss[step], metrics.grad_norm, ref_norm[step]);
+        worst = worst.max(d);
+        assert!((metrics.grad_norm - ref_norm[step]).abs() <= 5e-3 * ref_norm[step], "step {step}: grad norm");
+    }
+    assert!(worst <= 1e-4, "packed loss curve max |Δ| {worst:e}");
 }

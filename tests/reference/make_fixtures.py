@@ -784,10 +784,15 @@ LOSS_CURVE = {"steps": 20, "lr": 1e-4, "min_lr": 1e-5, "warmup": 3, "betas": (0.
               "weight_decay": 0.01, "max_grad_norm": 1.0}
 
 
-def loss_curve_fixture():
+def loss_curve_fixture(packed=False):
     """20 AdamW steps of the reference (float64) on the `leftpad` checkpoint: two micro-batches
     (its two rows) per step, cross-entropy summed and divided by the step's label tokens,
-    global-norm clipping, cosine schedule with warm-up (the formula of train::schedule)."""
+    global-norm clipping, cosine schedule with warm-up (the formula of train::schedule).
+
+    `packed`: the two rows as documents — padding stripped, each document's first label
+    ignored (as in SFT, where a conversation opens with `[gMASK]`) — run one document per
+    forward, since the reference ignores `cu_seqlens`; our side packs them into one THD row.
+    Writes `loss_curve_packed.safetensors` with the documents' ids and labels."""
     c = LOSS_CURVE
     d = OUT / "leftpad"
     io = load_file(d / "io.safetensors")
@@ -803,7 +808,15 @@ def loss_curve_fixture():
         return c["min_lr"] + (c["lr"] - c["min_lr"]) * 0.5 * (1 + math.cos(math.pi * p))
 
     ids, mask, labels = io["input_ids"], io["attention_mask"], io["labels"]
-    total = (labels[:, 1:] != -100).sum().item()
+    if packed:
+        docs = [(ids[r][mask[r] == 1], labels[r][mask[r] == 1].clone()) for r in range(ids.shape[0])]
+        for _, lab in docs:
+            lab[0] = -100
+        rows = [(d.unsqueeze(0), torch.ones_like(d).unsqueeze(0), lab.unsqueeze(0)) for d, lab in docs]
+        total = sum((lab[1:] != -100).sum().item() for _, lab in docs)
+    else:
+        rows = [(ids[r:r + 1], mask[r:r + 1], labels[r:r + 1]) for r in range(ids.shape[0])]
+        total = (labels[:, 1:] != -100).sum().item()
     losses, norms = [], []
     orig = M.chunk_kimi_delta_attention
     M.chunk_kimi_delta_attention = chunk_kda_f64
@@ -811,9 +824,9 @@ def loss_curve_fixture():
         for step in range(c["steps"]):
             opt.zero_grad()
             step_loss = 0.0
-            for row in range(ids.shape[0]):
-                logits = model(input_ids=ids[row:row + 1], attention_mask=mask[row:row + 1]).logits
-                ce = torch.nn.functional.cross_entropy(logits[0, :-1], labels[row, 1:], ignore_index=-100,
+            for row_ids, row_mask, row_labels in rows:
+                logits = model(input_ids=row_ids, attention_mask=row_mask).logits
+                ce = torch.nn.functional.cross_entropy(logits[0, :-1], row_labels[0, 1:], ignore_index=-100,
                                                        reduction="sum")
                 (ce / total).backward()
                 step_loss += (ce / total).item()
@@ -824,9 +837,12 @@ def loss_curve_fixture():
             losses.append(step_loss)
     finally:
         M.chunk_kimi_delta_attention = orig
-    save_file({"loss": torch.tensor(losses, dtype=torch.float64), "grad_norm": torch.tensor(norms, dtype=torch.float64)},
-              OUT / "loss_curve.safetensors")
-    print(f"loss curve: {losses[0]:.4f} -> {losses[-1]:.4f} over {c['steps']} steps")
+    out = {"loss": torch.tensor(losses, dtype=torch.float64), "grad_norm": torch.tensor(norms, dtype=torch.float64)}
+    if packed:
+        out.update({"doc_ids": torch.cat([d for d, _ in docs]), "doc_labels": torch.cat([lab for _, lab in docs]),
+                    "doc_lengths": torch.tensor([len(d) for d, _ in docs], dtype=torch.int64)})
+    save_file(out, OUT / ("loss_curve_packed.safetensors" if packed else "loss_curve.safetensors"))
+    print(f"loss curve{' (packed documents)' if packed else ''}: {losses[0]:.4f} -> {losses[-1]:.4f} over {c['steps']} steps")
 
 
 def kda_recurrent_f64(q, k, v, g, beta, h0):
@@ -927,6 +943,8 @@ def main():
         chat_fixture()
     if not only or "loss_curve" in only:
         loss_curve_fixture()
+    if not only or "loss_curve_packed" in only:
+        loss_curve_fixture(packed=True)
     if not only or "kda" in only:
         kda_fixture()
     if not only or "config" in only:
