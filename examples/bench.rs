@@ -16,7 +16,9 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use clap::{Parser, ValueEnum};
@@ -58,6 +60,9 @@ struct Args {
     /// Print time per model part.
     #[arg(long)]
     profile: bool,
+    /// Train with activation checkpointing (`Autodiff<Flex, BalancedCheckpointing>`).
+    #[arg(long)]
+    checkpointing: bool,
     /// Instead: measure this backend's f32 matmul rate at 512×256×768 (the model's FFN shape
     /// at seq 512) and 2048³, printed as `{"gflops": {...}}`.
     #[arg(long)]
@@ -134,67 +139,68 @@ fn main() -> Result<()> {
         let device = Default::default();
         Flex::seed(&device, 0);
         let model = Glm5ForCausalLM::<Flex>::try_new(&config, &device)?;
-        let mut times = Vec::new();
-        profile::enable(false);
-        for i in 0..a.warmup + a.steps {
-            if i == a.warmup {
-                profile::reset();
-                profile::enable(a.profile);
-            }
+        let times = timed(&a, "forward", || {
             let t = Tensor::<Flex, 2, Int>::from_data(TensorData::new(ids.clone(), [a.batch, a.seq]), &device);
-            let t0 = Instant::now();
             let out = model.forward(t, None, &opts, false);
             let _: f32 = out.logits.sum().into_scalar();
-            if i >= a.warmup {
-                times.push(t0.elapsed().as_secs_f64());
-            }
-        }
-        profile::enable(false);
-        if a.profile {
-            eprintln!("forward profile ({} iterations):", a.steps);
-            print_profile(times.iter().sum());
-        }
+            Ok(())
+        })?;
         report("forward", times);
     }
 
     if matches!(a.mode, Mode::Train | Mode::Both) {
-        type A = Autodiff<Flex>;
-        let device = Default::default();
-        A::seed(&device, 0);
-        let model = Glm5ForCausalLM::<A>::try_new(&config, &device)?;
-        let options = TrainOptions {
-            lr: LrSchedule { style: DecayStyle::Constant, lr: 1e-4, min_lr: 0.0, warmup_steps: 0, total_steps: a.warmup + a.steps },
-            betas: [0.9, 0.999],
-            eps: 1e-8,
-            weight_decay: 0.01,
-            max_grad_norm: None,
-            aux_loss_coef: 0.0,
-            router_bias_update_rate: 0.0,
-            precision: Precision::F32,
-            on_nonfinite: NonFinitePolicy::Abort,
-            freeze: FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false },
-            forward: opts,
+        let times = if a.checkpointing {
+            train::<Autodiff<Flex, BalancedCheckpointing>>(&a, &config, &ids, opts)?
+        } else {
+            train::<Autodiff<Flex>>(&a, &config, &ids, opts)?
         };
-        let mut trainer = Trainer::<A>::new(model, options, &device);
-        let micro = [MicroBatch::text(ids.clone(), ids.clone(), a.batch, a.seq, None)];
-        let mut times = Vec::new();
-        for i in 0..a.warmup + a.steps {
-            if i == a.warmup {
-                profile::reset();
-                profile::enable(a.profile);
-            }
-            let t0 = Instant::now();
-            trainer.step(&micro)?;
-            if i >= a.warmup {
-                times.push(t0.elapsed().as_secs_f64());
-            }
-        }
-        profile::enable(false);
-        if a.profile {
-            eprintln!("train-step profile ({} iterations):", a.steps);
-            print_profile(times.iter().sum());
-        }
-        report("train", times);
+        report(if a.checkpointing { "train (activation checkpointing)" } else { "train" }, times);
     }
     Ok(())
+}
+
+/// Timed training steps on the autodiff backend `A`.
+fn train<A: AutodiffBackend>(a: &Args, config: &Glm5Config, ids: &[i64], opts: ForwardOptions) -> Result<Vec<f64>> {
+    let device = Default::default();
+    A::seed(&device, 0);
+    let model = Glm5ForCausalLM::<A>::try_new(config, &device)?;
+    let options = TrainOptions {
+        lr: LrSchedule { style: DecayStyle::Constant, lr: 1e-4, min_lr: 0.0, warmup_steps: 0, total_steps: a.warmup + a.steps },
+        betas: [0.9, 0.999],
+        eps: 1e-8,
+        weight_decay: 0.01,
+        max_grad_norm: None,
+        aux_loss_coef: 0.0,
+        router_bias_update_rate: 0.0,
+        precision: Precision::F32,
+        on_nonfinite: NonFinitePolicy::Abort,
+        freeze: FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false },
+        forward: opts,
+    };
+    let mut trainer = Trainer::<A>::new(model, options, &device);
+    let micro = [MicroBatch::text(ids.to_vec(), ids.to_vec(), a.batch, a.seq, None)];
+    timed(a, "train-step", || trainer.step(&micro).map(|_| ()).map_err(anyhow::Error::from))
+}
+
+/// Warm-up plus timed iterations of `f`; profiles the timed ones when asked.
+fn timed(a: &Args, what: &str, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    let mut times = Vec::new();
+    profile::enable(false);
+    for i in 0..a.warmup + a.steps {
+        if i == a.warmup {
+            profile::reset();
+            profile::enable(a.profile);
+        }
+        let t0 = Instant::now();
+        f()?;
+        if i >= a.warmup {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    profile::enable(false);
+    if a.profile {
+        eprintln!("{what} profile ({} iterations):", a.steps);
+        print_profile(times.iter().sum());
+    }
+    Ok(times)
 }
