@@ -114,6 +114,10 @@ fn refuses_to_overwrite_checkpoints_without_resume() {
     let out = Command::new(example("finetune")).args(args).output().unwrap();
     let text = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!out.status.success() && text.contains("holds checkpoints"), "{text}");
+    // a backend this build lacks is named
+    let out = Command::new(example("finetune")).arg("--backend=metal").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success() && text.contains("--backend=metal: not available in this build (flex"), "{text}");
     // an unknown recipe key names its path
     let out = Command::new(example("finetune")).arg("--optimizer.momentum=0.9").output().unwrap();
     let text = String::from_utf8_lossy(&out.stderr).to_string();

@@ -48,3 +48,10 @@ fn errors_name_the_key() {
     let e = Recipe::from_yaml("step_scheduler: [", "bad.yaml", &[]).unwrap_err().to_string();
     assert!(e.contains("bad.yaml"), "{e}");
 }
+
+#[test]
+fn packed_sequence_size_defaults_to_2048() {
+    let text = std::fs::read_to_string(shipped("tiny_medpix.yaml")).unwrap().replace("  packed_sequence_size: 256\n", "");
+    let r = Recipe::from_yaml(&text, "tiny_medpix.yaml (edited)", &[]).unwrap();
+    assert_eq!(r.packed_sequence.packed_sequence_size, 2048);
+}

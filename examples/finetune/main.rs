@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --release --example finetune                       # the embedded default (tiny model, bundled sample)
-//! cargo run --release --example finetune -- RECIPE.yaml [--section.key=value ...] [--no-resume]
+//! cargo run --release --example finetune -- RECIPE.yaml [--section.key=value ...] [--no-resume] [--backend=flex|cuda|vulkan]
 //! ```
 //!
 //! Reads the dataset (MedPix-VQA parquet or JSONL + images), packs it into THD sequences, and
@@ -30,7 +30,7 @@ use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions, Sampler};
 use glm5_burn::train::checkpoint as ckpt;
 use glm5_burn::train::params::trainable_counts;
-use glm5_burn::train::recipe::{DatasetSection, Recipe};
+use glm5_burn::train::recipe::{DatasetSection, PathKind, Recipe};
 use glm5_burn::train::step::MicroBatch;
 use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
 use glm5_burn::Glm5ForCausalLM;
@@ -43,15 +43,21 @@ struct Args {
     recipe: Option<PathBuf>,
     overrides: Vec<String>,
     no_resume: bool,
+    backend: String,
 }
 
 fn parse_args() -> Result<Args> {
-    let mut a = Args { recipe: None, overrides: Vec::new(), no_resume: false };
+    let mut a = Args { recipe: None, overrides: Vec::new(), no_resume: false, backend: "flex".into() };
     for arg in std::env::args().skip(1) {
         if arg == "--no-resume" {
             a.no_resume = true;
+        } else if let Some(b) = arg.strip_prefix("--backend=") {
+            a.backend = b.to_string();
         } else if arg == "-h" || arg == "--help" {
-            println!("usage: finetune [RECIPE.yaml] [--section.key=value ...] [--no-resume]\n(no recipe: the embedded tiny MedPix default)");
+            println!(
+                "usage: finetune [RECIPE.yaml] [--section.key=value ...] [--no-resume] [--backend=flex|cuda|vulkan]\n\
+                 (no recipe: the embedded tiny MedPix default; cuda/vulkan need the cargo feature of that name)"
+            );
             std::process::exit(0);
         } else if arg.starts_with("--") {
             a.overrides.push(arg);
@@ -88,12 +94,28 @@ fn main() -> Result<()> {
             v.path = anchor(&v.path, true);
         }
     }
+    if recipe.model.backend.attn == PathKind::Kernel || recipe.model.backend.linear == PathKind::Kernel {
+        println!("model.backend: `kernel` requested, but this build has no custom kernels yet; using the reference paths");
+    }
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!("recipe: {}  ({threads} threads)", args.recipe.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "embedded tiny_medpix".into()));
-    if recipe.distributed.activation_checkpointing {
-        run::<Autodiff<Flex, BalancedCheckpointing>>(&recipe, args.no_resume)
-    } else {
-        run::<Autodiff<Flex, NoCheckpointing>>(&recipe, args.no_resume)
+    // Burn 0.21 fixes the checkpointing strategy in the autodiff type: one monomorphisation each
+    macro_rules! dispatch {
+        ($b:ty) => {
+            if recipe.distributed.activation_checkpointing {
+                run::<Autodiff<$b, BalancedCheckpointing>>(&recipe, args.no_resume)
+            } else {
+                run::<Autodiff<$b, NoCheckpointing>>(&recipe, args.no_resume)
+            }
+        };
+    }
+    match args.backend.as_str() {
+        "flex" => dispatch!(Flex),
+        #[cfg(feature = "cuda")]
+        "cuda" => dispatch!(burn::backend::Cuda),
+        #[cfg(feature = "vulkan")]
+        "vulkan" => dispatch!(burn::backend::Vulkan),
+        other => bail!("--backend={other}: not available in this build (flex{}{})", if cfg!(feature = "cuda") { ", cuda" } else { "" }, if cfg!(feature = "vulkan") { ", vulkan" } else { "" }),
     }
 }
 

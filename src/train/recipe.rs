@@ -134,7 +134,9 @@ fn train_split() -> String {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PackedSequence {
-    /// Tokens per packed THD sequence (0 disables packing).
+    /// Tokens per packed THD sequence (0 disables packing); 2,048 by default, as in the
+    /// published recipe.
+    #[serde(default = "two_k")]
     pub packed_sequence_size: usize,
     /// Drop samples longer than a pack instead of truncating them.
     #[serde(default = "yes")]
@@ -143,6 +145,10 @@ pub struct PackedSequence {
 
 fn yes() -> bool {
     true
+}
+
+fn two_k() -> usize {
+    2048
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
