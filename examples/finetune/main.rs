@@ -22,7 +22,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::config::Glm5Config;
 use glm5_burn::data::chat::ChatFormat;
@@ -319,6 +319,5 @@ fn run<B: AutodiffBackend>(recipe: &Recipe, no_resume: bool) -> Result<()> {
     if let Some(p) = peak_rss_mb() {
         println!("peak RSS {p:.0} MB");
     }
-    let _ = <B as Backend>::name(&device);
     Ok(())
 }
