@@ -28,7 +28,7 @@ use glm5_burn::train::recipe::{DecayStyle, FreezeConfig, NonFinitePolicy, Precis
 use glm5_burn::train::schedule::LrSchedule;
 use glm5_burn::train::step::MicroBatch;
 use glm5_burn::train::trainer::{TrainOptions, Trainer};
-use glm5_burn::{profile, ForwardOptions, Glm5ForCausalLM};
+use glm5_burn::{profile, ForwardOptions, Glm5Backend, Glm5ForCausalLM};
 use serde_json::json;
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
@@ -160,7 +160,10 @@ fn main() -> Result<()> {
 }
 
 /// Timed training steps on the autodiff backend `A`.
-fn train<A: AutodiffBackend>(a: &Args, config: &Glm5Config, ids: &[i64], opts: ForwardOptions) -> Result<Vec<f64>> {
+fn train<A: AutodiffBackend + Glm5Backend>(a: &Args, config: &Glm5Config, ids: &[i64], opts: ForwardOptions) -> Result<Vec<f64>>
+where
+    A::InnerBackend: Glm5Backend,
+{
     let device = Default::default();
     A::seed(&device, 0);
     let model = Glm5ForCausalLM::<A>::try_new(config, &device)?;

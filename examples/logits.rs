@@ -14,11 +14,11 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use burn::backend::Flex;
-use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use clap::{Parser, ValueEnum};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::io::{write_logits, TokenInputs};
-use glm5_burn::{AttentionImpl, ForwardOptions, TokenMask};
+use glm5_burn::{AttentionImpl, ForwardOptions, Glm5Backend, TokenMask};
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Precision {
@@ -105,7 +105,7 @@ fn main() {
     }
 }
 
-fn run<B: Backend>(args: &Args, device: &B::Device) -> Result<()> {
+fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
     if let Some(prompt) = &args.prompt {
         return run_prompt::<B>(args, prompt, device);
     }
@@ -163,7 +163,7 @@ fn run<B: Backend>(args: &Args, device: &B::Device) -> Result<()> {
     Ok(())
 }
 
-fn run_prompt<B: Backend>(args: &Args, prompt: &str, device: &B::Device) -> Result<()> {
+fn run_prompt<B: Glm5Backend>(args: &Args, prompt: &str, device: &B::Device) -> Result<()> {
     use glm5_burn::data::chat::ChatFormat;
     use glm5_burn::data::image_processor::{ImageProcessor, RgbImage};
     let tok = args.tokenizer.as_ref().expect("clap requires it");

@@ -26,4 +26,5 @@ pub mod vision;
 pub use config::{Glm5Config, TextConfig, VisionConfig};
 pub use error::{CheckpointError, ConfigError, ModelError};
 pub use model::Glm5ForCausalLM;
+pub use ops::backend::Glm5Backend;
 pub use text::{AttentionImpl, ForwardOptions, KdaImpl, TokenMask};

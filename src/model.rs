@@ -18,6 +18,7 @@ use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
 use crate::config::Glm5Config;
 use crate::error::ModelError;
+use crate::ops::backend::Glm5Backend;
 use crate::text::mlp::linear;
 use crate::text::model::{TextModel, TextOutput};
 use crate::text::{ForwardOptions, TokenMask};
@@ -122,7 +123,10 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         mask: Option<TokenMask<B>>,
         opts: &ForwardOptions,
         record: bool,
-    ) -> CausalLmOutput<B> {
+    ) -> CausalLmOutput<B>
+    where
+        B: Glm5Backend,
+    {
         let [b, s] = input_ids.dims();
         let device = input_ids.device();
         let mask = mask.unwrap_or_else(|| TokenMask::all(b, s, &device));
@@ -150,7 +154,10 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         images: Option<(Tensor<B, 2>, &[[usize; 3]])>,
         opts: &ForwardOptions,
         record: bool,
-    ) -> Result<CausalLmOutput<B>, ModelError> {
+    ) -> Result<CausalLmOutput<B>, ModelError>
+    where
+        B: Glm5Backend,
+    {
         self.check_ids(ids)?;
         let err = |name: &str, message: String| ModelError::Input { name: name.into(), message };
         if ids.len() != batch * seq {

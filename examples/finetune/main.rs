@@ -33,7 +33,7 @@ use glm5_burn::train::params::trainable_counts;
 use glm5_burn::train::recipe::{DatasetSection, PathKind, Recipe};
 use glm5_burn::train::step::MicroBatch;
 use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
-use glm5_burn::Glm5ForCausalLM;
+use glm5_burn::{Glm5Backend, Glm5ForCausalLM};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 
@@ -178,7 +178,10 @@ fn truncate_metrics(path: &Path, step: usize) -> Result<()> {
     Ok(())
 }
 
-fn run<B: AutodiffBackend>(recipe: &Recipe, no_resume: bool) -> Result<()> {
+fn run<B: AutodiffBackend + Glm5Backend>(recipe: &Recipe, no_resume: bool) -> Result<()>
+where
+    B::InnerBackend: Glm5Backend,
+{
     let device: B::Device = Default::default();
     let seed = recipe.rng.seed;
     B::seed(&device, seed);

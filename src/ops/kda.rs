@@ -28,7 +28,9 @@
 //! `initial_state`: `[B, H, d_k, d_v]`. Returns `o`: `[B, T, H, d_v]` (input dtype) and the
 //! final state `[B, H, d_k, d_v]` (fp32). Math in fp32.
 
-use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, Bool, DType, Tensor, TensorData};
+
+use super::backend::{kda_pair_sums, Glm5Backend};
 
 /// `x / sqrt(Σ x² + ε)` over the last dim (FLA `l2norm`, ε inside the sqrt).
 pub fn l2norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
@@ -114,10 +116,10 @@ pub fn kda_recurrent<B: Backend>(
 ///
 /// Everything that does not depend on the state — `Γ`, `L`, `P`, `T`, `W`, `U` — is computed for
 /// all chunks at once; only the state recurrence loops over chunks. The pair terms
-/// `Σ_c x_rc k_sc e^{Γ_rc−Γ_sc}` are formed as the reference forms them, pair by pair, for the
-/// causal pairs `s ≤ r` only, with the rows of each pair gathered into contiguous tensors so
-/// the elementwise work runs on equal shapes rather than through broadcasting.
-pub fn kda_chunked<B: Backend>(
+/// `Σ_c x_rc k_sc e^{Γ_rc−Γ_sc}` are formed pair by pair, as the reference forms them, for the
+/// causal pairs `s ≤ r` only, by the backend op [`Glm5Backend::kda_pair_sums`] (its default is
+/// the gathered tensor-op form; Flex runs fused loops).
+pub fn kda_chunked<B: Glm5Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -156,34 +158,11 @@ pub fn kda_chunked<B: Backend>(
     drop(t_prep);
 
     let t_pair = crate::profile::scope("kda scan: pair terms");
-    // rows (x, r, s) of every causal pair (s ≤ r) of a chunk, gathered from the flat [x·C, dk]
-    // tensors; the pair sums are then placed at (x, r, s) of [x, C, C]
-    let per = c * (c + 1) / 2;
-    let (mut r_rows, mut s_rows, mut at_rs) = (Vec::with_capacity(x * per), Vec::with_capacity(x * per), Vec::with_capacity(x * per));
-    for xi in 0..x {
-        for r in 0..c {
-            for s_ in 0..=r {
-                r_rows.push((xi * c + r) as i64);
-                s_rows.push((xi * c + s_) as i64);
-                at_rs.push(((xi * c + r) * c + s_) as i64);
-            }
-        }
-    }
-    let index = |v: Vec<i64>| Tensor::<B, 1, Int>::from_data(TensorData::new(v.clone(), [v.len()]), &device);
-    let (r_rows, s_rows, at_rs) = (index(r_rows), index(s_rows), index(at_rs));
-    let at = |a: &Tensor<B, 3>, rows: &Tensor<B, 1, Int>| a.clone().reshape([x * c, dk]).select(0, rows.clone());
-    // e^{Γ_r − Γ_s} (≤ 0 exponents: Γ is non-increasing; the clamp guards rounding)
-    let decay = (at(&gam, &r_rows) - at(&gam, &s_rows)).clamp_max(0.0).exp(); // [(x, r, s), dk]
-    let k_s = at(&k, &s_rows);
-    let pair = |a: Tensor<B, 2>| {
-        let sums = (a * k_s.clone() * decay.clone()).sum_dim(1).reshape([x * per]);
-        Tensor::<B, 1>::zeros([x * c * c], (&device, DType::F32))
-            .select_assign(0, at_rs.clone(), sums, burn::tensor::IndexingUpdateOp::Add)
-            .reshape([x, c, c])
-    };
+    // Σ_d a_rd k_sd e^{Γ_rd − Γ_sd} for s ≤ r: [L | P] before masking and β (ops::backend)
+    let sums = kda_pair_sums(k.clone(), q.clone(), gam.clone());
     let strict = pair_mask::<B>(c, |r, s_| s_ < r, &device).float().reshape([1, c, c]);
-    let l = pair(at(&k, &r_rows)) * strict * beta.clone(); // L, strictly lower
-    let p = pair(at(&q, &r_rows)); // P, lower incl. diagonal
+    let l = sums.clone().slice([0..x, 0..c, 0..c]) * strict * beta.clone(); // L, strictly lower
+    let p = sums.slice([0..x, 0..c, c..2 * c]); // P, lower incl. diagonal
 
     drop(t_pair);
     let t_inv = crate::profile::scope("kda scan: inverse + W, U");

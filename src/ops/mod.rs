@@ -7,6 +7,7 @@
 //! * [`kpool`]: KPool top-k selection of the DSA indexer (host-side, deterministic ties).
 //! * [`sparse_attn`]: MLA over the selected indices, dense-masked and absorbed-latent sparse.
 
+pub mod backend;
 pub mod kda;
 pub mod kpool;
 pub mod sparse_attn;

@@ -87,7 +87,10 @@ impl<B: Backend> DecoderLayer<B> {
         mask: &TokenMask<B>,
         indices: &mut Option<Vec<i64>>,
         opts: &ForwardOptions,
-    ) -> LayerOutput<B> {
+    ) -> LayerOutput<B>
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
         let hc = profile::scope("mhc");
         let (w, h) = self.attn_hc.pre(streams.clone());
         drop(hc);

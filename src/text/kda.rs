@@ -27,6 +27,7 @@ use super::mlp::linear;
 use super::norm::GatedRmsNorm;
 use super::{ForwardOptions, KdaImpl, TokenMask};
 use crate::config::{Activation, TextConfig};
+use crate::ops::backend::Glm5Backend;
 use crate::ops::kda::{kda_chunked, kda_recurrent};
 
 /// Causal depthwise conv taps (`weight` `[C, W]`; tap `W−1` multiplies the current token).
@@ -129,7 +130,10 @@ impl<B: Backend> KdaAttention<B> {
 
     /// `u` `[B, T, D]` → `[B, T, D]`. Packed documents are scanned separately, each from a
     /// zero state and a zero conv window.
-    pub fn forward(&self, u: Tensor<B, 3>, mask: &TokenMask<B>, opts: &ForwardOptions) -> Tensor<B, 3> {
+    pub fn forward(&self, u: Tensor<B, 3>, mask: &TokenMask<B>, opts: &ForwardOptions) -> Tensor<B, 3>
+    where
+        B: Glm5Backend,
+    {
         match &mask.documents {
             Some(docs) => {
                 let [_, _, d] = u.dims();
@@ -156,7 +160,10 @@ impl<B: Backend> KdaAttention<B> {
         mask: &TokenMask<B>,
         opts: &ForwardOptions,
         initial_state: Option<Tensor<B, 4>>,
-    ) -> (Tensor<B, 3>, Tensor<B, 4>) {
+    ) -> (Tensor<B, 3>, Tensor<B, 4>)
+    where
+        B: Glm5Backend,
+    {
         let u = if mask.has_padding() { u.clone() * mask.float.clone().cast(u.dtype()) } else { u };
         let [b, t, _] = u.dims();
         let (h, hd) = (self.num_heads, self.head_dim);

@@ -73,7 +73,10 @@ impl<B: Backend> TextModel<B> {
         mask: &TokenMask<B>,
         opts: &ForwardOptions,
         record: bool,
-    ) -> TextOutput<B> {
+    ) -> TextOutput<B>
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
         let [b, s, d] = embeds.dims();
         let n = self.hc_mult;
         let mut x = embeds.unsqueeze_dim::<4>(2).expand([b, s, n, d]);

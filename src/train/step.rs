@@ -10,11 +10,12 @@
 //! state are left as they were and the caller decides (skip and count, or abort).
 
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
 use super::clip::{clip_global_norm, global_norm};
 use crate::error::ModelError;
+use crate::ops::backend::Glm5Backend;
 use crate::model::{CausalLmOutput, Glm5ForCausalLM};
 use crate::text::{ForwardOptions, TokenMask};
 
@@ -105,7 +106,7 @@ pub struct StepMetrics {
 }
 
 /// Forward one micro-batch (text or multimodal, padded or packed).
-pub fn forward_micro<B: Backend>(
+pub fn forward_micro<B: Glm5Backend>(
     model: &Glm5ForCausalLM<B>,
     m: &MicroBatch,
     opts: &ForwardOptions,
@@ -138,7 +139,7 @@ pub fn forward_micro<B: Backend>(
 
 /// Summed cross-entropy and label tokens of one micro-batch (no gradient needed; use on the
 /// inner backend for validation).
-pub fn micro_loss_sum<B: Backend>(
+pub fn micro_loss_sum<B: Glm5Backend>(
     model: &Glm5ForCausalLM<B>,
     m: &MicroBatch,
     opts: &ForwardOptions,
@@ -162,7 +163,7 @@ pub struct Accumulated {
 
 /// Forward/backward every micro-batch, accumulating gradients of the globally normalised loss.
 /// With `keep_router_logits`, the router logits come back to the host.
-pub fn accumulate<B: AutodiffBackend>(
+pub fn accumulate<B: AutodiffBackend + Glm5Backend>(
     model: &Glm5ForCausalLM<B>,
     micro: &[MicroBatch],
     aux_coef: f64,
@@ -205,7 +206,7 @@ pub fn accumulate<B: AutodiffBackend>(
 /// [`super::trainer::Trainer::step`], for a caller's own optimizer). On a non-finite loss or
 /// gradient norm the model comes back unchanged with [`TrainError::NonFinite`].
 #[allow(clippy::too_many_arguments)]
-pub fn train_step<B: AutodiffBackend, O: Optimizer<Glm5ForCausalLM<B>, B>>(
+pub fn train_step<B: AutodiffBackend + Glm5Backend, O: Optimizer<Glm5ForCausalLM<B>, B>>(
     model: Glm5ForCausalLM<B>,
     optim: &mut O,
     micro: &[MicroBatch],

@@ -40,6 +40,7 @@ use super::schedule::LrSchedule;
 use super::step::{accumulate, micro_loss_sum, non_finite, MicroBatch, StepMetrics, TrainError};
 use crate::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
 use crate::model::Glm5ForCausalLM;
+use crate::ops::backend::Glm5Backend;
 use crate::text::decoder::Ffn;
 use crate::text::ForwardOptions;
 
@@ -117,7 +118,10 @@ fn adamw<B: AutodiffBackend>(o: &TrainOptions) -> Adam<B> {
         .init()
 }
 
-impl<B: AutodiffBackend> Trainer<B> {
+impl<B: AutodiffBackend + Glm5Backend> Trainer<B>
+where
+    B::InnerBackend: Glm5Backend,
+{
     /// Start training `model` (fp32 master weights): applies the freeze configuration.
     pub fn new(model: Glm5ForCausalLM<B>, options: TrainOptions, device: &B::Device) -> Self {
         let model = freeze(model, &options.freeze);
