@@ -256,6 +256,14 @@ where
     };
 
     let started = trainer.step;
+    if started >= s.max_steps {
+        println!(
+            "{} already holds step {started} of step_scheduler.max_steps {}: nothing to train \
+             (raise --step_scheduler.max_steps to continue, or pick another --checkpoint.checkpoint_dir)",
+            root.display(),
+            s.max_steps
+        );
+    }
     while trainer.step < s.max_steps {
         let t0 = Instant::now();
         let micro: Vec<MicroBatch> = (0..accum).map(|_| train.micro_batch(&sampler.take(s.local_batch_size))).collect::<Result<_, _>>()?;
@@ -311,8 +319,7 @@ where
         let first = train_pts.first().map(|p| p.1).unwrap_or(f64::NAN);
         let last = train_pts.last().map(|p| p.1).unwrap_or(f64::NAN);
         println!(
-            "trained steps {}..{}: loss {first:.4} → {last:.4}{}; metrics {}, curve {}",
-            started + 1,
+            "run so far: steps 1..{}, loss {first:.4} → {last:.4}{}; metrics {}, curve {}",
             trainer.step,
             val_pts.last().map(|v| format!(", validation {:.4}", v.1)).unwrap_or_default(),
             metrics_path.display(),
