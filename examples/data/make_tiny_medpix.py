@@ -22,6 +22,7 @@ import io
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -33,23 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "examples" / "data" / "tiny_medpix"
 JSONL = ROOT / "tests" / "fixtures" / "medpix_jsonl"
 
-GLM_SPECIAL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
-               "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
-               "<|video|>", "<think>", "</think>"]
-CHAT_TEMPLATE = (
-    "[gMASK]<sop>"
-    "{% for m in messages %}"
-    "{% if m.role == 'system' %}<|system|>\n{{ m.content }}"
-    "{% elif m.role == 'user' %}<|user|>\n"
-    "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
-    "{% if c.type == 'image' %}<|begin_of_image|><|image|><|end_of_image|>{% elif c.type == 'text' %}{{ c.text }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{% elif m.role == 'assistant' %}<|assistant|>\n<think></think>\n{% generation %}"
-    "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endif %}"
-    "<|endoftext|>{% endgeneration %}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n<think></think>\n{% endif %}"
-)
+sys.path.insert(0, str(ROOT / "tests" / "reference"))
+from make_fixtures import CHAT_TEMPLATE, GLM_SPECIAL  # noqa: E402  (one GLM-5 template for fixtures and sample)
+
 QUADRANTS = ["upper left", "upper right", "lower left", "lower right"]
 ORGANS = ["liver", "lung", "kidney", "brain"]
 

@@ -107,9 +107,9 @@ pub fn loss_curve(path: &Path, train: &[(f64, f64)], val: &[(f64, f64)]) -> Resu
     let (mut y0, mut y1) = (all.iter().map(|p| p.1).fold(f64::INFINITY, f64::min), all.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max));
     let (xt, yt) = (tick(x1 - x0, 8.0), tick((y1 - y0).max(1e-6), 6.0));
     x0 = (x0 / xt).floor() * xt;
-    x1 = (x1 / xt).ceil() * xt;
+    x1 = ((x1 / xt).ceil() * xt).max(x0 + xt);
     y0 = (y0 / yt).floor() * yt;
-    y1 = (y1 / yt).ceil() * yt;
+    y1 = ((y1 / yt).ceil() * yt).max(y0 + yt); // a flat curve still gets a band
     let (pw, ph) = (W as f64 - LEFT - RIGHT, H as f64 - TOP - BOTTOM);
     let sx = |x: f64| LEFT + (x - x0) / (x1 - x0) * pw;
     let sy = |y: f64| TOP + (1.0 - (y - y0) / (y1 - y0)) * ph;

@@ -95,16 +95,7 @@ impl PackedDataset {
         let order = SplitMix64(packing.seed).permutation(samples.len());
         let mut shuffled: Vec<Option<SftSample>> = samples.drain(..).map(Some).collect();
         let samples: Vec<SftSample> = order.iter().filter_map(|&i| shuffled[i].take()).collect();
-        let (packs, pack_report) = if packing.max_length == 0 {
-            let longest = samples.iter().map(|s| s.ids.len()).max().unwrap_or(1);
-            let n = samples.len();
-            let packs: Vec<Pack> = samples.into_iter().map(|s| Pack { samples: vec![s] }).collect();
-            let tokens: usize = packs.iter().map(Pack::len).sum();
-            let report = PackReport { packs: n, samples: n, fill: tokens as f64 / (n * longest).max(1) as f64, ..Default::default() };
-            (packs, report)
-        } else {
-            pack_greedy(samples, packing.max_length, packing.drop_long_samples, image_token_id)
-        };
+        let (packs, pack_report) = pack_greedy(samples, packing.max_length, packing.drop_long_samples, image_token_id);
         if packs.is_empty() {
             return Err(DataError::Other(format!(
                 "{}: split `{split}`: every sample is longer than packed_sequence_size {} ({} dropped); raise it or set drop_long_samples: false",

@@ -93,8 +93,16 @@ impl Pack {
     }
 }
 
-/// Greedy first-fit packing of `samples` (in order) into sequences of at most `max_length`.
+/// Greedy first-fit packing of `samples` (in order) into sequences of at most `max_length`;
+/// `max_length` 0 means no packing: one sample per sequence.
 pub fn pack_greedy(samples: Vec<SftSample>, max_length: usize, drop_long: bool, image_token: i64) -> (Vec<Pack>, PackReport) {
+    if max_length == 0 {
+        let packs: Vec<Pack> = samples.into_iter().filter(|s| !s.ids.is_empty()).map(|s| Pack { samples: vec![s] }).collect();
+        let longest = packs.iter().map(Pack::len).max().unwrap_or(1);
+        let tokens: usize = packs.iter().map(Pack::len).sum();
+        let n = packs.len();
+        return (packs, PackReport { packs: n, samples: n, fill: tokens as f64 / (n * longest).max(1) as f64, ..Default::default() });
+    }
     let mut report = PackReport::default();
     let mut packs: Vec<Pack> = Vec::new();
     let mut room: Vec<usize> = Vec::new();
@@ -161,5 +169,7 @@ mod tests {
         assert_eq!(r.dropped_long, 1);
         let (packs, r) = pack_greedy(vec![sample(12, 1)], 10, false, 9);
         assert_eq!((packs[0].len(), r.truncated), (10, 1));
+        let (packs, r) = pack_greedy(vec![sample(12, 1), sample(3, 2)], 0, true, 9);
+        assert_eq!((packs.len(), r.dropped_long, r.samples), (2, 0, 2), "0 = one sample per sequence");
     }
 }

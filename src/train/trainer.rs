@@ -207,10 +207,10 @@ where
     /// Mean cross-entropy over the label tokens of `batches` (no gradients), in the training
     /// precision.
     pub fn evaluate(&self, batches: &[MicroBatch]) -> Result<(f64, usize), TrainError> {
-        let mut model = self.model().valid();
-        if self.options.precision == Precision::Bf16 {
-            model = compute_copy(self.model(), DType::BF16).valid();
-        }
+        let model = match self.options.precision {
+            Precision::F32 => self.model().valid(),
+            Precision::Bf16 => compute_copy(self.model(), DType::BF16).valid(),
+        };
         let device = self.device.clone();
         let mut sum = 0.0;
         let mut count = 0;
