@@ -27,4 +27,5 @@ pub use config::{Glm5Config, TextConfig, VisionConfig};
 pub use error::{CheckpointError, ConfigError, ModelError};
 pub use model::Glm5ForCausalLM;
 pub use ops::backend::Glm5Backend;
+pub use ops::PathKind;
 pub use text::{AttentionImpl, ForwardOptions, KdaImpl, TokenMask};

@@ -94,9 +94,6 @@ fn main() -> Result<()> {
             v.path = anchor(&v.path, true);
         }
     }
-    if recipe.model.backend.attn == PathKind::Kernel || recipe.model.backend.linear == PathKind::Kernel {
-        println!("model.backend: `kernel` requested, but this build has no custom kernels yet; using the reference paths");
-    }
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!("recipe: {}  ({threads} threads)", args.recipe.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "embedded tiny_medpix".into()));
     // Burn 0.21 fixes the checkpointing strategy in the autodiff type: one monomorphisation each
@@ -185,6 +182,18 @@ where
     let device: B::Device = Default::default();
     let seed = recipe.rng.seed;
     B::seed(&device, seed);
+    let path = |kind: PathKind, has: bool| match (kind, has) {
+        (PathKind::Reference, _) => "reference",
+        (PathKind::Kernel, true) => "kernel",
+        (PathKind::Kernel, false) => "reference (no kernel on this backend)",
+    };
+    let be = &recipe.model.backend;
+    println!(
+        "paths: KDA pair terms {}, KPool indexer {}, sparse attention {}",
+        path(be.linear, B::has_kda_kernel()),
+        path(be.attn, B::has_kpool_kernel()),
+        path(be.attn, B::has_sparse_attention_kernel())
+    );
 
     // model description and tokenizer
     let (config, config_json) = match (&recipe.model.checkpoint, &recipe.model.config) {

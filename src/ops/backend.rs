@@ -6,6 +6,16 @@
 //! Every backend the library runs on implements the trait; one with no fused code just writes
 //! `impl Glm5Backend for MyBackend {}`.
 //!
+//! | op | reference (default body) | Flex | CubeCL (`Vulkan`, `Cuda`) | `Autodiff<B>` |
+//! |---|---|---|---|---|
+//! | `kda_pair_sums` (+ backward) | gathered tensor ops | fused host loops | kernels | hand-written backward |
+//! | `sparse_latent_attention` (+ backward) | gather + masked softmax | reference | kernels (online softmax) | hand-written backward |
+//! | `kpool_select` | dense scores + host top-k | reference | kernels (tiled scores, radix select) | no gradient |
+//!
+//! The `has_*_kernel` methods tell the model whether an op is more than its reference here;
+//! the recipe's `model.backend.attn`/`.linear: kernel` uses the op where it is and the
+//! reference tensor ops elsewhere (with a one-time `log` warning; [`super::PathKind`]).
+//!
 //! ## KDA pair sums
 //!
 //! For one batch of chunks, `k`, `q`, `Γ` `[x, C, d]` (fp32, `Γ` the in-chunk cumulative log
@@ -32,12 +42,127 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 use rayon::prelude::*;
 
+use super::kda_scan;
+use super::kpool::{self, KpoolSelect};
+use super::sparse_attn;
+
 /// The library's backend requirements: Burn's `Backend` plus the model's custom ops.
 pub trait Glm5Backend: Backend {
+    /// Whether [`Self::kda_pair_sums`] is more than its reference default here (Flex: fused
+    /// host loops; CubeCL backends: a kernel). `kernel` paths fall back to the reference
+    /// tensor ops where this is false.
+    fn has_kda_kernel() -> bool {
+        false
+    }
+
+    /// Whether [`Self::sparse_latent_attention`] runs a kernel here (CubeCL backends).
+    fn has_sparse_attention_kernel() -> bool {
+        false
+    }
+
+    /// The chunked KDA scan on prepared inputs (`ops::kda_scan` module docs): `q, k, g`
+    /// `[BH, T, dk]`, `v` `[BH, T, dv]`, `β` `[BH, T]`, `h0` `[BH, dk, dv]` (fp32, `T` a
+    /// multiple of `chunk`) → `(O [BH, T, dv], S_T [BH, dk, dv])`. Default: the reference
+    /// tensor ops (with this backend's pair sums); under `Autodiff` its backward is
+    /// [`Self::kda_chunk_scan_backward`], not autodiff through the recurrence.
+    #[allow(clippy::too_many_arguments)]
+    fn kda_chunk_scan(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        h0: FloatTensor<Self>,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (o, s, _) = kda_scan::forward::<Self>(f3(q), f3(k), f3(v), f3(g), f2(beta), f3(h0), chunk);
+        (o.into_primitive().tensor(), s.into_primitive().tensor())
+    }
+
+    /// Backward of [`Self::kda_chunk_scan`] for upstream `∂O`, `∂S_T`:
+    /// `(∂q, ∂k, ∂v, ∂g, ∂β, ∂h0)`. Default: the reference forward (for its intermediates)
+    /// and the closed-form backward of `ops::kda_scan`.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn kda_chunk_scan_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        h0: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        d_final: FloatTensor<Self>,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (_, _, saved) = kda_scan::forward::<Self>(f3(q), f3(k), f3(v), f3(g), f2(beta), f3(h0), chunk);
+        let (dq, dk, dv, dg, db, dh) = kda_scan::backward(saved, f3(d_o), f3(d_final));
+        let p3 = |t: Tensor<Self, 3>| t.into_primitive().tensor();
+        (p3(dq), p3(dk), p3(dv), p3(dg), db.into_primitive().tensor(), p3(dh))
+    }
+
+    /// Whether [`Self::kpool_select`] runs a kernel here (CubeCL backends).
+    fn has_kpool_kernel() -> bool {
+        false
+    }
+
+    /// KPool indexer scoring and selection (`ops::kpool`): queries `q` `[B, S, H, d]`, head
+    /// weights `w` `[B, S, H]` (× `H^{-1/2}`), pooled keys `[B, P, d]` (fp32), the `[B, S]`
+    /// validity mask → (indices `[B, S, width]` row-major, −1 = none; the top-k boundary
+    /// margin). No gradient (the indexer is detached). Default: dense reference scores,
+    /// selection on the host.
+    fn kpool_select(
+        q: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        pooled: FloatTensor<Self>,
+        mask: &[bool],
+        sel: KpoolSelect,
+        scale: f32,
+    ) -> (Vec<i64>, f32) {
+        let q = Tensor::<Self, 4>::from_primitive(TensorPrimitive::Float(q));
+        kpool::reference_select(q, f3(w), f3(pooled), mask, sel, scale)
+    }
+
+    /// Sparse latent attention (`ops::sparse_attn` module docs): `q` `[N, H, R]`, `kv`
+    /// `[M, R]`, `idx` `[N, W]` rows of `kv` (−1 = none) → `(o [N, H, R], lse [N, H] f32)`.
+    /// Default: the reference gather + masked-softmax form.
+    fn sparse_latent_attention(
+        q: FloatTensor<Self>,
+        kv: FloatTensor<Self>,
+        idx: IntTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (o, lse) = sparse_attn::latent_reference::<Self>(f3(q), f2(kv), Tensor::from_primitive(idx), scale);
+        (o.into_primitive().tensor(), lse.into_primitive().tensor())
+    }
+
+    /// Backward of [`Self::sparse_latent_attention`] given its outputs and `∂o`: `(∂q, ∂kv)`.
+    /// Default: the reference tensor-op formulas.
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_latent_attention_backward(
+        q: FloatTensor<Self>,
+        kv: FloatTensor<Self>,
+        idx: IntTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dq, dkv) = sparse_attn::latent_reference_backward::<Self>(
+            f3(q),
+            f2(kv),
+            Tensor::from_primitive(idx),
+            f3(o),
+            f2(lse),
+            f3(d_o),
+            scale,
+        );
+        (dq.into_primitive().tensor(), dkv.into_primitive().tensor())
+    }
+
     /// KDA pair sums (module docs). Default: the reference gather path.
     fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
         let f = |t| Tensor::<Self, 3>::from_primitive(TensorPrimitive::Float(t));
@@ -55,6 +180,41 @@ pub trait Glm5Backend: Backend {
         let (dk, dq, dg) = reference::kda_pair_sums_backward(f(k), f(q), f(gam), f(grad));
         (dk.into_primitive().tensor(), dq.into_primitive().tensor(), dg.into_primitive().tensor())
     }
+}
+
+fn f3<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 3> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+fn f2<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 2> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// [`Glm5Backend::sparse_latent_attention`] on tensors: `(o, lse)`.
+pub fn sparse_latent_attention<B: Glm5Backend>(
+    q: Tensor<B, 3>,
+    kv: Tensor<B, 2>,
+    idx: Tensor<B, 2, Int>,
+    scale: f32,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let (o, lse) = B::sparse_latent_attention(q.into_primitive().tensor(), kv.into_primitive().tensor(), idx.into_primitive(), scale);
+    (f3(o), f2(lse))
+}
+
+/// [`Glm5Backend::kda_chunk_scan`] on tensors: `(O, S_T)`.
+#[allow(clippy::too_many_arguments)]
+pub fn kda_chunk_scan<B: Glm5Backend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    g: Tensor<B, 3>,
+    beta: Tensor<B, 2>,
+    h0: Tensor<B, 3>,
+    chunk: usize,
+) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
+    let (o, s) = B::kda_chunk_scan(p(q), p(k), p(v), p(g), beta.into_primitive().tensor(), p(h0), chunk);
+    (f3(o), f3(s))
 }
 
 /// `kda_pair_sums` on tensors.
@@ -88,6 +248,27 @@ pub mod reference {
     /// binary ops are far slower than equal-shape ones), summed over `d`, then placed.
     pub fn kda_pair_sums<B: Backend>(k: Tensor<B, 3>, q: Tensor<B, 3>, gam: Tensor<B, 3>) -> Tensor<B, 3> {
         let [x, c, d] = k.dims();
+        let xb = chunks_per_block(c, d);
+        if x <= xb {
+            return pair_sums_block(k, q, gam);
+        }
+        let part = |t: &Tensor<B, 3>, lo: usize, hi: usize| t.clone().slice([lo..hi, 0..c, 0..d]);
+        let outs = (0..x).step_by(xb).map(|lo| {
+            let hi = (lo + xb).min(x);
+            pair_sums_block(part(&k, lo, hi), part(&q, lo, hi), part(&gam, lo, hi))
+        });
+        Tensor::cat(outs.collect(), 0)
+    }
+
+    /// Chunks per block of the gathered form: its `[chunks · C(C+1)/2, d]` intermediates are
+    /// kept under 2²³ elements (32 MiB in f32), within every device's buffer limit (lavapipe's
+    /// is 128 MiB). Blocks are independent, so the result does not depend on the blocking.
+    fn chunks_per_block(c: usize, d: usize) -> usize {
+        ((1usize << 23) / (c * (c + 1) / 2 * d).max(1)).max(1)
+    }
+
+    fn pair_sums_block<B: Backend>(k: Tensor<B, 3>, q: Tensor<B, 3>, gam: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [x, c, d] = k.dims();
         let device = k.device();
         let per = c * (c + 1) / 2;
         let [r_rows, s_rows, at_rs] = pair_rows::<B>(x, c, &device);
@@ -106,6 +287,29 @@ pub mod reference {
 
     /// Backward of [`kda_pair_sums`] (module docs), in the same gathered layout.
     pub fn kda_pair_sums_backward<B: Backend>(
+        k: Tensor<B, 3>,
+        q: Tensor<B, 3>,
+        gam: Tensor<B, 3>,
+        grad: Tensor<B, 3>,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>) {
+        let [x, c, d] = k.dims();
+        let xb = chunks_per_block(c, d);
+        if x <= xb {
+            return pair_sums_backward_block(k, q, gam, grad);
+        }
+        let part = |t: &Tensor<B, 3>, lo: usize, hi: usize, w: usize| t.clone().slice([lo..hi, 0..c, 0..w]);
+        let (mut dk, mut dq, mut dg) = (Vec::new(), Vec::new(), Vec::new());
+        for lo in (0..x).step_by(xb) {
+            let hi = (lo + xb).min(x);
+            let (a, b, g) = pair_sums_backward_block(part(&k, lo, hi, d), part(&q, lo, hi, d), part(&gam, lo, hi, d), part(&grad, lo, hi, 2 * c));
+            dk.push(a);
+            dq.push(b);
+            dg.push(g);
+        }
+        (Tensor::cat(dk, 0), Tensor::cat(dq, 0), Tensor::cat(dg, 0))
+    }
+
+    fn pair_sums_backward_block<B: Backend>(
         k: Tensor<B, 3>,
         q: Tensor<B, 3>,
         gam: Tensor<B, 3>,
@@ -149,6 +353,10 @@ fn device_tensor(v: Vec<f32>, dims: [usize; 3]) -> FloatTensor<Flex> {
 /// Flex: the pair sums as host loops over each chunk, in parallel over chunks — no `[pairs, d]`
 /// intermediates, one `exp` per pair and channel shared by both halves.
 impl Glm5Backend for Flex {
+    fn has_kda_kernel() -> bool {
+        true
+    }
+
     fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
         let ((k, [x, c, d]), (q, _), (g, _)) = (host(k), host(q), host(gam));
         let mut out = vec![0f32; x * c * 2 * c];
@@ -216,10 +424,145 @@ impl Glm5Backend for Flex {
 
 #[cfg(feature = "tch")]
 impl Glm5Backend for burn::backend::LibTorch {}
-#[cfg(feature = "cuda")]
-impl Glm5Backend for burn::backend::Cuda {}
-#[cfg(feature = "vulkan")]
-impl Glm5Backend for burn::backend::Vulkan {}
+/// CubeCL backends (`Vulkan`/`Wgpu`, `Cuda`): the kernels of `glm5-cubecl-kernels`.
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+mod cube {
+    use super::*;
+    use glm5_cubecl_kernels::{kda_pairs, sparse_attn as sa, BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+    impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> Glm5Backend for CubeBackend<R, F, I, BT> {
+        fn has_kda_kernel() -> bool {
+            true
+        }
+
+        fn has_sparse_attention_kernel() -> bool {
+            true
+        }
+
+        fn has_kpool_kernel() -> bool {
+            true
+        }
+
+        fn kpool_select(
+            q: FloatTensor<Self>,
+            w: FloatTensor<Self>,
+            pooled: FloatTensor<Self>,
+            mask: &[bool],
+            sel: KpoolSelect,
+            scale: f32,
+        ) -> (Vec<i64>, f32) {
+            kpool_on_cube::<R, F, I, BT>(q, w, pooled, mask, sel, scale)
+        }
+
+        fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
+            kda_pairs::pair_sums(k, q, gam)
+        }
+
+        fn kda_pair_sums_backward(
+            k: FloatTensor<Self>,
+            q: FloatTensor<Self>,
+            gam: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            kda_pairs::pair_sums_backward(k, q, gam, grad)
+        }
+
+        fn sparse_latent_attention(
+            q: FloatTensor<Self>,
+            kv: FloatTensor<Self>,
+            idx: IntTensor<Self>,
+            scale: f32,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            sa::forward(q, kv, i32_indices::<Self>(idx), scale)
+        }
+
+        fn sparse_latent_attention_backward(
+            q: FloatTensor<Self>,
+            kv: FloatTensor<Self>,
+            idx: IntTensor<Self>,
+            o: FloatTensor<Self>,
+            lse: FloatTensor<Self>,
+            d_o: FloatTensor<Self>,
+            scale: f32,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            let idx_t: Tensor<Self, 2, Int> = Tensor::from_primitive(idx.clone());
+            let kv_dtype = kv.dtype;
+            let [m, _] = f2::<Self>(kv.clone()).dims();
+            let (dq, partial) = sa::backward(q, kv, i32_indices::<Self>(idx), o, lse, d_o, scale);
+            let partial = f3::<Self>(partial);
+            let [n, w, r] = partial.dims();
+            // ∂kv: scatter-add the per-entry partials; invalid entries go to a spare row M
+            let rows = idx_t.clone().mask_fill(idx_t.clone().lower_elem(0).bool_or(idx_t.greater_equal_elem(m as i64)), m as i64);
+            let dkv = Tensor::<Self, 2>::zeros([m + 1, r], (&partial.device(), DType::F32))
+                .select_assign(0, rows.reshape([n * w]), partial.reshape([n * w, r]), IndexingUpdateOp::Add)
+                .slice([0..m, 0..r])
+                .cast(kv_dtype);
+            (dq, dkv.into_primitive().tensor())
+        }
+    }
+
+    /// Queries per indexer-kernel launch: bounds the `[tile, P]` score buffer to 16 M floats.
+    const KPOOL_TILE_SCORES: usize = 1 << 24;
+
+    fn kpool_on_cube<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+        q: FloatTensor<CubeBackend<R, F, I, BT>>,
+        w: FloatTensor<CubeBackend<R, F, I, BT>>,
+        pooled: FloatTensor<CubeBackend<R, F, I, BT>>,
+        mask: &[bool],
+        sel: KpoolSelect,
+        scale: f32,
+    ) -> (Vec<i64>, f32) {
+        type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+        let q = Tensor::<Cb<R, F, I, BT>, 4>::from_primitive(TensorPrimitive::Float(q));
+        let w = f3::<Cb<R, F, I, BT>>(w);
+        let [b, s, h, d] = q.dims();
+        let n_pools = s.div_ceil(sel.kpool);
+        let device = q.device();
+        let ints = |v: Vec<i32>| {
+            let n = v.len();
+            Tensor::<Cb<R, F, I, BT>, 1, Int>::from_data(TensorData::new(v, [n]), &device).cast(burn::tensor::IntDType::I32)
+        };
+        let lay = kpool::KernelLayout::new(mask, b, s, sel.kpool);
+        let valid: Vec<i32> = mask.iter().map(|&m| m as i32).collect();
+        let layout = glm5_cubecl_kernels::kpool::KpoolLayout {
+            last: ints(lay.last).reshape([b, n_pools]).into_primitive(),
+            first: ints(lay.first).into_primitive(),
+            valid: ints(valid).reshape([b, s]).into_primitive(),
+        };
+        let params = glm5_cubecl_kernels::kpool::KpoolParams {
+            kpool: sel.kpool,
+            budget: sel.index_topk / sel.kpool,
+            tail: sel.always_select_tail,
+            width: sel.width(),
+            scale,
+        };
+        let (q, w) = (q.reshape([b * s, h, d]), w.reshape([b * s, h]));
+        let tile = (KPOOL_TILE_SCORES / n_pools.max(1)).clamp(1, (b * s).max(1));
+        let mut out = Vec::with_capacity(b * s * params.width);
+        let mut margin = f32::INFINITY;
+        for lo in (0..b * s).step_by(tile) {
+            let hi = (lo + tile).min(b * s);
+            let queries = glm5_cubecl_kernels::kpool::KpoolQueries {
+                row: ints((lo..hi).map(|i| (i / s) as i32).collect()).into_primitive(),
+                pos: ints((lo..hi).map(|i| (i % s) as i32).collect()).into_primitive(),
+                vis: ints(lay.visible[lo..hi].to_vec()).into_primitive(),
+            };
+            let qt = q.clone().slice([lo..hi, 0..h, 0..d]).into_primitive().tensor();
+            let wt = w.clone().slice([lo..hi, 0..h]).into_primitive().tensor();
+            let (idx, m) = glm5_cubecl_kernels::kpool::select(qt, wt, pooled.clone(), &layout, &queries, params);
+            let idx = Tensor::<Cb<R, F, I, BT>, 2, Int>::from_primitive(idx).into_data().convert::<i64>();
+            out.extend(idx.into_vec::<i64>().expect("indexer kernel output is integer"));
+            let m = Tensor::<Cb<R, F, I, BT>, 1>::from_primitive(TensorPrimitive::Float(m)).into_data().convert::<f32>();
+            margin = m.iter::<f32>().fold(margin, f32::min);
+        }
+        // the kernel reports 3e38 where nothing was rejected; the host path reports +∞
+        (out, if margin >= 3.0e38 { f32::INFINITY } else { margin })
+    }
+
+    fn i32_indices<B: Backend>(idx: IntTensor<B>) -> IntTensor<B> {
+        Tensor::<B, 2, Int>::from_primitive(idx).cast(burn::tensor::IntDType::I32).into_primitive()
+    }
+}
 
 #[derive(Debug)]
 struct KdaPairSumsBackward;
@@ -242,7 +585,139 @@ impl<B: Glm5Backend> Backward<B, 3> for KdaPairSumsBackward {
     }
 }
 
+/// The scan's inputs (the backward recomputes the forward's intermediates from them: one
+/// extra forward instead of holding every chunk's `T`, `W`, states, … per layer).
+#[derive(Debug, Clone)]
+struct KdaScanState<B: Backend> {
+    inputs: [FloatTensor<B>; 6],
+    dims: [usize; 4], // bh, t, dk, dv
+    chunk: usize,
+}
+
+#[derive(Debug)]
+struct KdaScanBackward;
+
+impl<B: Glm5Backend> Backward<B, 6> for KdaScanBackward {
+    type State = KdaScanState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 6>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let KdaScanState { inputs, dims: [bh, t, dk, dv], chunk } = ops.state;
+        let packed = f2::<B>(grads.consume::<B>(&ops.node));
+        let d_o = packed.clone().slice([0..bh, 0..t * dv]).reshape([bh, t, dv]);
+        let d_final = packed.slice([0..bh, t * dv..t * dv + dk * dv]).reshape([bh, dk, dv]);
+        let [q, k, v, g, beta, h0] = inputs;
+        let (dq, dk_, dv_, dg, db, dh) =
+            B::kda_chunk_scan_backward(q, k, v, g, beta, h0, d_o.into_primitive().tensor(), d_final.into_primitive().tensor(), chunk);
+        for (node, grad) in ops.parents.into_iter().zip([dq, dk_, dv_, dg, db, dh]) {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+/// What the sparse attention backward needs: its inputs and outputs (held, not recomputed:
+/// `o` and `lse` are small next to the gathered rows a recompute would need).
+#[derive(Debug, Clone)]
+struct SparseLatentState<B: Backend> {
+    q: FloatTensor<B>,
+    kv: FloatTensor<B>,
+    idx: IntTensor<B>,
+    o: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    scale: f32,
+}
+
+#[derive(Debug)]
+struct SparseLatentBackward;
+
+impl<B: Glm5Backend> Backward<B, 2> for SparseLatentBackward {
+    type State = SparseLatentState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_q, node_kv] = ops.parents;
+        let d_o = grads.consume::<B>(&ops.node);
+        let SparseLatentState { q, kv, idx, o, lse, scale } = ops.state;
+        let (dq, dkv) = B::sparse_latent_attention_backward(q, kv, idx, o, lse, d_o, scale);
+        for (node, grad) in [(node_q, dq), (node_kv, dkv)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
+    fn has_kda_kernel() -> bool {
+        B::has_kda_kernel()
+    }
+
+    fn has_sparse_attention_kernel() -> bool {
+        B::has_sparse_attention_kernel()
+    }
+
+    fn has_kpool_kernel() -> bool {
+        B::has_kpool_kernel()
+    }
+
+    fn kda_chunk_scan(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        h0: FloatTensor<Self>,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        use burn::tensor::TensorMetadata;
+        let [bh, t, dk] = q.primitive.shape().dims::<3>();
+        let dv = v.primitive.shape().dims::<3>()[2];
+        let nodes = [&q, &k, &v, &g, &beta, &h0].map(|x| x.node.clone());
+        let prims = [&q, &k, &v, &g, &beta, &h0].map(|x| x.primitive.clone());
+        let [pq, pk, pv, pg, pb, ph] = prims.clone();
+        let (o, s) = B::kda_chunk_scan(pq, pk, pv, pg, pb, ph, chunk);
+        // one tracked output: [BH, T·dv + dk·dv] = (O | S_T), split below
+        let packed = Tensor::cat(vec![f3::<B>(o).reshape([bh, t * dv]), f3::<B>(s).reshape([bh, dk * dv])], 1).into_primitive().tensor();
+        let out = match KdaScanBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(KdaScanState { inputs: prims, dims: [bh, t, dk, dv], chunk }, packed),
+            OpsKind::UnTracked(prep) => prep.finish(packed),
+        };
+        let out = f2::<Self>(out);
+        let o = out.clone().slice([0..bh, 0..t * dv]).reshape([bh, t, dv]);
+        let s = out.slice([0..bh, t * dv..t * dv + dk * dv]).reshape([bh, dk, dv]);
+        (o.into_primitive().tensor(), s.into_primitive().tensor())
+    }
+
+    fn kpool_select(
+        q: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        pooled: FloatTensor<Self>,
+        mask: &[bool],
+        sel: KpoolSelect,
+        scale: f32,
+    ) -> (Vec<i64>, f32) {
+        B::kpool_select(q.primitive, w.primitive, pooled.primitive, mask, sel, scale)
+    }
+
+    fn sparse_latent_attention(
+        q: FloatTensor<Self>,
+        kv: FloatTensor<Self>,
+        idx: IntTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        use burn::tensor::backend::AutodiffBackend;
+        let (o, lse) = B::sparse_latent_attention(q.primitive.clone(), kv.primitive.clone(), idx.clone(), scale);
+        let lse_out = <Self as AutodiffBackend>::from_inner(lse.clone());
+        let o = match SparseLatentBackward.prepare::<C>([q.node.clone(), kv.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let state = SparseLatentState { q: q.primitive, kv: kv.primitive, idx, o: o.clone(), lse, scale };
+                prep.finish(state, o)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(o),
+        };
+        (o, lse_out)
+    }
+
     fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
         match KdaPairSumsBackward.prepare::<C>([k.node.clone(), q.node.clone(), gam.node.clone()]).compute_bound().stateful() {
             OpsKind::Tracked(mut prep) => {

@@ -28,9 +28,10 @@
 //! `initial_state`: `[B, H, d_k, d_v]`. Returns `o`: `[B, T, H, d_v]` (input dtype) and the
 //! final state `[B, H, d_k, d_v]` (fp32). Math in fp32.
 
-use burn::tensor::{backend::Backend, Bool, DType, Tensor, TensorData};
+use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 
-use super::backend::{kda_pair_sums, Glm5Backend};
+use super::backend::{kda_chunk_scan, kda_pair_sums, reference, Glm5Backend};
+use super::PathKind;
 
 /// `x / sqrt(Σ x² + ε)` over the last dim (FLA `l2norm`, ε inside the sqrt).
 pub fn l2norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
@@ -117,8 +118,10 @@ pub fn kda_recurrent<B: Backend>(
 /// Everything that does not depend on the state — `Γ`, `L`, `P`, `T`, `W`, `U` — is computed for
 /// all chunks at once; only the state recurrence loops over chunks. The pair terms
 /// `Σ_c x_rc k_sc e^{Γ_rc−Γ_sc}` are formed pair by pair, as the reference forms them, for the
-/// causal pairs `s ≤ r` only, by the backend op [`Glm5Backend::kda_pair_sums`] (its default is
-/// the gathered tensor-op form; Flex runs fused loops).
+/// causal pairs `s ≤ r` only: with `path = Kernel` by the backend op
+/// [`Glm5Backend::kda_pair_sums`] (Flex: fused loops; CubeCL backends: a kernel), otherwise
+/// by the gathered tensor-op form [`reference::kda_pair_sums`].
+#[allow(clippy::too_many_arguments)]
 pub fn kda_chunked<B: Glm5Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -127,6 +130,7 @@ pub fn kda_chunked<B: Glm5Backend>(
     beta: Tensor<B, 3>,
     initial_state: Option<Tensor<B, 4>>,
     chunk: usize,
+    path: PathKind,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
     assert!(chunk > 0, "KDA chunk size must be positive");
     let dtype = q.dtype();
@@ -159,7 +163,11 @@ pub fn kda_chunked<B: Glm5Backend>(
 
     let t_pair = crate::profile::scope("kda scan: pair terms");
     // Σ_d a_rd k_sd e^{Γ_rd − Γ_sd} for s ≤ r: [L | P] before masking and β (ops::backend)
-    let sums = kda_pair_sums(k.clone(), q.clone(), gam.clone());
+    let sums = if path.use_kernel::<B>("KDA pair sums", B::has_kda_kernel()) {
+        kda_pair_sums(k.clone(), q.clone(), gam.clone())
+    } else {
+        reference::kda_pair_sums(k.clone(), q.clone(), gam.clone())
+    };
     let strict = pair_mask::<B>(c, |r, s_| s_ < r, &device).float().reshape([1, c, c]);
     let l = sums.clone().slice([0..x, 0..c, 0..c]) * strict * beta.clone(); // L, strictly lower
     let p = sums.slice([0..x, 0..c, c..2 * c]); // P, lower incl. diagonal
@@ -192,9 +200,12 @@ pub fn kda_chunked<B: Glm5Backend>(
     let last_decay = last_decay.reshape([bh, n, dk, 1]);
     let mut state = state.reshape([bh, dk, dv]);
     let mut outs = Vec::with_capacity(n);
+    // chunk i of every head, as a fresh [bh, r, d] tensor (`select`, not slice + reshape:
+    // burn-cubecl 0.21's copy of that strided slice overflows its buffer-offset arithmetic)
     let at = |a: &Tensor<B, 4>, i: usize| {
         let [_, _, r, d] = a.dims();
-        a.clone().slice([0..bh, i..i + 1, 0..r, 0..d]).reshape([bh, r, d])
+        let i = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![i as i64], [1]), &device);
+        a.clone().select(1, i).reshape([bh, r, d])
     };
     for i in 0..n {
         let v_new = at(&u, i) - at(&w, i).matmul(state.clone());
@@ -203,4 +214,37 @@ pub fn kda_chunked<B: Glm5Backend>(
     }
     let o = Tensor::cat(outs, 1).slice([0..bh, 0..t, 0..dv]).reshape([b, h, t, dv]);
     (o.swap_dims(1, 2).cast(dtype), state.reshape([b, h, dk, dv]))
+}
+
+/// [`kda_chunked`] as one op, [`Glm5Backend::kda_chunk_scan`] (`ops::kda_scan`): the same
+/// forward, with a hand-written backward under `Autodiff` (gradients for q, k, v, g, β and the
+/// initial state) instead of autodiff through the chunk recurrence. Same shapes as
+/// [`kda_chunked`].
+pub fn kda_chunked_op<B: Glm5Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    g: Tensor<B, 4>,
+    beta: Tensor<B, 3>,
+    initial_state: Option<Tensor<B, 4>>,
+    chunk: usize,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    assert!(chunk > 0, "KDA chunk size must be positive");
+    let dtype = q.dtype();
+    let [b, t, h, dk] = k.dims();
+    let dv = v.dims()[3];
+    let device = q.device();
+    let Prepared { q, k, v, g, beta, state } = prepare(q, k, v, g, beta, initial_state);
+    let chunk = chunk.min(t.max(1));
+    let tp = t.div_ceil(chunk) * chunk;
+    let bh = b * h;
+    // pad to whole chunks with inert tokens (as in `kda_chunked`), one row per head
+    let flat = |x: Tensor<B, 4>, d: usize| {
+        let x = if tp == t { x } else { Tensor::cat(vec![x, Tensor::zeros([b, h, tp - t, d], (&device, DType::F32))], 2) };
+        x.reshape([bh, tp, d])
+    };
+    let beta = if tp == t { beta } else { Tensor::cat(vec![beta, Tensor::zeros([b, h, tp - t], (&device, DType::F32))], 2) };
+    let (o, s) = kda_chunk_scan(flat(q, dk), flat(k, dk), flat(v, dv), flat(g, dk), beta.reshape([bh, tp]), state.reshape([bh, dk, dv]), chunk);
+    let o = o.slice([0..bh, 0..t, 0..dv]).reshape([b, h, t, dv]);
+    (o.swap_dims(1, 2).cast(dtype), s.reshape([b, h, dk, dv]))
 }

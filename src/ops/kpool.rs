@@ -12,6 +12,60 @@
 //! no rule). The selection runs on the host: it is cheap next to the scoring, it is the
 //! specification the indexer kernel is tested against, and the indexer takes no gradient.
 
+use burn::tensor::activation::relu;
+use burn::tensor::{backend::Backend, Tensor};
+
+/// Pool scores `[B, S, P]` from the indexer's queries `q` `[B, S, H, d]`, head weights `w`
+/// `[B, S, H]` (already × `H^{-1/2}`) and pooled keys `[B, P, d]` (all fp32):
+/// `I_{t,p} = Σ_h w_{t,h} ReLU(scale · q_{t,h} · K̄_p)` — the reference scoring (dense
+/// `S × P`), whose output [`KpoolSelect::select`] consumes.
+pub fn reference_scores<B: Backend>(q: Tensor<B, 4>, w: Tensor<B, 3>, pooled: Tensor<B, 3>, scale: f32) -> Tensor<B, 3> {
+    let [b, s, h, d] = q.dims();
+    let n_pools = pooled.dims()[1];
+    let scores = relu(q.reshape([b, s * h, d]).matmul(pooled.swap_dims(1, 2)) * scale).reshape([b, s, h, n_pools]);
+    (scores * w.unsqueeze_dim::<4>(3)).sum_dim(2).reshape([b, s, n_pools])
+}
+
+/// The reference indexer selection: [`reference_scores`], then [`KpoolSelect::select`] and
+/// [`KpoolSelect::boundary_margin`] on the host. Returns (indices `[B, S, width]`, margin).
+pub fn reference_select<B: Backend>(q: Tensor<B, 4>, w: Tensor<B, 3>, pooled: Tensor<B, 3>, mask: &[bool], sel: KpoolSelect, scale: f32) -> (Vec<i64>, f32) {
+    let scores = reference_scores(q, w, pooled, scale);
+    let [b, s, _] = scores.dims();
+    let host: Vec<f32> = scores.into_data().convert::<f32>().into_vec().expect("pool scores are f32");
+    (sel.select(&host, mask, b, s), sel.boundary_margin(&host, mask, b, s))
+}
+
+/// Host-side geometry the indexer kernel needs, from the `[B, S]` validity mask: per row the
+/// first valid token; per pool its last token if complete, else −1; per position the number
+/// of valid tokens up to and including it.
+pub struct KernelLayout {
+    pub first: Vec<i32>,
+    pub last: Vec<i32>,
+    pub visible: Vec<i32>,
+}
+
+impl KernelLayout {
+    pub fn new(mask: &[bool], batch: usize, seq: usize, kpool: usize) -> Self {
+        let n_pools = seq.div_ceil(kpool);
+        let layouts = pool_layouts(mask, batch, seq, kpool);
+        let (mut first, mut last, mut visible) = (Vec::with_capacity(batch), Vec::with_capacity(batch * n_pools), Vec::with_capacity(batch * seq));
+        for (b, lay) in layouts.iter().enumerate() {
+            let row = &mask[b * seq..(b + 1) * seq];
+            first.push(lay.first as i32);
+            for p in 0..n_pools {
+                let complete = (0..kpool).all(|j| pool_token(lay, kpool, p, j) < seq && row[pool_token(lay, kpool, p, j)]);
+                last.push(if complete { pool_token(lay, kpool, p, kpool - 1) as i32 } else { -1 });
+            }
+            let mut n = 0i32;
+            for &m in row {
+                n += m as i32;
+                visible.push(n);
+            }
+        }
+        Self { first, last, visible }
+    }
+}
+
 /// Geometry of the pools of one batch row.
 #[derive(Debug, Clone, Copy)]
 pub struct PoolLayout {

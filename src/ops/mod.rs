@@ -4,13 +4,55 @@
 //! against them, and they run on every backend.
 //!
 //! * [`kda`]: Kimi Delta Attention, chunked (default) and token-recurrent (oracle) forms.
-//! * [`kpool`]: KPool top-k selection of the DSA indexer (host-side, deterministic ties).
-//! * [`sparse_attn`]: MLA over the selected indices, dense-masked and absorbed-latent sparse.
+//! * [`kpool`]: KPool scoring and top-k selection of the DSA indexer (host-side selection,
+//!   deterministic ties).
+//! * [`sparse_attn`]: MLA over the selected indices, dense-masked and absorbed-latent sparse,
+//!   and the absorbed core as a flat op (`latent_reference`) with its closed-form backward.
 //! * [`backend`]: [`backend::Glm5Backend`], the custom-op trait: ops whose default bodies are
-//!   reference paths and which a backend may fuse (Flex: KDA's pair sums), with hand-written
-//!   backwards under `Autodiff`.
+//!   reference paths and which a backend overrides (Flex: KDA's pair sums as fused loops;
+//!   CubeCL backends: the `glm5-cubecl-kernels` kernels), with hand-written backwards under
+//!   `Autodiff`. [`PathKind`] selects, per forward pass, the op or the reference.
 
 pub mod backend;
 pub mod kda;
+pub mod kda_scan;
 pub mod kpool;
 pub mod sparse_attn;
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+/// Which implementation of a hot spot the model runs (recipe `model.backend.attn` / `.linear`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PathKind {
+    /// The reference tensor-op path (this module's functions), on every backend.
+    Reference,
+    /// The backend's own implementation of the op where it has one — CubeCL kernels on
+    /// `Vulkan`/`Cuda`, fused host loops on Flex for KDA — and the reference elsewhere, with a
+    /// one-time warning (`log`) naming the op and the backend.
+    #[default]
+    Kernel,
+}
+
+impl PathKind {
+    /// Whether to call the backend op: `Kernel` and the backend has one. Warns once per
+    /// (op, backend) when `Kernel` falls back.
+    pub fn use_kernel<B: burn::tensor::backend::Backend>(self, op: &'static str, available: bool) -> bool {
+        if self == PathKind::Reference {
+            return false;
+        }
+        if !available {
+            static WARNED: Mutex<BTreeSet<(&'static str, String)>> = Mutex::new(BTreeSet::new());
+            let key = (op, std::any::type_name::<B>().to_string());
+            let mut warned = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+            if !warned.contains(&key) {
+                log::warn!("{op}: no kernel on backend `{}`; running the reference path", key.1);
+                warned.insert(key);
+            }
+        }
+        available
+    }
+}

@@ -19,7 +19,10 @@
 //! `w_uv`: `[H, dv, R]`, `indices`: `[B, S, W]` host buffer (−1 = none). Output `[B, S, H, dv]`.
 
 use burn::tensor::activation::softmax;
-use burn::tensor::{backend::Backend, Bool, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, Bool, DType, IndexingUpdateOp, Int, Tensor, TensorData};
+
+use super::backend::{sparse_latent_attention, Glm5Backend};
+use super::PathKind;
 
 /// Dense `[B, S, S]` visibility mask from an index buffer (true = attend).
 pub fn index_mask<B: Backend>(indices: &[i64], batch: usize, seq: usize, width: usize, device: &B::Device) -> Tensor<B, 3, Bool> {
@@ -69,9 +72,75 @@ pub fn dense_masked<B: Backend>(
     p.matmul(v).swap_dims(1, 2)
 }
 
-/// Absorbed-latent sparse form, processed in blocks of `block` queries.
-#[allow(clippy::too_many_arguments)] // the kernel signature the CubeCL version will share
-pub fn sparse_absorbed<B: Backend>(
+/// Validity `[N, W]` of index entries into `m` rows, and the entries with invalid ones at `dummy`.
+fn valid_rows<B: Backend>(idx: Tensor<B, 2, Int>, m: usize, dummy: i64) -> (Tensor<B, 2, Bool>, Tensor<B, 2, Int>) {
+    let valid = idx.clone().greater_equal_elem(0).bool_and(idx.clone().lower_elem(m as i64));
+    (valid.clone(), idx.mask_fill(valid.bool_not(), dummy))
+}
+
+/// The core op of the absorbed form on flat rows, reference version (the default body of
+/// [`crate::ops::backend::Glm5Backend::sparse_latent_attention`]; the CubeCL kernel's oracle):
+/// `q` `[N, H, R]`, `kv` `[M, R]`, `idx` `[N, W]` rows of `kv` (−1 = none) →
+/// `(o [N, H, R], lse [N, H] f32)`, `lse = 0` for a query with no entry.
+pub fn latent_reference<B: Backend>(q: Tensor<B, 3>, kv: Tensor<B, 2>, idx: Tensor<B, 2, Int>, scale: f32) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let [n, h, r] = q.dims();
+    let [m, _] = kv.dims();
+    let w = idx.dims()[1];
+    let (valid, rows) = valid_rows(idx, m, 0);
+    let c = kv.select(0, rows.reshape([n * w])).reshape([n, w, r]); // [N, W, R]
+    let visible = valid.unsqueeze_dim::<3>(1).expand([n, h, w]);
+    let scores = q.matmul(c.clone().swap_dims(1, 2)) * scale; // [N, H, W]
+    let p = masked_softmax(scores.clone(), visible.clone()).cast(c.dtype());
+    let masked = scores.cast(DType::F32).mask_fill(visible.clone().bool_not(), MASKED);
+    let top = masked.clone().max_dim(2);
+    let lse = (masked - top.clone()).exp().sum_dim(2).log() + top;
+    let any = visible.any_dim(2);
+    (p.matmul(c), lse.mask_fill(any.bool_not(), 0.0).reshape([n, h]))
+}
+
+/// Backward of [`latent_reference`] in closed form, `(∂q, ∂kv)`, with
+/// `p = e^{s − lse}` on valid entries, `Δ = Σ_r ∂o ⊙ o`, `∂s = p ⊙ (∂o·c − Δ)`:
+/// `∂q = scale Σ_j ∂s_j c_j`, `∂c_j = Σ (p_j ∂o + scale ∂s_j q)` scattered to the rows of `kv`.
+#[allow(clippy::too_many_arguments)]
+pub fn latent_reference_backward<B: Backend>(
+    q: Tensor<B, 3>,
+    kv: Tensor<B, 2>,
+    idx: Tensor<B, 2, Int>,
+    o: Tensor<B, 3>,
+    lse: Tensor<B, 2>,
+    d_o: Tensor<B, 3>,
+    scale: f32,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let dtype = q.dtype();
+    let [n, h, r] = q.dims();
+    let [m, _] = kv.dims();
+    let w = idx.dims()[1];
+    let f = |t: Tensor<B, 3>| t.cast(DType::F32);
+    let (q, d_o, o) = (f(q), f(d_o), f(o));
+    let (valid, rows) = valid_rows(idx, m, m as i64);
+    let c = Tensor::cat(vec![kv.clone().cast(DType::F32), Tensor::zeros([1, r], (&kv.device(), DType::F32))], 0)
+        .select(0, rows.clone().reshape([n * w]))
+        .reshape([n, w, r]);
+    let live = valid.float().reshape([n, 1, w]);
+    let s = q.clone().matmul(c.clone().swap_dims(1, 2)) * scale;
+    let p = (s - lse.reshape([n, h, 1])).clamp_max(0.0).exp() * live;
+    let dp = d_o.clone().matmul(c.clone().swap_dims(1, 2));
+    let delta = (d_o.clone() * o).sum_dim(2);
+    let ds = p.clone() * (dp - delta);
+    let dq = ds.clone().matmul(c) * scale;
+    let dc = p.swap_dims(1, 2).matmul(d_o) + ds.swap_dims(1, 2).matmul(q) * scale; // [N, W, R]
+    let dkv = Tensor::<B, 2>::zeros([m + 1, r], (&kv.device(), DType::F32))
+        .select_assign(0, rows.reshape([n * w]), dc.reshape([n * w, r]), IndexingUpdateOp::Add)
+        .slice([0..m, 0..r]);
+    (dq.cast(dtype), dkv.cast(kv.dtype()))
+}
+
+/// Absorbed-latent sparse form, processed in blocks of `block` queries. With `path = Kernel`
+/// on a backend that has one, each block's attention is the backend op
+/// [`crate::ops::backend::Glm5Backend::sparse_latent_attention`] (CubeCL kernel, hand-written
+/// backward); otherwise tensor ops (gather, masked softmax) under ordinary autodiff.
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_absorbed<B: Glm5Backend>(
     q: Tensor<B, 4>,
     latent: Tensor<B, 3>,
     w_uk: Tensor<B, 3>,
@@ -80,7 +149,9 @@ pub fn sparse_absorbed<B: Backend>(
     width: usize,
     scale: f64,
     block: usize,
+    path: PathKind,
 ) -> Tensor<B, 4> {
+    let kernel = path.use_kernel::<B>("sparse attention", B::has_sparse_attention_kernel());
     let [b, s, h, dq] = q.dims();
     let r = latent.dims()[2];
     let dv = w_uv.dims()[1];
@@ -94,6 +165,23 @@ pub fn sparse_absorbed<B: Backend>(
     for lo in (0..s).step_by(block) {
         let hi = (lo + block).min(s);
         let n = hi - lo;
+        let qb = q_lat.clone().slice([0..b, lo..hi, 0..h, 0..r]).reshape([b * n, h, r]);
+        if kernel {
+            // rows of the flat latent, −1 kept for "none"
+            let mut rows = Vec::with_capacity(b * n * width);
+            for bi in 0..b {
+                for t in lo..hi {
+                    for &i in &indices[(bi * s + t) * width..(bi * s + t + 1) * width] {
+                        rows.push(if i >= 0 && (i as usize) < s { (bi * s) as i64 + i } else { -1 });
+                    }
+                }
+            }
+            let rows = Tensor::<B, 2, Int>::from_data(TensorData::new(rows, [b * n, width]), &device);
+            let (o_lat, _lse) = sparse_latent_attention(qb, lat_flat.clone(), rows, scale as f32);
+            let o = o_lat.swap_dims(0, 1).matmul(w_uv.clone().swap_dims(1, 2)); // [H, B·n, dv]
+            outs.push(o.swap_dims(0, 1).reshape([b, n, h, dv]));
+            continue;
+        }
         // flat gather positions and validity for this block: [B, n, W]
         let mut pos = Vec::with_capacity(b * n * width);
         let mut valid = Vec::with_capacity(b * n * width);
@@ -109,7 +197,6 @@ pub fn sparse_absorbed<B: Backend>(
         let pos = Tensor::<B, 1, Int>::from_data(TensorData::new(pos, [b * n * width]), &device);
         let valid = Tensor::<B, 3, Bool>::from_data(TensorData::new(valid, [b * n, 1, width]), &device);
         let kv = lat_flat.clone().select(0, pos).reshape([b * n, width, r]); // [B·n, W, R]
-        let qb = q_lat.clone().slice([0..b, lo..hi, 0..h, 0..r]).reshape([b * n, h, r]);
         let scores = qb.matmul(kv.clone().swap_dims(1, 2)) * scale; // [B·n, H, W]
         let p = masked_softmax(scores, valid.expand([b * n, h, width])).cast(kv.dtype());
         let o_lat = p.matmul(kv); // [B·n, H, R]
@@ -164,7 +251,7 @@ mod tests {
         let v = expand(w_uv.clone(), dv);
         let dense = dense_masked(q.clone(), k, v, &indices, w, 0.37);
         for block in [1, 4, 64] {
-            let sparse = sparse_absorbed(q.clone(), latent.clone(), w_uk.clone(), w_uv.clone(), &indices, w, 0.37, block);
+            let sparse = sparse_absorbed(q.clone(), latent.clone(), w_uk.clone(), w_uv.clone(), &indices, w, 0.37, block, PathKind::Reference);
             let diff = (dense.clone() - sparse).abs().max().into_scalar();
             let scale = dense.clone().abs().max().into_scalar();
             assert!(diff <= 1e-5 * scale, "block {block}: max|Δ| {diff} vs scale {scale}");

@@ -15,14 +15,16 @@
 
 use burn::module::{Initializer, Module, Param};
 use burn::nn::Linear;
-use burn::tensor::activation::{relu, softmax};
+use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
 use super::mlp::linear;
 use super::norm::LayerNorm;
 use super::TokenMask;
 use crate::config::TextConfig;
-use crate::ops::kpool::{pool_layouts, pool_token, KpoolSelect};
+use crate::ops::backend::Glm5Backend;
+use crate::ops::kpool::{pool_layouts, pool_token, reference_scores, reference_select, KpoolSelect};
+use crate::ops::PathKind;
 
 #[derive(Module, Debug)]
 pub struct Indexer<B: Backend> {
@@ -67,9 +69,10 @@ impl<B: Backend> Indexer<B> {
         }
     }
 
-    /// Pool scores `[B, S, P]` (fp32), `P = ceil(S / kpool)`; scores of pools that are not
-    /// complete are meaningless and never selected.
-    pub fn pool_scores(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>) -> Tensor<B, 3> {
+    /// The scoring inputs, fp32: queries `[B, S, H, d]`, head weights `[B, S, H]` (× `H^{-1/2}`)
+    /// and pooled keys `[B, P, d]`, `P = ceil(S / kpool)`; pools that are not complete are
+    /// pooled from clamped positions and never selected.
+    pub fn pool_inputs(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>) -> (Tensor<B, 4>, Tensor<B, 3>, Tensor<B, 3>) {
         let x = x.detach();
         let q_resid = q_resid.detach();
         let [b, s, _] = x.dims();
@@ -77,7 +80,7 @@ impl<B: Backend> Indexer<B> {
         let device = x.device();
         let n_pools = s.div_ceil(kp);
 
-        let q = self.wq_b.forward(q_resid).cast(DType::F32).reshape([b, s * h, d]);
+        let q = self.wq_b.forward(q_resid).cast(DType::F32).reshape([b, s, h, d]);
         let k = self.k_norm.forward(self.wk.forward(x.clone())).cast(DType::F32); // [B,S,d]
         let gate = x.clone().cast(DType::F32).matmul(
             self.index_kpool_compress_gate.val().cast(DType::F32).transpose().unsqueeze::<3>(),
@@ -100,20 +103,37 @@ impl<B: Backend> Indexer<B> {
         let ape = self.index_kpool_compress_ape.val().cast(DType::F32).reshape([1, 1, kp, d]);
         let probs = softmax(gg + ape, 2);
         let pooled = (probs * gk).sum_dim(2).reshape([b, n_pools, d]);
-
-        let scores = relu(q.matmul(pooled.swap_dims(1, 2)) * (d as f64).powf(-0.5)).reshape([b, s, h, n_pools]);
         let w = self.weights_proj.forward(x).cast(DType::F32) * (h as f64).powf(-0.5); // [B,S,H]
-        (scores * w.unsqueeze_dim::<4>(3)).sum_dim(2).reshape([b, s, n_pools])
+        (q, w, pooled)
+    }
+
+    /// `1/√d`, the scale of the pool scores.
+    fn score_scale(&self) -> f32 {
+        (self.head_dim as f64).powf(-0.5) as f32
+    }
+
+    /// Pool scores `[B, S, P]` (fp32) by the reference path ([`reference_scores`]).
+    pub fn pool_scores(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>) -> Tensor<B, 3> {
+        let (q, w, pooled) = self.pool_inputs(x, q_resid, mask);
+        reference_scores(q, w, pooled, self.score_scale())
     }
 
     /// Selected token indices `[B, S, width]` (host buffer, −1 = none) and the smallest
-    /// score gap at any row's top-k boundary (see [`KpoolSelect::boundary_margin`]).
-    pub fn forward(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>) -> (Vec<i64>, f32) {
+    /// score gap at any row's top-k boundary (see [`KpoolSelect::boundary_margin`]). With
+    /// `path = Kernel` on a backend that has one, scoring and selection run in the backend's
+    /// indexer kernel ([`Glm5Backend::kpool_select`]); the selected sets are the same, listed
+    /// in ascending pool order instead of by score.
+    pub fn forward(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>, path: PathKind) -> (Vec<i64>, f32)
+    where
+        B: Glm5Backend,
+    {
         let _t = crate::profile::scope("indexer");
-        let [b, s, _] = x.dims();
-        let scores = self.pool_scores(x, q_resid, mask);
-        let host: Vec<f32> = scores.into_data().convert::<f32>().into_vec().expect("pool scores are f32");
         let sel = self.selector();
-        (sel.select(&host, &mask.host, b, s), sel.boundary_margin(&host, &mask.host, b, s))
+        let (q, w, pooled) = self.pool_inputs(x, q_resid, mask);
+        if path.use_kernel::<B>("KPool indexer", B::has_kpool_kernel()) {
+            let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
+            return B::kpool_select(q.into_primitive().tensor(), p(w), p(pooled), &mask.host, sel, self.score_scale());
+        }
+        reference_select(q, w, pooled, &mask.host, sel, self.score_scale())
     }
 }

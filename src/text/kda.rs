@@ -180,7 +180,7 @@ impl<B: Backend> KdaAttention<B> {
         let beta = sigmoid(self.b_proj.forward(u.clone()));
         drop(t_in);
         let (o, state) = match opts.kda {
-            KdaImpl::Chunked(c) => kda_chunked(q, k, v, g, beta, initial_state, c),
+            KdaImpl::Chunked(c) => kda_chunked(q, k, v, g, beta, initial_state, c, opts.linear_path),
             KdaImpl::Recurrent => kda_recurrent(q, k, v, g, beta, initial_state),
         };
         let _t_out = crate::profile::scope("kda: output gate, norm, o_proj");

@@ -23,6 +23,7 @@ use super::mlp::linear;
 use super::norm::RmsNorm;
 use super::{AttentionImpl, ForwardOptions, TokenMask};
 use crate::config::TextConfig;
+use crate::ops::backend::Glm5Backend;
 use crate::ops::sparse_attn::{dense_masked, sparse_absorbed};
 
 #[derive(Module, Debug)]
@@ -71,7 +72,10 @@ impl<B: Backend> MlaAttention<B> {
         docs: &[std::ops::Range<usize>],
         shared_indices: Option<&[i64]>,
         opts: &ForwardOptions,
-    ) -> (Tensor<B, 3>, Vec<i64>, Option<f32>) {
+    ) -> (Tensor<B, 3>, Vec<i64>, Option<f32>)
+    where
+        B: Glm5Backend,
+    {
         let [_, s, d] = x.dims();
         let device = x.device();
         let w = self.index_width;
@@ -103,7 +107,10 @@ impl<B: Backend> MlaAttention<B> {
         mask: &TokenMask<B>,
         shared_indices: Option<&[i64]>,
         opts: &ForwardOptions,
-    ) -> (Tensor<B, 3>, Vec<i64>, Option<f32>) {
+    ) -> (Tensor<B, 3>, Vec<i64>, Option<f32>)
+    where
+        B: Glm5Backend,
+    {
         let [b, s, _] = x.dims();
         let (h, dq, dv, r) = (self.num_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank);
         let q_resid = self.q_a_layernorm.forward(self.q_a_proj.forward(x.clone()));
@@ -112,7 +119,7 @@ impl<B: Backend> MlaAttention<B> {
 
         let (indices, margin) = match (&self.indexer, shared_indices) {
             (Some(ix), _) => {
-                let (idx, m) = ix.forward(x, q_resid, mask);
+                let (idx, m) = ix.forward(x, q_resid, mask, opts.attn_path);
                 (idx, Some(m))
             }
             (None, Some(prev)) => (prev.to_vec(), None),
@@ -130,7 +137,7 @@ impl<B: Backend> MlaAttention<B> {
             let wkv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]); // [H, dq+dv, R]
             let w_uk = wkv.clone().slice([0..h, 0..dq, 0..r]);
             let w_uv = wkv.slice([0..h, dq..dq + dv, 0..r]);
-            sparse_absorbed(q, latent, w_uk, w_uv, &indices, width, scale, opts.sparse_block)
+            sparse_absorbed(q, latent, w_uk, w_uv, &indices, width, scale, opts.sparse_block, opts.attn_path)
         } else {
             let kv = self.kv_b_proj.forward(latent).reshape([b, s, h, dq + dv]);
             let k = kv.clone().slice([0..b, 0..s, 0..h, 0..dq]);

@@ -16,6 +16,8 @@ pub mod norm;
 
 use burn::tensor::{backend::Backend, Tensor, TensorData};
 
+pub use crate::ops::PathKind;
+
 /// Which attention form the DSA layers use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionImpl {
@@ -43,6 +45,12 @@ pub struct ForwardOptions {
     pub kda: KdaImpl,
     /// Query block size of the sparse attention path (bounds its memory).
     pub sparse_block: usize,
+    /// Sparse attention: the backend's kernel or the reference tensor ops (recipe
+    /// `model.backend.attn`).
+    pub attn_path: PathKind,
+    /// KDA's in-chunk pair terms: the backend's kernel or the reference tensor ops (recipe
+    /// `model.backend.linear`).
+    pub linear_path: PathKind,
 }
 
 impl Default for ForwardOptions {
@@ -51,6 +59,8 @@ impl Default for ForwardOptions {
             attention: AttentionImpl::Auto { dense_max_len: 1024 },
             kda: KdaImpl::Chunked(64),
             sparse_block: 256,
+            attn_path: PathKind::Kernel,
+            linear_path: PathKind::Kernel,
         }
     }
 }

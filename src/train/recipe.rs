@@ -47,14 +47,7 @@ pub enum NonFinitePolicy {
     Skip,
 }
 
-/// Which implementation of the hot spots to use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum PathKind {
-    #[default]
-    Reference,
-    Kernel,
-}
+pub use crate::ops::PathKind;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]

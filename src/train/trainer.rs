@@ -82,7 +82,11 @@ impl TrainOptions {
             precision: r.model.dtype,
             on_nonfinite: r.step_scheduler.on_nonfinite,
             freeze: r.freeze_config.clone(),
-            forward: ForwardOptions::default(),
+            forward: ForwardOptions {
+                attn_path: r.model.backend.attn,
+                linear_path: r.model.backend.linear,
+                ..ForwardOptions::default()
+            },
         }
     }
 }

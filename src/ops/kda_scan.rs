@@ -1,0 +1,223 @@
+//! The chunked KDA scan as one op with a hand-written backward (the reference bodies of
+//! [`crate::ops::backend::Glm5Backend::kda_chunk_scan`] and its backward).
+//!
+//! Inputs are prepared as in [`crate::ops::kda`] (fp32, `[BH, T, d]` per head, normalised and
+//! scaled `q`, `k`, `T` a multiple of the chunk `C`): `q, k, g` `[BH, T, dk]`, `v` `[BH, T, dv]`,
+//! `β` `[BH, T]`, `h0` `[BH, dk, dv]`. Per chunk `i` (rows `x = (bh, i)`), with `Γ` the in-chunk
+//! cumulative sum of `g`, `E = e^Γ`, `a = e^{Γ_C}`:
+//!
+//! ```text
+//! L = β ⊙ pairs_k (strictly lower)   P = pairs_q (lower)   T = (I + L)^{-1}
+//! W = T (β⊙E⊙K)   U = T (β⊙V)   Qg = E⊙Q   Kd = e^{Γ_C − Γ}⊙K
+//! V'_i = U_i − W_i S_i    O_i = Qg_i S_i + P_i V'_i    S_{i+1} = a_i ⊙ S_i + Kd_iᵀ V'_i
+//! ```
+//!
+//! Backward, for upstream `∂O` and `∂S_n` (the final state), in reverse over chunks:
+//!
+//! ```text
+//! ∂V' = P_iᵀ ∂O_i + Kd_i ∂S_{i+1}      ∂P_i = ∂O_i V'_iᵀ     ∂Qg_i = ∂O_i S_iᵀ
+//! ∂Kd_i = V'_i ∂S_{i+1}ᵀ   ∂a_i = rowsum(S_i ⊙ ∂S_{i+1})   ∂W_i = −∂V' S_iᵀ   ∂U_i = ∂V'
+//! ∂S_i = a_i ⊙ ∂S_{i+1} + Qg_iᵀ ∂O_i − W_iᵀ ∂V'                       (∂h0 = ∂S_0)
+//! ```
+//!
+//! then, batched over all chunks: `∂T = ∂W (β⊙E⊙K)ᵀ + ∂U (β⊙V)ᵀ`, `∂L = −Tᵀ ∂T Tᵀ` (strictly
+//! lower), the pair terms' backward ([`crate::ops::backend::Glm5Backend::kda_pair_sums_backward`]),
+//! the elementwise factors, and `∂g` = the reverse in-chunk cumulative sum of `∂Γ`.
+//! Only non-positive exponents are formed, as in the forward.
+
+use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
+
+use super::backend::Glm5Backend;
+
+/// `[n, n]` 0/1 mask with `f(r, s)`.
+fn mask<B: Backend>(n: usize, f: impl Fn(usize, usize) -> bool, device: &B::Device) -> Tensor<B, 3> {
+    let data: Vec<f32> = (0..n * n).map(|i| f(i / n, i % n) as u8 as f32).collect();
+    Tensor::<B, 2>::from_data(TensorData::new(data, [n, n]), device).reshape([1, n, n])
+}
+
+/// `(I + L)^{-1}` for strictly lower `L` `[x, C, C]`: `Π_j (I + M^{2^j})`, `M = −L`.
+fn unit_lower_inverse<B: Backend>(l: Tensor<B, 3>) -> Tensor<B, 3> {
+    let c = l.dims()[1];
+    let eye = Tensor::<B, 2>::eye(c, &l.device()).cast(DType::F32).reshape([1, c, c]);
+    let steps = (usize::BITS - (c.max(1) - 1).leading_zeros()) as usize;
+    let mut m_pow = l.neg();
+    let mut t = eye.clone() + m_pow.clone();
+    for _ in 1..steps {
+        m_pow = m_pow.clone().matmul(m_pow);
+        t = t.matmul(eye.clone() + m_pow.clone());
+    }
+    t
+}
+
+/// Chunk `i` of `[bh, n, r, d]` as `[bh, r, d]`.
+fn chunk_at<B: Backend>(a: &Tensor<B, 4>, i: usize) -> Tensor<B, 3> {
+    let [bh, _, r, d] = a.dims();
+    let idx = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(vec![i as i64], [1]), &a.device());
+    a.clone().select(1, idx).reshape([bh, r, d])
+}
+
+/// What the forward keeps for the backward.
+#[derive(Debug, Clone)]
+pub struct ScanSaved<B: Backend> {
+    pub q: Tensor<B, 3>,
+    pub k: Tensor<B, 3>,
+    pub v: Tensor<B, 3>,
+    pub beta: Tensor<B, 3>,
+    pub gam: Tensor<B, 3>,
+    pub sums: Tensor<B, 3>,
+    pub t: Tensor<B, 3>,
+    pub w: Tensor<B, 4>,
+    pub qg: Tensor<B, 4>,
+    pub kd: Tensor<B, 4>,
+    pub a: Tensor<B, 4>,
+    pub p: Tensor<B, 4>,
+    /// `S_i` before chunk `i`, `[bh, n, dk, dv]`.
+    pub states: Tensor<B, 4>,
+    /// `V'_i`, `[bh, n, C, dv]`.
+    pub v_new: Tensor<B, 4>,
+    pub chunk: usize,
+}
+
+/// Forward (module docs): `(O [BH, T, dv], S_n [BH, dk, dv], saved)`.
+pub fn forward<B: Glm5Backend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    g: Tensor<B, 3>,
+    beta: Tensor<B, 2>,
+    h0: Tensor<B, 3>,
+    chunk: usize,
+) -> (Tensor<B, 3>, Tensor<B, 3>, ScanSaved<B>) {
+    let [bh, t, dk] = k.dims();
+    let dv = v.dims()[2];
+    let c = chunk;
+    assert!(c > 0 && t % c == 0, "kda_chunk_scan: T = {t} is not a multiple of the chunk {c}");
+    let n = t / c;
+    let device = q.device();
+    let x = bh * n;
+    let (q, k, v) = (q.reshape([x, c, dk]), k.reshape([x, c, dk]), v.reshape([x, c, dv]));
+    let beta = beta.reshape([x, c, 1]);
+    let gam = g.reshape([x, c, dk]).cumsum(1);
+    let sums = super::backend::kda_pair_sums(k.clone(), q.clone(), gam.clone());
+    let strict = mask::<B>(c, |r, s| s < r, &device);
+    let l = sums.clone().slice([0..x, 0..c, 0..c]) * strict * beta.clone();
+    let p = sums.clone().slice([0..x, 0..c, c..2 * c]);
+    let tm = unit_lower_inverse(l);
+    let e = gam.clone().exp();
+    let w = tm.clone().matmul(k.clone() * e.clone() * beta.clone());
+    let u = tm.clone().matmul(v.clone() * beta.clone());
+    let qg = q.clone() * e;
+    let g_last = gam.clone().slice([0..x, c - 1..c, 0..dk]);
+    let kd = k.clone() * (g_last.clone() - gam.clone()).exp();
+    let a = g_last.exp().swap_dims(1, 2); // [x, dk, 1]
+
+    let per = |t: Tensor<B, 3>, r: usize, d: usize| t.reshape([bh, n, r, d]);
+    let (w, u, qg, kd, p, a) = (per(w, c, dk), per(u, c, dv), per(qg, c, dk), per(kd, c, dk), per(p, c, c), per(a, dk, 1));
+    let mut s = h0;
+    let (mut outs, mut states, mut v_news) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+    for i in 0..n {
+        let v_new = chunk_at(&u, i) - chunk_at(&w, i).matmul(s.clone());
+        outs.push(chunk_at(&qg, i).matmul(s.clone()) + chunk_at(&p, i).matmul(v_new.clone()));
+        states.push(s.clone().unsqueeze_dim::<4>(1));
+        s = s * chunk_at(&a, i) + chunk_at(&kd, i).swap_dims(1, 2).matmul(v_new.clone());
+        v_news.push(v_new.unsqueeze_dim::<4>(1));
+    }
+    let o = Tensor::cat(outs, 1).reshape([bh, t, dv]);
+    let saved = ScanSaved {
+        q,
+        k,
+        v,
+        beta,
+        gam,
+        sums,
+        t: tm,
+        w,
+        qg,
+        kd,
+        a,
+        p,
+        states: Tensor::cat(states, 1),
+        v_new: Tensor::cat(v_news, 1),
+        chunk: c,
+    };
+    (o, s, saved)
+}
+
+/// Backward (module docs): `(∂q, ∂k, ∂v, ∂g, ∂β, ∂h0)` for upstream `∂O` `[BH, T, dv]` and
+/// `∂S_n` `[BH, dk, dv]`.
+#[allow(clippy::type_complexity)]
+pub fn backward<B: Glm5Backend>(
+    saved: ScanSaved<B>,
+    d_o: Tensor<B, 3>,
+    d_final: Tensor<B, 3>,
+) -> (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 2>, Tensor<B, 3>) {
+    let ScanSaved { q, k, v, beta, gam, sums, t: tm, w, qg, kd, a, p, states, v_new, chunk: c } = saved;
+    let [bh, n, _, dk] = w.dims();
+    let dv = v.dims()[2];
+    let x = bh * n;
+    let device = q.device();
+    let d_o = d_o.reshape([bh, n, c, dv]);
+    let mut ds = d_final;
+    let (mut dvp, mut dp, mut dqg, mut dkd, mut da, mut dw) = (vec![], vec![], vec![], vec![], vec![], vec![]);
+    for i in (0..n).rev() {
+        let (s_i, vn, doi) = (chunk_at(&states, i), chunk_at(&v_new, i), chunk_at(&d_o, i));
+        let (p_i, kd_i, qg_i, w_i) = (chunk_at(&p, i), chunk_at(&kd, i), chunk_at(&qg, i), chunk_at(&w, i));
+        let d_vn = p_i.swap_dims(1, 2).matmul(doi.clone()) + kd_i.matmul(ds.clone());
+        dp.push(doi.clone().matmul(vn.clone().swap_dims(1, 2)));
+        dqg.push(doi.clone().matmul(s_i.clone().swap_dims(1, 2)));
+        dkd.push(vn.matmul(ds.clone().swap_dims(1, 2)));
+        da.push((s_i.clone() * ds.clone()).sum_dim(2)); // [bh, dk, 1]
+        dw.push(d_vn.clone().matmul(s_i.swap_dims(1, 2)).neg());
+        ds = ds * chunk_at(&a, i) + qg_i.swap_dims(1, 2).matmul(doi) - w_i.swap_dims(1, 2).matmul(d_vn.clone());
+        dvp.push(d_vn);
+    }
+    let stack = |mut parts: Vec<Tensor<B, 3>>, r: usize, d: usize| {
+        parts.reverse();
+        let parts: Vec<Tensor<B, 4>> = parts.into_iter().map(|t| t.unsqueeze_dim::<4>(1)).collect();
+        Tensor::cat(parts, 1).reshape([x, r, d])
+    };
+    let (du, dp, dqg, dkd, da, dw) = (stack(dvp, c, dv), stack(dp, c, c), stack(dqg, c, dk), stack(dkd, c, dk), stack(da, dk, 1), stack(dw, c, dk));
+    let unper = |t: Tensor<B, 4>, r: usize, d: usize| t.reshape([x, r, d]);
+    let (qg, kd, a) = (unper(qg, c, dk), unper(kd, c, dk), unper(a, dk, 1));
+
+    let e = gam.clone().exp();
+    let kg = k.clone() * e.clone() * beta.clone();
+    let vb = v.clone() * beta.clone();
+    let dt = dw.clone().matmul(kg.clone().swap_dims(1, 2)) + du.clone().matmul(vb.clone().swap_dims(1, 2));
+    let tt = tm.swap_dims(1, 2);
+    let dkg = tt.clone().matmul(dw);
+    let dvb = tt.clone().matmul(du);
+    let strict = mask::<B>(c, |r, s| s < r, &device);
+    let lower = mask::<B>(c, |r, s| s <= r, &device);
+    let dl = tt.clone().matmul(dt).matmul(tt).neg() * strict.clone();
+    let l_sums = sums.slice([0..x, 0..c, 0..c]) * strict.clone();
+    let dbeta = (dl.clone() * l_sums).sum_dim(2) + (dvb.clone() * v).sum_dim(2) + (dkg.clone() * k.clone() * e.clone()).sum_dim(2);
+    let dsums = Tensor::cat(vec![dl * strict * beta.clone(), dp * lower], 2);
+    let (dk_p, dq_p, dgam_p) = {
+        let prim = |t: Tensor<B, 3>| t.into_primitive().tensor();
+        let (a1, a2, a3) = B::kda_pair_sums_backward(prim(k.clone()), prim(q.clone()), prim(gam.clone()), prim(dsums));
+        let f = |t| Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
+        (f(a1), f(a2), f(a3))
+    };
+    let g_last = gam.clone().slice([0..x, c - 1..c, 0..dk]);
+    let dk_out = dk_p + dkg.clone() * e.clone() * beta.clone() + dkd.clone() * (g_last - gam.clone()).exp();
+    let dq_out = dq_p + dqg.clone() * e;
+    let dv_out = dvb * beta;
+    let kd_term = dkd * kd;
+    let mut dgam = dgam_p + dkg * kg + dqg * qg - kd_term.clone();
+    // Γ_C enters Kd (all rows) and a
+    let last = kd_term.sum_dim(1) + (da * a).swap_dims(1, 2); // [x, 1, dk]
+    let zeros = Tensor::<B, 3>::zeros([x, c - 1, dk], (&device, DType::F32));
+    dgam = dgam + Tensor::cat(vec![zeros, last], 1);
+    // Γ = cumsum(g) within the chunk: ∂g_t = Σ_{t' ≥ t} ∂Γ_t'
+    let dg = dgam.flip([1]).cumsum(1).flip([1]);
+    let bt = n * c;
+    (
+        dq_out.reshape([bh, bt, dk]),
+        dk_out.reshape([bh, bt, dk]),
+        dv_out.reshape([bh, bt, dv]),
+        dg.reshape([bh, bt, dk]),
+        dbeta.reshape([bh, bt]),
+        ds,
+    )
+}
