@@ -11,7 +11,9 @@
 //! "median_ms", "tokens_per_s", "gflop_per_s"}`. Paths: `kernel` (the backend's op: CubeCL
 //! kernels on `vulkan`/`cuda`, fused loops for KDA on `flex`) and `reference` (the pure tensor-op
 //! path, run by the same backend). Passes: `fwd`, and `fwd+bwd` (`Autodiff<B>`, backward of
-//! Σ out ⊙ w) for KDA and sparse attention; the indexer is forward only.
+//! Σ out ⊙ w) for KDA and sparse attention; the indexer is forward only. KDA also reports
+//! `scan_op`: the whole scan as one op with its hand-written backward (`ops::kda_scan`,
+//! which recomputes the forward's intermediates in the backward).
 //!
 //! FLOP counts (multiply-add = 2):
 //! * KDA (`ops::kda::kda_chunked`, chunk C = 64, per token and head, nominal): pair terms
@@ -36,7 +38,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use clap::Parser;
 use glm5_burn::ops::backend::sparse_latent_attention;
-use glm5_burn::ops::kda::kda_chunked;
+use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op};
 use glm5_burn::ops::kpool::{reference_scores, KpoolSelect};
 use glm5_burn::ops::sparse_attn::latent_reference;
 use glm5_burn::{Glm5Backend, PathKind};
@@ -128,6 +130,18 @@ fn kda<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
             });
             emit(name, "kda_chunked", path, "fwd+bwd", s, ms, 3.0 * flop);
         }
+        // the whole scan as one op with its hand-written backward (`ops::kda_scan`)
+        let ms = median_ms::<B>(device, a.reps, || {
+            let [q, k, v] = [&q, &k, &v].map(|t| t.clone().require_grad());
+            let (o, _) = kda_chunked_op(q.clone(), k, v, g.clone(), beta.clone(), None, 64);
+            let grads = (o * wts.clone()).sum().backward();
+            drop(q.grad(&grads));
+        });
+        println!(
+            "{}",
+            json!({"backend": name, "op": "kda_chunked", "path": "scan_op", "pass": "fwd+bwd", "seq": s, "median_ms": (ms * 100.0).round() / 100.0,
+                   "tokens_per_s": (s as f64 / (ms / 1e3)).round(), "gflop_per_s": ((3.0 * flop / (ms / 1e3) / 1e9) * 100.0).round() / 100.0})
+        );
     }
 }
 
