@@ -5,18 +5,13 @@
 //! zeros in `g` (padding).
 
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use glm5_burn::ops::backend::{kda_pair_sums, reference, Glm5Backend};
 
-type A = Autodiff<Flex>;
+mod common;
+use common::random::{rel, tensor as t, to_host as host, Rng};
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
+type A = Autodiff<Flex>;
 
 fn inputs(x: usize, c: usize, d: usize, seed: u64, zeros: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut r = Rng(seed);
@@ -37,19 +32,6 @@ fn inputs(x: usize, c: usize, d: usize, seed: u64, zeros: bool) -> (Vec<f32>, Ve
     (k, q, gam)
 }
 
-fn t<B: burn::tensor::backend::Backend>(v: &[f32], dims: [usize; 3]) -> Tensor<B, 3> {
-    Tensor::from_data(TensorData::new(v.to_vec(), dims), &Default::default())
-}
-
-fn host<B: burn::tensor::backend::Backend>(t: Tensor<B, 3>) -> Vec<f32> {
-    t.into_data().convert::<f32>().into_vec().unwrap()
-}
-
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-}
-
 #[test]
 fn fused_matches_reference_forward_and_backward() {
     for (x, c, d, seed) in [(3, 64, 16, 1), (2, 37, 8, 2), (1, 1, 4, 3)] {
@@ -65,7 +47,7 @@ fn fused_matches_reference_forward_and_backward() {
         let mut rng = Rng(seed + 10);
         let grad: Vec<f32> = (0..x * c * 2 * c).map(|_| rng.next()).collect();
         let gdims = [x, c, 2 * c];
-        let p = |v: &[f32], dd| t::<Flex>(v, dd).into_primitive().tensor();
+        let p = |v: &[f32], dd| t::<Flex, 3>(v, dd).into_primitive().tensor();
         let (fk, fq, fg) = <Flex as Glm5Backend>::kda_pair_sums_backward(p(&k, dims), p(&q, dims), p(&g, dims), p(&grad, gdims));
         let (rk, rq, rg) = reference::kda_pair_sums_backward::<Flex>(t(&k, dims), t(&q, dims), t(&g, dims), t(&grad, gdims));
         let prim = |x| host(Tensor::<Flex, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(x)));
@@ -76,18 +58,18 @@ fn fused_matches_reference_forward_and_backward() {
         }
 
         // the reference backward equals autodiff through the reference forward
-        let (ka, qa, ga) = (t::<A>(&k, dims).require_grad(), t::<A>(&q, dims).require_grad(), t::<A>(&g, dims).require_grad());
+        let (ka, qa, ga) = (t::<A, 3>(&k, dims).require_grad(), t::<A, 3>(&q, dims).require_grad(), t::<A, 3>(&g, dims).require_grad());
         let out = reference::kda_pair_sums::<A>(ka.clone(), qa.clone(), ga.clone());
-        let grads = (out * t::<A>(&grad, gdims)).sum().backward();
+        let grads = (out * t::<A, 3>(&grad, gdims)).sum().backward();
         let ad = |x: &Tensor<A, 3>| host(x.grad(&grads).unwrap());
         for (name, a, b) in [("dk", ad(&ka), &rk), ("dq", ad(&qa), &rq), ("dΓ", ad(&ga), &rg)] {
             assert!(rel(&a, b) <= 1e-5, "{name} {dims:?}: autodiff vs reference backward {:e}", rel(&a, b));
         }
 
         // and the custom autodiff op (Autodiff<Flex> → Flex's fused backward) gives the same
-        let (ka, qa, ga) = (t::<A>(&k, dims).require_grad(), t::<A>(&q, dims).require_grad(), t::<A>(&g, dims).require_grad());
+        let (ka, qa, ga) = (t::<A, 3>(&k, dims).require_grad(), t::<A, 3>(&q, dims).require_grad(), t::<A, 3>(&g, dims).require_grad());
         let out = kda_pair_sums::<A>(ka.clone(), qa.clone(), ga.clone());
-        let grads = (out * t::<A>(&grad, gdims)).sum().backward();
+        let grads = (out * t::<A, 3>(&grad, gdims)).sum().backward();
         let ad = |x: &Tensor<A, 3>| host(x.grad(&grads).unwrap());
         for (name, a, b) in [("dk", ad(&ka), &rk), ("dq", ad(&qa), &rq), ("dΓ", ad(&ga), &rg)] {
             assert!(rel(&a, b) <= 1e-5, "{name} {dims:?}: custom op vs reference backward {:e}", rel(&a, b));
@@ -121,7 +103,7 @@ fn backward_matches_finite_differences() {
     let to64 = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
     let (k64, q64, g64) = (to64(&k), to64(&q), to64(&g));
     let dims = [x, c, d];
-    let p = |v: &[f32], dd| t::<Flex>(v, dd).into_primitive().tensor();
+    let p = |v: &[f32], dd| t::<Flex, 3>(v, dd).into_primitive().tensor();
     let (dk, dq, dg) = <Flex as Glm5Backend>::kda_pair_sums_backward(p(&k, dims), p(&q, dims), p(&g, dims), p(&grad, [x, c, 2 * c]));
     let prim = |x| host(Tensor::<Flex, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(x)));
     let (dk, dq, dg) = (prim(dk), prim(dq), prim(dg));

@@ -18,37 +18,10 @@ use burn::tensor::{DType, Int, Tensor, TensorData};
 use glm5_burn::ops::backend::{kda_pair_sums, reference, sparse_latent_attention, Glm5Backend};
 use glm5_burn::ops::sparse_attn::{latent_reference, latent_reference_backward};
 
+mod common;
+use common::random::{ints as ti, rel, tensor as t, to_host as host, Rng};
+
 type V = Vulkan;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
-    }
-}
-
-fn t<B: Backend, const D: usize>(v: &[f32], dims: [usize; D]) -> Tensor<B, D> {
-    Tensor::from_data(TensorData::new(v.to_vec(), dims), &Default::default())
-}
-
-fn ti<B: Backend>(v: &[i64], dims: [usize; 2]) -> Tensor<B, 2, Int> {
-    Tensor::from_data(TensorData::new(v.to_vec(), dims), &Default::default())
-}
-
-fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().into_vec().unwrap()
-}
-
-/// max |a − b| / max |b|.
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-}
 
 /// KDA inputs `[x, C, d]`: k, q, and Γ = in-chunk cumsum of g ∈ (−5, 0] with exact zeros.
 fn kda_inputs(x: usize, c: usize, d: usize, seed: u64) -> [Vec<f32>; 3] {
@@ -297,7 +270,6 @@ fn kpool_selection_matches_reference() {
     }
 }
 
-mod common;
 
 /// Replaces every parameter by its gradient (zeros where none flows).
 struct ToGrads<'a, B: burn::tensor::backend::AutodiffBackend> {
@@ -402,4 +374,104 @@ fn tiny_model_kernel_paths_match_reference_paths() {
     println!("  kernel paths vs HF float64: worst {wh:.2e} ({whn}), bar {bar_hf:.1e}");
     assert!(w <= bar, "gradient of {wn}: {w:e}");
     assert!(wh <= bar_hf, "gradient of {whn} vs HF: {wh:e}");
+}
+
+#[test]
+fn kda_scan_with_state_kernels_matches_reference() {
+    use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op};
+    use glm5_burn::PathKind;
+    // Autodiff<Vulkan> through the scan op (pair-term and state-recurrence kernels, hand-written
+    // backward) against Autodiff<Flex> through the chunked reference form (gathered pair terms,
+    // autodiff through the recurrence): outputs, final state and every gradient.
+    for (b, s, h, dk, dv, chunk, seed) in [(2usize, 150usize, 2usize, 8usize, 6usize, 64usize, 1u64), (1, 67, 3, 16, 16, 16, 2), (1, 300, 2, 32, 32, 64, 3)] {
+        let mut r = Rng(seed);
+        let q = r.vec(b * s * h * dk, 1.0);
+        let k = r.vec(b * s * h * dk, 1.0);
+        let v = r.vec(b * s * h * dv, 1.0);
+        let g: Vec<f32> = r.vec(b * s * h * dk, 1.5).into_iter().map(|x| x - 1.5).collect();
+        let beta: Vec<f32> = r.vec(b * s * h, 0.5).into_iter().map(|x| x + 0.5).collect();
+        let h0 = r.vec(b * h * dk * dv, 0.5);
+        let wo = r.vec(b * s * h * dv, 1.0);
+        let ws = r.vec(b * h * dk * dv, 1.0);
+        fn run<B: burn::tensor::backend::AutodiffBackend + Glm5Backend>(
+            ins: [&[f32]; 8],
+            d: [usize; 6],
+            op: bool,
+        ) -> Vec<Vec<f32>> {
+            let [b, s, h, dk, dv, chunk] = d;
+            let q = t::<B, 4>(ins[0], [b, s, h, dk]).require_grad();
+            let k = t::<B, 4>(ins[1], [b, s, h, dk]).require_grad();
+            let v = t::<B, 4>(ins[2], [b, s, h, dv]).require_grad();
+            let g = t::<B, 4>(ins[3], [b, s, h, dk]).require_grad();
+            let beta = t::<B, 3>(ins[4], [b, s, h]).require_grad();
+            let h0 = t::<B, 4>(ins[5], [b, h, dk, dv]).require_grad();
+            let args = (q.clone(), k.clone(), v.clone(), g.clone(), beta.clone(), Some(h0.clone()));
+            let (o, st) = if op {
+                kda_chunked_op(args.0, args.1, args.2, args.3, args.4, args.5, chunk)
+            } else {
+                kda_chunked(args.0, args.1, args.2, args.3, args.4, args.5, chunk, PathKind::Reference)
+            };
+            let grads = ((o.clone() * t::<B, 4>(ins[6], [b, s, h, dv])).sum() + (st.clone() * t::<B, 4>(ins[7], [b, h, dk, dv])).sum()).backward();
+            vec![
+                host(o),
+                host(st),
+                host(q.grad(&grads).unwrap()),
+                host(k.grad(&grads).unwrap()),
+                host(v.grad(&grads).unwrap()),
+                host(g.grad(&grads).unwrap()),
+                host(beta.grad(&grads).unwrap()),
+                host(h0.grad(&grads).unwrap()),
+            ]
+        }
+        let ins: [&[f32]; 8] = [&q, &k, &v, &g, &beta, &h0, &wo, &ws];
+        let d = [b, s, h, dk, dv, chunk];
+        let kern = run::<Autodiff<V>>(ins, d, true);
+        let refr = run::<Autodiff<Flex>>(ins, d, false);
+        for (name, (a, e)) in ["o", "S_T", "∂q", "∂k", "∂v", "∂g", "∂β", "∂h0"].iter().zip(kern.iter().zip(&refr)) {
+            let err = rel(a, e);
+            println!("kda scan {d:?}: {name} kernels vs reference {err:.2e}");
+            assert!(err <= 1e-5, "{d:?} {name}: {err:e}");
+        }
+    }
+}
+
+#[test]
+fn kda_forms_agree_with_flex_on_vulkan() {
+    // Regression: with several heads and chunks, burn-cubecl 0.21 once read the chunked form's
+    // decays wrongly (a reshaped `swap_dims` view; `ops::kda::last_in_chunk`), giving garbage
+    // on Vulkan that single-chunk, single-head cases do not show. The chunked reference, the
+    // scan op (kernels) and the token recurrence on Vulkan against the chunked form on Flex.
+    use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op, kda_recurrent};
+    use glm5_burn::PathKind;
+    for (b, s, h, dk, dv, chunk) in [(1usize, 67usize, 3usize, 16usize, 16usize, 16usize), (2, 64, 2, 8, 6, 16), (1, 130, 3, 16, 16, 64)] {
+        let mut r = Rng(2);
+        let q = r.vec(b * s * h * dk, 1.0);
+        let k = r.vec(b * s * h * dk, 1.0);
+        let v = r.vec(b * s * h * dv, 1.0);
+        let g: Vec<f32> = r.vec(b * s * h * dk, 1.5).into_iter().map(|x| x - 1.5).collect();
+        let beta: Vec<f32> = r.vec(b * s * h, 0.5).into_iter().map(|x| x + 0.5).collect();
+        let ins = |dims_k: [usize; 4], dims_v: [usize; 4]| (dims_k, dims_v);
+        let (dkk, dvv) = ins([b, s, h, dk], [b, s, h, dv]);
+        macro_rules! args {
+            ($B:ty) => {
+                (t::<$B, 4>(&q, dkk), t::<$B, 4>(&k, dkk), t::<$B, 4>(&v, dvv), t::<$B, 4>(&g, dkk), t::<$B, 3>(&beta, [b, s, h]), None)
+            };
+        }
+        let (fo, fs) = {
+            let a = args!(Flex);
+            kda_chunked(a.0, a.1, a.2, a.3, a.4, a.5, chunk, PathKind::Reference)
+        };
+        let (fo, fs) = (host(fo), host(fs));
+        let a = args!(V);
+        let chunked = kda_chunked(a.0, a.1, a.2, a.3, a.4, a.5, chunk, PathKind::Reference);
+        let a = args!(V);
+        let op = kda_chunked_op(a.0, a.1, a.2, a.3, a.4, a.5, chunk);
+        let a = args!(V);
+        let rec = kda_recurrent(a.0, a.1, a.2, a.3, a.4, a.5);
+        for (name, (o, st)) in [("chunked", chunked), ("scan op", op), ("recurrent", rec)] {
+            let (eo, es) = (rel(&host(o), &fo), rel(&host(st), &fs));
+            println!("KDA on Vulkan, {name} [{b}, {s}, {h}, {dk}, {dv}] C={chunk}: o {eo:.2e}, final state {es:.2e} vs Flex");
+            assert!(eo <= 1e-5 && es <= 1e-5, "{name}: o {eo:e}, state {es:e}");
+        }
+    }
 }

@@ -6,37 +6,13 @@
 //! rows with −1, out-of-range entries, duplicates and an all-invalid query.
 
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
 use glm5_burn::ops::backend::sparse_latent_attention;
 use glm5_burn::ops::sparse_attn::{latent_reference, latent_reference_backward};
 
+mod common;
+use common::random::{ints as ti, rel, tensor as t, to_host as host, Rng};
+
 type A = Autodiff<Flex>;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
-fn t<B: Backend, const D: usize>(v: &[f32], dims: [usize; D]) -> Tensor<B, D> {
-    Tensor::from_data(TensorData::new(v.to_vec(), dims), &Default::default())
-}
-
-fn ti<B: Backend>(v: &[i64], dims: [usize; 2]) -> Tensor<B, 2, Int> {
-    Tensor::from_data(TensorData::new(v.to_vec(), dims), &Default::default())
-}
-
-fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().into_vec().unwrap()
-}
-
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-}
 
 const N: usize = 4;
 const H: usize = 2;

@@ -15,6 +15,8 @@
 //! Kernels:
 //! * [`kda_pairs`]: KDA's in-chunk pair sums `Σ_d a_rd k_sd e^{min(Γ_rd−Γ_sd,0)}` and their
 //!   backward (the `L`/`P` terms of the chunked scan, `glm5_burn::ops::kda`).
+//! * [`kda_states`]: KDA's inter-chunk state recurrence and its backward (one unit per head
+//!   row and value column, looping over chunks), the sequential part of the chunked scan.
 //! * [`kpool`]: the KPool indexer's pool scoring, per-query top-k (ties to the lower pool)
 //!   and expansion to token indices, tiled over queries.
 //! * [`sparse_attn`]: attention of `H` query heads over selected rows of a shared latent
@@ -22,6 +24,7 @@
 //!   the backward.
 
 pub mod kda_pairs;
+pub mod kda_states;
 pub mod kpool;
 pub mod sparse_attn;
 

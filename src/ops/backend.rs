@@ -9,6 +9,8 @@
 //! | op | reference (default body) | Flex | CubeCL (`Vulkan`, `Cuda`) | `Autodiff<B>` |
 //! |---|---|---|---|---|
 //! | `kda_pair_sums` (+ backward) | gathered tensor ops | fused host loops | kernels | hand-written backward |
+//! | `kda_chunk_scan` (+ backward) | `ops::kda_scan` (batched ops + the two below) | reference | reference body on the kernels | hand-written backward |
+//! | `kda_states_forward` / `_backward` | loops of tensor ops | reference | kernels | (inside the scan op) |
 //! | `sparse_latent_attention` (+ backward) | gather + masked softmax | reference | kernels (online softmax) | hand-written backward |
 //! | `kpool_select` | dense scores + host top-k | reference | kernels (tiled scores, radix select) | no gradient |
 //!
@@ -104,6 +106,42 @@ pub trait Glm5Backend: Backend {
         (p3(dq), p3(dk), p3(dv), p3(dg), db.into_primitive().tensor(), p3(dh))
     }
 
+    /// Whether [`Self::kda_chunk_scan`] runs kernels here (CubeCL backends: the state
+    /// recurrences below); the model then takes the scan op for KDA's `kernel` path.
+    fn has_kda_scan_kernel() -> bool {
+        false
+    }
+
+    /// KDA's inter-chunk state recurrence (`ops::kda_scan::states_forward`): `w`, `kd`
+    /// `[bh, n, C, dk]`, `u` `[bh, n, C, dv]`, `a` `[bh, n, dk, 1]`, `h0` `[bh, dk, dv]` →
+    /// (states before each chunk, `V'`, final state). Default: the reference loop.
+    fn kda_states_forward(
+        w: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        kd: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        h0: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (s, v, f) = kda_scan::states_forward::<Self>(f4(w), f4(u), f4(kd), f4(a), f3(h0));
+        (s.into_primitive().tensor(), v.into_primitive().tensor(), f.into_primitive().tensor())
+    }
+
+    /// Its backward recurrence (`ops::kda_scan::states_backward`) → (`∂S_{i+1}` per chunk,
+    /// `∂V'`, `∂h0`). Default: the reference loop.
+    #[allow(clippy::too_many_arguments)]
+    fn kda_states_backward(
+        p: FloatTensor<Self>,
+        qg: FloatTensor<Self>,
+        kd: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        d_final: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (s, v, f) = kda_scan::states_backward::<Self>(f4(p), f4(qg), f4(kd), f4(w), f4(a), f4(d_o), f3(d_final));
+        (s.into_primitive().tensor(), v.into_primitive().tensor(), f.into_primitive().tensor())
+    }
+
     /// Whether [`Self::kpool_select`] runs a kernel here (CubeCL backends).
     fn has_kpool_kernel() -> bool {
         false
@@ -183,6 +221,10 @@ pub trait Glm5Backend: Backend {
 }
 
 fn f3<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 3> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+fn f4<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 4> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
@@ -443,6 +485,32 @@ mod cube {
             true
         }
 
+        fn has_kda_scan_kernel() -> bool {
+            true
+        }
+
+        fn kda_states_forward(
+            w: FloatTensor<Self>,
+            u: FloatTensor<Self>,
+            kd: FloatTensor<Self>,
+            a: FloatTensor<Self>,
+            h0: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            glm5_cubecl_kernels::kda_states::forward(w, u, kd, a, h0)
+        }
+
+        fn kda_states_backward(
+            p: FloatTensor<Self>,
+            qg: FloatTensor<Self>,
+            kd: FloatTensor<Self>,
+            w: FloatTensor<Self>,
+            a: FloatTensor<Self>,
+            d_o: FloatTensor<Self>,
+            d_final: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            glm5_cubecl_kernels::kda_states::backward(p, qg, kd, w, a, d_o, d_final)
+        }
+
         fn kpool_select(
             q: FloatTensor<Self>,
             w: FloatTensor<Self>,
@@ -658,6 +726,10 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
 
     fn has_kpool_kernel() -> bool {
         B::has_kpool_kernel()
+    }
+
+    fn has_kda_scan_kernel() -> bool {
+        B::has_kda_scan_kernel()
     }
 
     fn kda_chunk_scan(

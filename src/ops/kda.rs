@@ -77,6 +77,35 @@ fn prepare<B: Backend>(
     }
 }
 
+/// `Γ_C`, the last row of every chunk: `[x, C, d]` → `[x, 1, d]`, as a fresh tensor. (Taken
+/// with `select`, and turned into a column with `reshape` rather than `swap_dims`: burn-cubecl
+/// 0.21 reads a reshaped `swap_dims` view of a row slice wrongly once there are several heads
+/// — measured on Vulkan: decays off by 100 %, garbage KDA outputs — while Flex is exact.)
+pub(crate) fn last_in_chunk<B: Backend>(gam: &Tensor<B, 3>) -> Tensor<B, 3> {
+    let c = gam.dims()[1];
+    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![c as i64 - 1], [1]), &gam.device());
+    gam.clone().select(1, idx)
+}
+
+/// Pads prepared inputs to whole chunks with inert tokens (k = v = q = 0, β = 0, g = 0: no
+/// decay, no write); a sequence shorter than a chunk is one chunk of its own length. Returns
+/// the padded inputs, the chunk size used and the padded length.
+fn pad_to_chunks<B: Backend>(p: Prepared<B>, chunk: usize) -> (Prepared<B>, usize, usize) {
+    let [b, h, t, _] = p.q.dims();
+    let chunk = chunk.min(t.max(1));
+    let tp = t.div_ceil(chunk) * chunk;
+    if tp == t {
+        return (p, chunk, tp);
+    }
+    let device = p.q.device();
+    let pad = |x: Tensor<B, 4>| {
+        let d = x.dims()[3];
+        Tensor::cat(vec![x, Tensor::zeros([b, h, tp - t, d], (&device, DType::F32))], 2)
+    };
+    let beta = Tensor::cat(vec![p.beta, Tensor::zeros([b, h, tp - t], (&device, DType::F32))], 2);
+    (Prepared { q: pad(p.q), k: pad(p.k), v: pad(p.v), g: pad(p.g), beta, state: p.state }, chunk, tp)
+}
+
 /// `[n, n]` boolean mask with `f(r, s)` at row `r`, column `s`.
 fn pair_mask<B: Backend>(n: usize, f: impl Fn(usize, usize) -> bool, device: &B::Device) -> Tensor<B, 2, Bool> {
     let data: Vec<bool> = (0..n * n).map(|i| f(i / n, i % n)).collect();
@@ -120,7 +149,9 @@ pub fn kda_recurrent<B: Backend>(
 /// `Σ_c x_rc k_sc e^{Γ_rc−Γ_sc}` are formed pair by pair, as the reference forms them, for the
 /// causal pairs `s ≤ r` only: with `path = Kernel` by the backend op
 /// [`Glm5Backend::kda_pair_sums`] (Flex: fused loops; CubeCL backends: a kernel), otherwise
-/// by the gathered tensor-op form [`reference::kda_pair_sums`].
+/// by the gathered tensor-op form [`reference::kda_pair_sums`]. On a backend with scan kernels
+/// ([`Glm5Backend::has_kda_scan_kernel`]: CubeCL) `path = Kernel` runs [`kda_chunked_op`]
+/// instead: the same math as one op, whose state recurrences are kernels.
 #[allow(clippy::too_many_arguments)]
 pub fn kda_chunked<B: Glm5Backend>(
     q: Tensor<B, 4>,
@@ -133,32 +164,23 @@ pub fn kda_chunked<B: Glm5Backend>(
     path: PathKind,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
     assert!(chunk > 0, "KDA chunk size must be positive");
+    if path == PathKind::Kernel && B::has_kda_scan_kernel() {
+        // the backend runs the whole scan with kernels (CubeCL: pair terms + state recurrences)
+        return kda_chunked_op(q, k, v, g, beta, initial_state, chunk);
+    }
     let dtype = q.dtype();
     let [b, t, h, dk] = k.dims();
     let dv = v.dims()[3];
     let device = q.device();
     let t_prep = crate::profile::scope("kda scan: prepare");
-    let Prepared { q, k, v, g, beta, state } = prepare(q, k, v, g, beta, initial_state);
-
-    // Pad to whole chunks with inert tokens (k = v = q = 0, β = 0, g = 0: no decay, no write);
-    // a sequence shorter than a chunk is one chunk of its own length.
-    let chunk = chunk.min(t.max(1));
-    let n = t.div_ceil(chunk);
-    let tp = n * chunk;
-    let pad4 = |x: Tensor<B, 4>, d: usize| {
-        if tp == t {
-            x
-        } else {
-            Tensor::cat(vec![x, Tensor::zeros([b, h, tp - t, d], (&device, DType::F32))], 2)
-        }
-    };
-    let beta = if tp == t { beta } else { Tensor::cat(vec![beta, Tensor::zeros([b, h, tp - t], (&device, DType::F32))], 2) };
+    let (Prepared { q, k, v, g, beta, state }, chunk, tp) = pad_to_chunks(prepare(q, k, v, g, beta, initial_state), chunk);
+    let n = tp / chunk;
     let (x, c) = (b * h * n, chunk); // every chunk of every head is one batch row
-    let q = pad4(q, dk).reshape([x, c, dk]);
-    let k = pad4(k, dk).reshape([x, c, dk]);
-    let v = pad4(v, dv).reshape([x, c, dv]);
+    let q = q.reshape([x, c, dk]);
+    let k = k.reshape([x, c, dk]);
+    let v = v.reshape([x, c, dv]);
     let beta = beta.reshape([x, c, 1]);
-    let gam = pad4(g, dk).reshape([x, c, dk]).cumsum(1); // Γ within each chunk, ≤ 0
+    let gam = g.reshape([x, c, dk]).cumsum(1); // Γ within each chunk, ≤ 0
     drop(t_prep);
 
     let t_pair = crate::profile::scope("kda scan: pair terms");
@@ -187,9 +209,9 @@ pub fn kda_chunked<B: Glm5Backend>(
     let w = tmat.clone().matmul(k.clone() * g_exp.clone() * beta.clone()); // [x, C, dk]
     let u = tmat.matmul(v * beta); // [x, C, dv]
     let qg = q * g_exp;
-    let g_last = gam.clone().slice([0..x, c - 1..c, 0..dk]); // [x, 1, dk]
+    let g_last = last_in_chunk(&gam); // [x, 1, dk]
     let k_dec = k * (g_last.clone() - gam).exp();
-    let last_decay = g_last.exp().swap_dims(1, 2); // [x, dk, 1]
+    let last_decay = g_last.exp().reshape([x, dk, 1]);
 
     drop(t_inv);
     let _t_rec = crate::profile::scope("kda scan: state recurrence");
@@ -233,17 +255,9 @@ pub fn kda_chunked_op<B: Glm5Backend>(
     let dtype = q.dtype();
     let [b, t, h, dk] = k.dims();
     let dv = v.dims()[3];
-    let device = q.device();
-    let Prepared { q, k, v, g, beta, state } = prepare(q, k, v, g, beta, initial_state);
-    let chunk = chunk.min(t.max(1));
-    let tp = t.div_ceil(chunk) * chunk;
+    let (Prepared { q, k, v, g, beta, state }, chunk, tp) = pad_to_chunks(prepare(q, k, v, g, beta, initial_state), chunk);
     let bh = b * h;
-    // pad to whole chunks with inert tokens (as in `kda_chunked`), one row per head
-    let flat = |x: Tensor<B, 4>, d: usize| {
-        let x = if tp == t { x } else { Tensor::cat(vec![x, Tensor::zeros([b, h, tp - t, d], (&device, DType::F32))], 2) };
-        x.reshape([bh, tp, d])
-    };
-    let beta = if tp == t { beta } else { Tensor::cat(vec![beta, Tensor::zeros([b, h, tp - t], (&device, DType::F32))], 2) };
+    let flat = |x: Tensor<B, 4>, d: usize| x.reshape([bh, tp, d]);
     let (o, s) = kda_chunk_scan(flat(q, dk), flat(k, dk), flat(v, dv), flat(g, dk), beta.reshape([bh, tp]), state.reshape([bh, dk, dv]), chunk);
     let o = o.slice([0..bh, 0..t, 0..dv]).reshape([b, h, t, dv]);
     (o.swap_dims(1, 2).cast(dtype), s.reshape([b, h, dk, dv]))

@@ -28,6 +28,7 @@
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 
 use super::backend::Glm5Backend;
+use super::kda::last_in_chunk;
 
 /// `[n, n]` 0/1 mask with `f(r, s)`.
 fn mask<B: Backend>(n: usize, f: impl Fn(usize, usize) -> bool, device: &B::Device) -> Tensor<B, 3> {
@@ -54,6 +55,88 @@ fn chunk_at<B: Backend>(a: &Tensor<B, 4>, i: usize) -> Tensor<B, 3> {
     let [bh, _, r, d] = a.dims();
     let idx = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(vec![i as i64], [1]), &a.device());
     a.clone().select(1, idx).reshape([bh, r, d])
+}
+
+/// The inter-chunk state recurrence, reference form: `w`, `kd` `[bh, n, C, dk]`, `u`
+/// `[bh, n, C, dv]`, `a` `[bh, n, dk, 1]`, `h0` `[bh, dk, dv]` → (`S_i` before each chunk
+/// `[bh, n, dk, dv]`, `V'` `[bh, n, C, dv]`, `S_n` `[bh, dk, dv]`):
+/// `V'_i = U_i − W_i S_i`, `S_{i+1} = a_i ⊙ S_i + Kd_iᵀ V'_i`.
+pub fn states_forward<B: Backend>(
+    w: Tensor<B, 4>,
+    u: Tensor<B, 4>,
+    kd: Tensor<B, 4>,
+    a: Tensor<B, 4>,
+    h0: Tensor<B, 3>,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 3>) {
+    let n = w.dims()[1];
+    let mut s = h0;
+    let (mut states, mut v_news) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for i in 0..n {
+        let v_new = chunk_at(&u, i) - chunk_at(&w, i).matmul(s.clone());
+        states.push(s.clone().unsqueeze_dim::<4>(1));
+        s = s * chunk_at(&a, i) + chunk_at(&kd, i).swap_dims(1, 2).matmul(v_new.clone());
+        v_news.push(v_new.unsqueeze_dim::<4>(1));
+    }
+    (Tensor::cat(states, 1), Tensor::cat(v_news, 1), s)
+}
+
+/// Backward of the state recurrence, reference form, in reverse over chunks: `p` `[bh, n, C, C]`,
+/// `qg`, `kd`, `w` `[bh, n, C, dk]`, `a` `[bh, n, dk, 1]`, upstream `∂O` `[bh, n, C, dv]` and
+/// `∂S_n` `[bh, dk, dv]` → (`∂S_{i+1}` for each chunk `[bh, n, dk, dv]`, `∂V'` `[bh, n, C, dv]`,
+/// `∂h0`): `∂V'_i = P_iᵀ ∂O_i + Kd_i ∂S_{i+1}`,
+/// `∂S_i = a_i ⊙ ∂S_{i+1} + Qg_iᵀ ∂O_i − W_iᵀ ∂V'_i`.
+#[allow(clippy::too_many_arguments)]
+pub fn states_backward<B: Backend>(
+    p: Tensor<B, 4>,
+    qg: Tensor<B, 4>,
+    kd: Tensor<B, 4>,
+    w: Tensor<B, 4>,
+    a: Tensor<B, 4>,
+    d_o: Tensor<B, 4>,
+    d_final: Tensor<B, 3>,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 3>) {
+    let n = w.dims()[1];
+    let mut ds = d_final;
+    let (mut ds_next, mut d_vns) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for i in (0..n).rev() {
+        let doi = chunk_at(&d_o, i);
+        let d_vn = chunk_at(&p, i).swap_dims(1, 2).matmul(doi.clone()) + chunk_at(&kd, i).matmul(ds.clone());
+        ds_next.push(ds.clone().unsqueeze_dim::<4>(1));
+        ds = ds * chunk_at(&a, i) + chunk_at(&qg, i).swap_dims(1, 2).matmul(doi) - chunk_at(&w, i).swap_dims(1, 2).matmul(d_vn.clone());
+        d_vns.push(d_vn.unsqueeze_dim::<4>(1));
+    }
+    ds_next.reverse();
+    d_vns.reverse();
+    (Tensor::cat(ds_next, 1), Tensor::cat(d_vns, 1), ds)
+}
+
+fn states_forward_op<B: Glm5Backend>(
+    w: Tensor<B, 4>,
+    u: Tensor<B, 4>,
+    kd: Tensor<B, 4>,
+    a: Tensor<B, 4>,
+    h0: Tensor<B, 3>,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 3>) {
+    let p = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let (s, v, f) = B::kda_states_forward(p(w), p(u), p(kd), p(a), h0.into_primitive().tensor());
+    let f4 = |t| Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
+    (f4(s), f4(v), Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(f)))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn states_backward_op<B: Glm5Backend>(
+    p: Tensor<B, 4>,
+    qg: Tensor<B, 4>,
+    kd: Tensor<B, 4>,
+    w: Tensor<B, 4>,
+    a: Tensor<B, 4>,
+    d_o: Tensor<B, 4>,
+    d_final: Tensor<B, 3>,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 3>) {
+    let pr = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let (s, v, f) = B::kda_states_backward(pr(p), pr(qg), pr(kd), pr(w), pr(a), pr(d_o), d_final.into_primitive().tensor());
+    let f4 = |t| Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
+    (f4(s), f4(v), Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(f)))
 }
 
 /// What the forward keeps for the backward.
@@ -107,22 +190,15 @@ pub fn forward<B: Glm5Backend>(
     let w = tm.clone().matmul(k.clone() * e.clone() * beta.clone());
     let u = tm.clone().matmul(v.clone() * beta.clone());
     let qg = q.clone() * e;
-    let g_last = gam.clone().slice([0..x, c - 1..c, 0..dk]);
+    let g_last = last_in_chunk(&gam); // [x, 1, dk]
     let kd = k.clone() * (g_last.clone() - gam.clone()).exp();
-    let a = g_last.exp().swap_dims(1, 2); // [x, dk, 1]
+    let a = g_last.exp().reshape([x, dk, 1]);
 
     let per = |t: Tensor<B, 3>, r: usize, d: usize| t.reshape([bh, n, r, d]);
     let (w, u, qg, kd, p, a) = (per(w, c, dk), per(u, c, dv), per(qg, c, dk), per(kd, c, dk), per(p, c, c), per(a, dk, 1));
-    let mut s = h0;
-    let (mut outs, mut states, mut v_news) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
-    for i in 0..n {
-        let v_new = chunk_at(&u, i) - chunk_at(&w, i).matmul(s.clone());
-        outs.push(chunk_at(&qg, i).matmul(s.clone()) + chunk_at(&p, i).matmul(v_new.clone()));
-        states.push(s.clone().unsqueeze_dim::<4>(1));
-        s = s * chunk_at(&a, i) + chunk_at(&kd, i).swap_dims(1, 2).matmul(v_new.clone());
-        v_news.push(v_new.unsqueeze_dim::<4>(1));
-    }
-    let o = Tensor::cat(outs, 1).reshape([bh, t, dv]);
+    let (states, v_new, s) = states_forward_op::<B>(w.clone(), u, kd.clone(), a.clone(), h0);
+    // every chunk's output at once, from the state before it
+    let o = (qg.clone().matmul(states.clone()) + p.clone().matmul(v_new.clone())).reshape([bh, t, dv]);
     let saved = ScanSaved {
         q,
         k,
@@ -136,8 +212,8 @@ pub fn forward<B: Glm5Backend>(
         kd,
         a,
         p,
-        states: Tensor::cat(states, 1),
-        v_new: Tensor::cat(v_news, 1),
+        states,
+        v_new,
         chunk: c,
     };
     (o, s, saved)
@@ -157,28 +233,17 @@ pub fn backward<B: Glm5Backend>(
     let x = bh * n;
     let device = q.device();
     let d_o = d_o.reshape([bh, n, c, dv]);
-    let mut ds = d_final;
-    let (mut dvp, mut dp, mut dqg, mut dkd, mut da, mut dw) = (vec![], vec![], vec![], vec![], vec![], vec![]);
-    for i in (0..n).rev() {
-        let (s_i, vn, doi) = (chunk_at(&states, i), chunk_at(&v_new, i), chunk_at(&d_o, i));
-        let (p_i, kd_i, qg_i, w_i) = (chunk_at(&p, i), chunk_at(&kd, i), chunk_at(&qg, i), chunk_at(&w, i));
-        let d_vn = p_i.swap_dims(1, 2).matmul(doi.clone()) + kd_i.matmul(ds.clone());
-        dp.push(doi.clone().matmul(vn.clone().swap_dims(1, 2)));
-        dqg.push(doi.clone().matmul(s_i.clone().swap_dims(1, 2)));
-        dkd.push(vn.matmul(ds.clone().swap_dims(1, 2)));
-        da.push((s_i.clone() * ds.clone()).sum_dim(2)); // [bh, dk, 1]
-        dw.push(d_vn.clone().matmul(s_i.swap_dims(1, 2)).neg());
-        ds = ds * chunk_at(&a, i) + qg_i.swap_dims(1, 2).matmul(doi) - w_i.swap_dims(1, 2).matmul(d_vn.clone());
-        dvp.push(d_vn);
-    }
-    let stack = |mut parts: Vec<Tensor<B, 3>>, r: usize, d: usize| {
-        parts.reverse();
-        let parts: Vec<Tensor<B, 4>> = parts.into_iter().map(|t| t.unsqueeze_dim::<4>(1)).collect();
-        Tensor::cat(parts, 1).reshape([x, r, d])
-    };
-    let (du, dp, dqg, dkd, da, dw) = (stack(dvp, c, dv), stack(dp, c, c), stack(dqg, c, dk), stack(dkd, c, dk), stack(da, dk, 1), stack(dw, c, dk));
-    let unper = |t: Tensor<B, 4>, r: usize, d: usize| t.reshape([x, r, d]);
-    let (qg, kd, a) = (unper(qg, c, dk), unper(kd, c, dk), unper(a, dk, 1));
+    let (ds_next, d_vn, ds) = states_backward_op::<B>(p.clone(), qg.clone(), kd.clone(), w.clone(), a.clone(), d_o.clone(), d_final);
+    // everything else is chunk-parallel
+    let per = |t: Tensor<B, 4>, r: usize, d: usize| t.reshape([x, r, d]);
+    let tr = |t: Tensor<B, 4>| t.swap_dims(2, 3);
+    let dp = per(d_o.clone().matmul(tr(v_new.clone())), c, c);
+    let dqg = per(d_o.matmul(tr(states.clone())), c, dk);
+    let dkd = per(v_new.matmul(tr(ds_next.clone())), c, dk);
+    let da = per((states.clone() * ds_next).sum_dim(3), dk, 1);
+    let dw = per(d_vn.clone().matmul(tr(states)).neg(), c, dk);
+    let du = per(d_vn, c, dv);
+    let (qg, kd, a) = (per(qg, c, dk), per(kd, c, dk), per(a, dk, 1));
 
     let e = gam.clone().exp();
     let kg = k.clone() * e.clone() * beta.clone();
@@ -199,14 +264,14 @@ pub fn backward<B: Glm5Backend>(
         let f = |t| Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
         (f(a1), f(a2), f(a3))
     };
-    let g_last = gam.clone().slice([0..x, c - 1..c, 0..dk]);
+    let g_last = last_in_chunk(&gam);
     let dk_out = dk_p + dkg.clone() * e.clone() * beta.clone() + dkd.clone() * (g_last - gam.clone()).exp();
     let dq_out = dq_p + dqg.clone() * e;
     let dv_out = dvb * beta;
     let kd_term = dkd * kd;
     let mut dgam = dgam_p + dkg * kg + dqg * qg - kd_term.clone();
     // Γ_C enters Kd (all rows) and a
-    let last = kd_term.sum_dim(1) + (da * a).swap_dims(1, 2); // [x, 1, dk]
+    let last = kd_term.sum_dim(1) + (da * a).reshape([x, 1, dk]);
     let zeros = Tensor::<B, 3>::zeros([x, c - 1, dk], (&device, DType::F32));
     dgam = dgam + Tensor::cat(vec![zeros, last], 1);
     // Γ = cumsum(g) within the chunk: ∂g_t = Σ_{t' ≥ t} ∂Γ_t'

@@ -4,6 +4,8 @@
 //! against them, and they run on every backend.
 //!
 //! * [`kda`]: Kimi Delta Attention, chunked (default) and token-recurrent (oracle) forms.
+//! * [`kda_scan`]: the chunked scan as one op — chunk-parallel parts batched, the state
+//!   recurrences as backend ops — with its hand-written backward.
 //! * [`kpool`]: KPool scoring and top-k selection of the DSA indexer (host-side selection,
 //!   deterministic ties).
 //! * [`sparse_attn`]: MLA over the selected indices, dense-masked and absorbed-latent sparse,

@@ -1,6 +1,8 @@
 //! Shared helpers of the integration tests: fixture I/O and parity metrics.
 #![allow(dead_code)]
 
+pub mod random;
+
 use std::path::{Path, PathBuf};
 
 use burn::backend::Flex;

@@ -1,0 +1,40 @@
+//! Seeded inputs and comparisons shared by the op tests (kda_pairs, kda_scan, sparse_latent,
+//! kernels), generic over the backend.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+/// A 64-bit LCG: the same sequence on every machine.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// Uniform in [−1, 1).
+    pub fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// `n` values uniform in [−scale, scale).
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+}
+
+pub fn tensor<B: Backend, const D: usize>(v: &[f32], dims: [usize; D]) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(v.to_vec(), dims), &Default::default())
+}
+
+pub fn ints<B: Backend>(v: &[i64], dims: [usize; 2]) -> Tensor<B, 2, Int> {
+    Tensor::from_data(TensorData::new(v.to_vec(), dims), &Default::default())
+}
+
+pub fn to_host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec().unwrap()
+}
+
+/// max |a − b| / max |b|.
+pub fn rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
