@@ -553,18 +553,11 @@ mod cube {
             d_o: FloatTensor<Self>,
             scale: f32,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            let idx_t: Tensor<Self, 2, Int> = Tensor::from_primitive(idx.clone());
             let kv_dtype = kv.dtype;
             let [m, _] = f2::<Self>(kv.clone()).dims();
+            let rows = sparse_attn::entry_rows(Tensor::<Self, 2, Int>::from_primitive(idx.clone()), m);
             let (dq, partial) = sa::backward(q, kv, i32_indices::<Self>(idx), o, lse, d_o, scale);
-            let partial = f3::<Self>(partial);
-            let [n, w, r] = partial.dims();
-            // ∂kv: scatter-add the per-entry partials; invalid entries go to a spare row M
-            let rows = idx_t.clone().mask_fill(idx_t.clone().lower_elem(0).bool_or(idx_t.greater_equal_elem(m as i64)), m as i64);
-            let dkv = Tensor::<Self, 2>::zeros([m + 1, r], (&partial.device(), DType::F32))
-                .select_assign(0, rows.reshape([n * w]), partial.reshape([n * w, r]), IndexingUpdateOp::Add)
-                .slice([0..m, 0..r])
-                .cast(kv_dtype);
+            let dkv = sparse_attn::scatter_entries(f3::<Self>(partial), rows, m).cast(kv_dtype);
             (dq, dkv.into_primitive().tensor())
         }
     }

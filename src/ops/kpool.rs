@@ -52,8 +52,7 @@ impl KernelLayout {
         for (b, lay) in layouts.iter().enumerate() {
             let row = &mask[b * seq..(b + 1) * seq];
             first.push(lay.first as i32);
-            for p in 0..n_pools {
-                let complete = (0..kpool).all(|j| pool_token(lay, kpool, p, j) < seq && row[pool_token(lay, kpool, p, j)]);
+            for (p, complete) in complete_pools(lay, row, kpool).into_iter().enumerate() {
                 last.push(if complete { pool_token(lay, kpool, p, kpool - 1) as i32 } else { -1 });
             }
             let mut n = 0i32;
@@ -95,6 +94,15 @@ pub fn pool_token(layout: &PoolLayout, kpool: usize, p: usize, j: usize) -> usiz
     layout.first + p * kpool + j
 }
 
+/// Which of a row's `n_pools` pools are complete: all `kpool` tokens inside the sequence and
+/// valid (`row_mask`, one row of the `[B, S]` mask). Only complete pools are ever selected.
+pub fn complete_pools(layout: &PoolLayout, row_mask: &[bool], kpool: usize) -> Vec<bool> {
+    let seq = row_mask.len();
+    (0..layout.n_pools)
+        .map(|p| (0..kpool).all(|j| pool_token(layout, kpool, p, j) < seq && row_mask[pool_token(layout, kpool, p, j)]))
+        .collect()
+}
+
 /// Selection parameters.
 #[derive(Debug, Clone, Copy)]
 pub struct KpoolSelect {
@@ -130,10 +138,7 @@ impl KpoolSelect {
         let mut cand: Vec<(f32, usize)> = Vec::with_capacity(n_pools);
         for (b, lay) in layouts.iter().enumerate() {
             let row_mask = &mask[b * seq..(b + 1) * seq];
-            // complete pools: all kpool tokens inside the sequence and valid
-            let complete: Vec<bool> = (0..n_pools)
-                .map(|p| (0..kp).all(|j| pool_token(lay, kp, p, j) < seq && row_mask[pool_token(lay, kp, p, j)]))
-                .collect();
+            let complete = complete_pools(lay, row_mask, kp);
             let mut visible_count = 0usize;
             for t in 0..seq {
                 if row_mask[t] {
@@ -188,9 +193,7 @@ impl KpoolSelect {
         let mut margin = f32::INFINITY;
         for (b, lay) in layouts.iter().enumerate() {
             let row_mask = &mask[b * seq..(b + 1) * seq];
-            let complete: Vec<bool> = (0..n_pools)
-                .map(|p| (0..kp).all(|j| pool_token(lay, kp, p, j) < seq && row_mask[pool_token(lay, kp, p, j)]))
-                .collect();
+            let complete = complete_pools(lay, row_mask, kp);
             for t in (0..seq).filter(|&t| row_mask[t]) {
                 let srow = &scores[(b * seq + t) * n_pools..(b * seq + t + 1) * n_pools];
                 let mut c: Vec<f32> = (0..n_pools)

@@ -129,10 +129,23 @@ pub fn latent_reference_backward<B: Backend>(
     let ds = p.clone() * (dp - delta);
     let dq = ds.clone().matmul(c) * scale;
     let dc = p.swap_dims(1, 2).matmul(d_o) + ds.swap_dims(1, 2).matmul(q) * scale; // [N, W, R]
-    let dkv = Tensor::<B, 2>::zeros([m + 1, r], (&kv.device(), DType::F32))
-        .select_assign(0, rows.reshape([n * w]), dc.reshape([n * w, r]), IndexingUpdateOp::Add)
-        .slice([0..m, 0..r]);
-    (dq.cast(dtype), dkv.cast(kv.dtype()))
+    (dq.cast(dtype), scatter_entries(dc, rows, m).cast(kv.dtype()))
+}
+
+/// Per-entry gradients `[N, W, R]` (f32) summed into the `m` rows of `kv` they belong to;
+/// `rows` `[N, W]` holds each entry's row, `m` (a spare row, dropped) for invalid entries
+/// (as [`valid_rows`] with `dummy = m` gives them). Shared by the reference backward and the
+/// CubeCL backend, whose kernel returns such partials instead of using float atomics.
+pub fn scatter_entries<B: Backend>(partials: Tensor<B, 3>, rows: Tensor<B, 2, Int>, m: usize) -> Tensor<B, 2> {
+    let [n, w, r] = partials.dims();
+    Tensor::<B, 2>::zeros([m + 1, r], (&partials.device(), DType::F32))
+        .select_assign(0, rows.reshape([n * w]), partials.reshape([n * w, r]), IndexingUpdateOp::Add)
+        .slice([0..m, 0..r])
+}
+
+/// [`valid_rows`] for the CubeCL backward: each entry's row, `m` where it has none.
+pub fn entry_rows<B: Backend>(idx: Tensor<B, 2, Int>, m: usize) -> Tensor<B, 2, Int> {
+    valid_rows(idx, m, m as i64).1
 }
 
 /// Absorbed-latent sparse form, processed in blocks of `block` queries. With `path = Kernel`
