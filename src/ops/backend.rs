@@ -48,8 +48,10 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 use rayon::prelude::*;
 
+use super::kda_host;
 use super::kda_scan;
 use super::kpool::{self, KpoolSelect};
+use super::sinkhorn;
 use super::sparse_attn;
 
 /// The library's backend requirements: Burn's `Backend` plus the model's custom ops.
@@ -201,6 +203,17 @@ pub trait Glm5Backend: Backend {
         (dq.into_primitive().tensor(), dkv.into_primitive().tensor())
     }
 
+    /// mHC's mixing matrix `Sinkhorn(softmax_row(Z) + ε)` (`ops::sinkhorn`): `Z` `[X, n, n]`
+    /// fp32 → `[X, n, n]`. Default: the reference tensor ops.
+    fn hc_sinkhorn(z: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
+        sinkhorn::reference_forward(f3::<Self>(z), iters, eps).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::hc_sinkhorn`]: `∂Z`. Default: the reference tensor ops.
+    fn hc_sinkhorn_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
+        sinkhorn::reference_backward(f3::<Self>(z), f3::<Self>(grad), iters, eps).into_primitive().tensor()
+    }
+
     /// KDA pair sums (module docs). Default: the reference gather path.
     fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
         let f = |t| Tensor::<Self, 3>::from_primitive(TensorPrimitive::Float(t));
@@ -257,6 +270,11 @@ pub fn kda_chunk_scan<B: Glm5Backend>(
     let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
     let (o, s) = B::kda_chunk_scan(p(q), p(k), p(v), p(g), beta.into_primitive().tensor(), p(h0), chunk);
     (f3(o), f3(s))
+}
+
+/// [`Glm5Backend::hc_sinkhorn`] on tensors.
+pub fn hc_sinkhorn<B: Glm5Backend>(z: Tensor<B, 3>, iters: usize, eps: f64) -> Tensor<B, 3> {
+    f3(B::hc_sinkhorn(z.into_primitive().tensor(), iters, eps))
 }
 
 /// `kda_pair_sums` on tensors.
@@ -392,11 +410,70 @@ fn device_tensor(v: Vec<f32>, dims: [usize; 3]) -> FloatTensor<Flex> {
     Tensor::<Flex, 3>::from_data(TensorData::new(v, dims), &Default::default()).into_primitive().tensor()
 }
 
+/// A rank-`D` Flex tensor as host f32 data and its shape.
+fn host_n<const D: usize>(t: FloatTensor<Flex>) -> (Vec<f32>, [usize; D]) {
+    let t = Tensor::<Flex, D>::from_primitive(TensorPrimitive::Float(t));
+    let dims = t.dims();
+    (t.into_data().convert::<f32>().into_vec::<f32>().expect("f32 data"), dims)
+}
+
 /// Flex: the pair sums as host loops over each chunk, in parallel over chunks — no `[pairs, d]`
 /// intermediates, one `exp` per pair and channel shared by both halves.
 impl Glm5Backend for Flex {
     fn has_kda_kernel() -> bool {
         true
+    }
+
+    fn has_kda_scan_kernel() -> bool {
+        true
+    }
+
+    fn hc_sinkhorn(z: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
+        let (z, [x, n, _]) = host(z);
+        device_tensor(sinkhorn::host_forward(&z, n, iters, eps as f32), [x, n, n])
+    }
+
+    fn hc_sinkhorn_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
+        let ((z, [x, n, _]), (g, _)) = (host(z), host(grad));
+        device_tensor(sinkhorn::host_backward(&z, &g, n, iters, eps as f32), [x, n, n])
+    }
+
+    /// The token recurrence as fused host loops (`ops::kda_host`).
+    fn kda_chunk_scan(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        h0: FloatTensor<Self>,
+        _chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (q, k, v, g, beta, h0) = (host(q), host(k), host(v), host(g), host_n::<2>(beta), host(h0));
+        let d = kda_host::Dims { bh: q.1[0], t: q.1[1], dk: q.1[2], dv: v.1[2] };
+        let x = kda_host::Inputs { q: &q.0, k: &k.0, v: &v.0, g: &g.0, beta: &beta.0, h0: &h0.0 };
+        let (o, s) = kda_host::forward(&x, d);
+        (device_tensor(o, [d.bh, d.t, d.dv]), device_tensor(s, [d.bh, d.dk, d.dv]))
+    }
+
+    fn kda_chunk_scan_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        h0: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        d_final: FloatTensor<Self>,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (q, k, v, g, beta, h0) = (host(q), host(k), host(v), host(g), host_n::<2>(beta), host(h0));
+        let (d_o, d_final) = (host(d_o), host(d_final));
+        let d = kda_host::Dims { bh: q.1[0], t: q.1[1], dk: q.1[2], dv: v.1[2] };
+        let x = kda_host::Inputs { q: &q.0, k: &k.0, v: &v.0, g: &g.0, beta: &beta.0, h0: &h0.0 };
+        let [dq, dk, dv, dg, db, dh] = kda_host::backward(&x, d, &d_o.0, &d_final.0, chunk);
+        let key = |t| device_tensor(t, [d.bh, d.t, d.dk]);
+        let beta = Tensor::<Flex, 2>::from_data(TensorData::new(db, [d.bh, d.t]), &Default::default()).into_primitive().tensor();
+        (key(dq), key(dk), device_tensor(dv, [d.bh, d.t, d.dv]), key(dg), beta, device_tensor(dh, [d.bh, d.dk, d.dv]))
     }
 
     fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -625,6 +702,24 @@ mod cube {
     }
 }
 
+/// Holds the logits `Z` (`[X, n, n]`, 16 floats a token): the backward recomputes the
+/// normalisation chain from them.
+#[derive(Debug)]
+struct SinkhornBackward;
+
+impl<B: Glm5Backend> Backward<B, 1> for SinkhornBackward {
+    type State = (FloatTensor<B>, usize, f64);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (z, iters, eps) = ops.state;
+        if let Some(node) = node {
+            grads.register::<B>(node.id, B::hc_sinkhorn_backward(z, grad, iters, eps));
+        }
+    }
+}
+
 #[derive(Debug)]
 struct KdaPairSumsBackward;
 
@@ -781,6 +876,16 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
             OpsKind::UnTracked(prep) => prep.finish(o),
         };
         (o, lse_out)
+    }
+
+    fn hc_sinkhorn(z: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
+        match SinkhornBackward.prepare::<C>([z.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let out = B::hc_sinkhorn(z.primitive.clone(), iters, eps);
+                prep.finish((z.primitive, iters, eps), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::hc_sinkhorn(z.primitive, iters, eps)),
+        }
     }
 
     fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -17,8 +17,10 @@
 
 pub mod backend;
 pub mod kda;
+mod kda_host;
 pub mod kda_scan;
 pub mod kpool;
+pub mod sinkhorn;
 pub mod sparse_attn;
 
 use std::collections::BTreeSet;

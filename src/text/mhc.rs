@@ -10,16 +10,18 @@
 //! ```
 //!
 //! Sinkhorn follows the reference exactly: one column normalisation, then
-//! `hc_sinkhorn_iters − 1` rounds of (row, column), each `C / (Σ + ε_hc)`.
+//! `hc_sinkhorn_iters − 1` rounds of (row, column), each `C / (Σ + ε_hc)` — the backend op
+//! [`Glm5Backend::hc_sinkhorn`] (`ops::sinkhorn`), fused on Flex.
 //! HF: `Glm5NextTextHyperConnection.forward` and the update in
 //! `Glm5NextTextDecoderLayer.forward`; all mapping math in fp32.
 //! Shapes: streams `[B, S, n, D]`; `fn`: `[(2+n)n, n·D]`, `base`: `[(2+n)n]`, `scale`: `[3]`.
 
 use burn::module::{Initializer, Module, Param};
-use burn::tensor::activation::{sigmoid, softmax};
+use burn::tensor::activation::sigmoid;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
 use super::norm::rms_normalize;
+use crate::ops::backend::{hc_sinkhorn, Glm5Backend};
 
 /// One mHC site. `fn_weight` is the checkpoint's `hc_{attn,ffn}_fn`.
 #[derive(Module, Debug)]
@@ -53,6 +55,9 @@ impl<B: Backend> HyperConnection<B> {
         }
     }
 
+}
+
+impl<B: Glm5Backend> HyperConnection<B> {
     /// Returns the mixing weights and the collapsed sublayer input `[B, S, D]` (input dtype).
     pub fn pre(&self, streams: Tensor<B, 4>) -> (HcWeights<B>, Tensor<B, 3>) {
         let [b, s, n, d] = streams.dims();
@@ -73,12 +78,8 @@ impl<B: Backend> HyperConnection<B> {
 
         let pre = sigmoid(pre_w * sc(0) + pre_b) + self.hc_eps; // [BS, n]
         let post = sigmoid(post_w * sc(1) + post_b) * 2.0;
-        let mut comb = softmax(comb_w * sc(2).reshape([1, 1, 1]) + comb_b, 2) + self.hc_eps;
-        comb = comb.clone() / (comb.sum_dim(1) + self.hc_eps);
-        for _ in 1..self.iters {
-            comb = comb.clone() / (comb.sum_dim(2) + self.hc_eps);
-            comb = comb.clone() / (comb.sum_dim(1) + self.hc_eps);
-        }
+        // softmax + Sinkhorn as one op (`ops::sinkhorn`; Flex: fused per-token loops)
+        let comb = hc_sinkhorn(comb_w * sc(2).reshape([1, 1, 1]) + comb_b, self.iters, self.hc_eps);
 
         let x = streams.reshape([bs, n, d]).cast(DType::F32);
         let collapsed = (x * pre.unsqueeze_dim::<3>(2)).sum_dim(1).reshape([b, s, d]).cast(dtype);

@@ -1,0 +1,220 @@
+//! KDA scan on the host (Flex's [`crate::ops::backend::Glm5Backend::kda_chunk_scan`]): the
+//! token recurrence as fused loops, one thread per head, with a hand-written backward.
+//!
+//! Same inputs and outputs as [`crate::ops::kda_scan`] (`q, k, g` `[BH, T, dk]`, `v`
+//! `[BH, T, dv]`, `β` `[BH, T]`, `h0` `[BH, dk, dv]`, fp32, `q`/`k` already normalised and
+//! scaled). Per token, with `α = e^{g_t}` (`g ≤ 0` in the model) and `S` `[dk, dv]` row-major:
+//!
+//! ```text
+//! A = α ⊙ S_{t−1} (rows)   κ = Aᵀ k_t   u = β_t (v_t − κ)   S_t = A + k_t uᵀ   o_t = S_tᵀ q_t
+//! ```
+//!
+//! Backward, in reverse over tokens with `∂S` carrying `∂S_t` (starting from `∂S_T`):
+//!
+//! ```text
+//! ∂S += q_t ∂o_tᵀ   ∂q_t = S_t ∂o_t   ∂u = ∂Sᵀ k_t   ∂k_t = ∂S u + A ∂κ   with ∂κ = −β_t ∂u
+//! ∂v_t = β_t ∂u   ∂β_t = ∂u·(v_t − κ)   ∂A = ∂S + k_t ∂κᵀ   ∂g_t = rowsum(∂A ⊙ A)   ∂S_{t−1} = α ⊙ ∂A
+//! ```
+//!
+//! The backward recomputes the forward keeping the state at every chunk start (`T/C + 1`
+//! states per head) and, chunk by chunk in reverse, the `C + 1` states inside one chunk — so
+//! its memory is `O(T/C · dk·dv + C · dk·dv)` per head, not `O(T · dk·dv)`.
+//!
+//! Why a recurrence rather than the chunk form on a CPU: per token it costs `~4·dk·dv` fused
+//! multiply-adds over contiguous rows (vectorised, cache-resident state), where the chunk
+//! form spends `O(C·d)` exponentials per token on its pair terms and many small batched
+//! matmuls. The chunk form (`ops::kda`, `ops::kda_scan`) stays the reference; the two agree
+//! to fp32 rounding (`tests/kda_scan.rs`).
+
+use rayon::prelude::*;
+
+/// Shapes of one scan: `bh` heads of `t` tokens, key width `dk`, value width `dv`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    pub bh: usize,
+    pub t: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+/// One head's inputs.
+struct Head<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    g: &'a [f32],
+    beta: &'a [f32],
+}
+
+/// All heads' inputs, flat as in the module docs.
+pub(crate) struct Inputs<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub g: &'a [f32],
+    pub beta: &'a [f32],
+    pub h0: &'a [f32],
+}
+
+impl<'a> Inputs<'a> {
+    fn head(&self, d: Dims, x: usize) -> Head<'a> {
+        let (tk, tv) = (d.t * d.dk, d.t * d.dv);
+        Head {
+            q: &self.q[x * tk..][..tk],
+            k: &self.k[x * tk..][..tk],
+            v: &self.v[x * tv..][..tv],
+            g: &self.g[x * tk..][..tk],
+            beta: &self.beta[x * d.t..][..d.t],
+        }
+    }
+}
+
+/// One token's step on `s` (`S_{t−1}` in, `S_t` out); leaves `κ` in `kappa`, `u` in `u` and,
+/// if given, writes `o_t` into `o`.
+#[inline]
+fn step(s: &mut [f32], h: &Head, t: usize, d: Dims, kappa: &mut [f32], u: &mut [f32], o: Option<&mut [f32]>) {
+    let (dk, dv) = (d.dk, d.dv);
+    let (k, g) = (&h.k[t * dk..][..dk], &h.g[t * dk..][..dk]);
+    kappa.fill(0.0);
+    for i in 0..dk {
+        let a = g[i].exp();
+        for (sj, kj) in s[i * dv..][..dv].iter_mut().zip(kappa.iter_mut()) {
+            *sj *= a;
+            *kj += k[i] * *sj;
+        }
+    }
+    let (v, b) = (&h.v[t * dv..][..dv], h.beta[t]);
+    for j in 0..dv {
+        u[j] = b * (v[j] - kappa[j]);
+    }
+    let q = &h.q[t * dk..][..dk];
+    let mut o = o;
+    if let Some(o) = o.as_deref_mut() {
+        o.fill(0.0);
+    }
+    for i in 0..dk {
+        let row = &mut s[i * dv..][..dv];
+        for (sj, uj) in row.iter_mut().zip(u.iter()) {
+            *sj += k[i] * uj;
+        }
+        if let Some(o) = o.as_deref_mut() {
+            for (oj, sj) in o.iter_mut().zip(row.iter()) {
+                *oj += q[i] * sj;
+            }
+        }
+    }
+}
+
+/// Forward: `(o [BH, T, dv], S_T [BH, dk, dv])`.
+pub(crate) fn forward(x: &Inputs, d: Dims) -> (Vec<f32>, Vec<f32>) {
+    let (dk, dv, t) = (d.dk, d.dv, d.t);
+    let mut o = vec![0f32; d.bh * t * dv];
+    let mut fin = x.h0[..d.bh * dk * dv].to_vec();
+    o.par_chunks_mut(t * dv).zip(fin.par_chunks_mut(dk * dv)).enumerate().for_each(|(xi, (o, s))| {
+        let h = x.head(d, xi);
+        let (mut kappa, mut u) = (vec![0f32; dv], vec![0f32; dv]);
+        for ti in 0..t {
+            step(s, &h, ti, d, &mut kappa, &mut u, Some(&mut o[ti * dv..][..dv]));
+        }
+    });
+    (o, fin)
+}
+
+/// Gradients `(∂q, ∂k, ∂v, ∂g, ∂β, ∂h0)` for upstream `∂o` `[BH, T, dv]` and `∂S_T`
+/// `[BH, dk, dv]`; `chunk` sets the checkpoint spacing.
+pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk: usize) -> [Vec<f32>; 6] {
+    let (dk, dv, t) = (d.dk, d.dv, d.t);
+    let chunk = chunk.clamp(1, t.max(1));
+    let n = t.div_ceil(chunk);
+    let sz = dk * dv;
+    let mut dq = vec![0f32; d.bh * t * dk];
+    let mut dk_ = vec![0f32; d.bh * t * dk];
+    let mut dg = vec![0f32; d.bh * t * dk];
+    let mut dvv = vec![0f32; d.bh * t * dv];
+    let mut db = vec![0f32; d.bh * t];
+    let mut dh = d_final[..d.bh * sz].to_vec();
+    dq.par_chunks_mut(t * dk)
+        .zip(dk_.par_chunks_mut(t * dk))
+        .zip(dg.par_chunks_mut(t * dk))
+        .zip(dvv.par_chunks_mut(t * dv))
+        .zip(db.par_chunks_mut(t))
+        .zip(dh.par_chunks_mut(sz))
+        .enumerate()
+        .for_each(|(xi, (((((dq, dkk), dg), dv_), db), ds))| {
+            let h = x.head(d, xi);
+            let d_o = &d_o[xi * t * dv..][..t * dv];
+            // states at chunk starts
+            let mut starts = vec![0f32; n * sz];
+            let mut s = x.h0[xi * sz..][..sz].to_vec();
+            let (mut kappa, mut u) = (vec![0f32; dv], vec![0f32; dv]);
+            for c in 0..n {
+                starts[c * sz..][..sz].copy_from_slice(&s);
+                for ti in c * chunk..((c + 1) * chunk).min(t) {
+                    step(&mut s, &h, ti, d, &mut kappa, &mut u, None);
+                }
+            }
+            // per chunk in reverse: the states inside it, then the tokens in reverse
+            let mut states = vec![0f32; (chunk + 1) * sz];
+            let mut kappas = vec![0f32; chunk * dv];
+            let (mut du, mut dkap) = (vec![0f32; dv], vec![0f32; dv]);
+            for c in (0..n).rev() {
+                let (lo, hi) = (c * chunk, ((c + 1) * chunk).min(t));
+                states[..sz].copy_from_slice(&starts[c * sz..][..sz]);
+                for ti in lo..hi {
+                    let r = ti - lo;
+                    let (prev, next) = states.split_at_mut((r + 1) * sz);
+                    next[..sz].copy_from_slice(&prev[r * sz..]);
+                    step(&mut next[..sz], &h, ti, d, &mut kappas[r * dv..][..dv], &mut u, None);
+                }
+                for ti in (lo..hi).rev() {
+                    let r = ti - lo;
+                    let (s_prev, s_t) = (&states[r * sz..][..sz], &states[(r + 1) * sz..][..sz]);
+                    let kap = &kappas[r * dv..][..dv];
+                    let (q, k, g) = (&h.q[ti * dk..][..dk], &h.k[ti * dk..][..dk], &h.g[ti * dk..][..dk]);
+                    let (v, b) = (&h.v[ti * dv..][..dv], h.beta[ti]);
+                    let dot = &d_o[ti * dv..][..dv];
+                    for j in 0..dv {
+                        u[j] = b * (v[j] - kap[j]);
+                    }
+                    // o_t = S_tᵀ q and S_t = A + k uᵀ
+                    du.fill(0.0);
+                    for i in 0..dk {
+                        let (row, st) = (&mut ds[i * dv..][..dv], &s_t[i * dv..][..dv]);
+                        let (mut acc_q, mut acc_k) = (0f32, 0f32);
+                        for j in 0..dv {
+                            row[j] += q[i] * dot[j];
+                            acc_q += st[j] * dot[j];
+                            acc_k += row[j] * u[j];
+                            du[j] += row[j] * k[i];
+                        }
+                        dq[ti * dk + i] = acc_q;
+                        dkk[ti * dk + i] = acc_k;
+                    }
+                    // u = β (v − κ)
+                    let mut acc_b = 0f32;
+                    for j in 0..dv {
+                        dv_[ti * dv + j] = b * du[j];
+                        acc_b += du[j] * (v[j] - kap[j]);
+                        dkap[j] = -b * du[j];
+                    }
+                    db[ti] = acc_b;
+                    // κ = Aᵀ k and A = α ⊙ S_{t−1}
+                    for i in 0..dk {
+                        let a = g[i].exp();
+                        let (row, sp) = (&mut ds[i * dv..][..dv], &s_prev[i * dv..][..dv]);
+                        let (mut acc_k, mut acc_g) = (0f32, 0f32);
+                        for j in 0..dv {
+                            let aij = a * sp[j];
+                            let da = row[j] + k[i] * dkap[j];
+                            acc_k += aij * dkap[j];
+                            acc_g += da * aij;
+                            row[j] = a * da;
+                        }
+                        dkk[ti * dk + i] += acc_k;
+                        dg[ti * dk + i] = acc_g;
+                    }
+                }
+            }
+        });
+    [dq, dk_, dvv, dg, db, dh]
+}
