@@ -51,6 +51,8 @@ use rayon::prelude::*;
 use super::kda_host;
 use super::kda_scan;
 use super::kpool::{self, KpoolSelect};
+use super::hc_streams;
+use super::rms;
 use super::sinkhorn;
 use super::sparse_attn;
 
@@ -203,6 +205,55 @@ pub trait Glm5Backend: Backend {
         (dq.into_primitive().tensor(), dkv.into_primitive().tensor())
     }
 
+    /// RMS normalisation of rows `x` `[R, D]` (fp32) with an optional weight `[D]`
+    /// (`ops::rms`). Default: the reference tensor ops.
+    fn rms_norm(x: FloatTensor<Self>, w: Option<FloatTensor<Self>>, eps: f64) -> FloatTensor<Self> {
+        rms::reference_forward(f2::<Self>(x), w.map(f1::<Self>), eps).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::rms_norm`]: `(∂x, ∂w)`. Default: the reference tensor ops.
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        w: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let (dx, dw) = rms::reference_backward(f2::<Self>(x), w.map(f1::<Self>), f2::<Self>(grad), eps);
+        (dx.into_primitive().tensor(), dw.map(|t| t.into_primitive().tensor()))
+    }
+
+    /// mHC's collapse `h = Σ_i pre_i X_i` (`ops::hc_streams`): `x` `[X, n, d]`, `pre` `[X, n]`
+    /// → `[X, d]`. Default: the reference tensor ops.
+    fn hc_collapse(x: FloatTensor<Self>, pre: FloatTensor<Self>) -> FloatTensor<Self> {
+        hc_streams::reference_collapse(f3::<Self>(x), f2::<Self>(pre)).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::hc_collapse`]: `(∂X, ∂pre)`. Default: the reference tensor ops.
+    fn hc_collapse_backward(x: FloatTensor<Self>, pre: FloatTensor<Self>, grad: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dp) = hc_streams::reference_collapse_backward(f3::<Self>(x), f2::<Self>(pre), f2::<Self>(grad));
+        (dx.into_primitive().tensor(), dp.into_primitive().tensor())
+    }
+
+    /// mHC's stream update `X'_j = post_j y + Σ_i C_ij X_i` (`ops::hc_streams`): `post`
+    /// `[X, n]`, `comb` `[X, n, n]`, `y` `[X, d]`, `res` `[X, n, d]` → `[X, n, d]`. Default:
+    /// the reference tensor ops.
+    fn hc_post(post: FloatTensor<Self>, comb: FloatTensor<Self>, y: FloatTensor<Self>, res: FloatTensor<Self>) -> FloatTensor<Self> {
+        hc_streams::reference_post(f2::<Self>(post), f3::<Self>(comb), f2::<Self>(y), f3::<Self>(res)).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::hc_post`]: `(∂post, ∂C, ∂y, ∂X)`. Default: the reference tensor ops.
+    #[allow(clippy::type_complexity)]
+    fn hc_post_backward(
+        post: FloatTensor<Self>,
+        comb: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        res: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (a, b, c, d) = hc_streams::reference_post_backward(f2::<Self>(post), f3::<Self>(comb), f2::<Self>(y), f3::<Self>(res), f3::<Self>(grad));
+        (a.into_primitive().tensor(), b.into_primitive().tensor(), c.into_primitive().tensor(), d.into_primitive().tensor())
+    }
+
     /// mHC's mixing matrix `Sinkhorn(softmax_row(Z) + ε)` (`ops::sinkhorn`): `Z` `[X, n, n]`
     /// fp32 → `[X, n, n]`. Default: the reference tensor ops.
     fn hc_sinkhorn(z: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
@@ -231,6 +282,10 @@ pub trait Glm5Backend: Backend {
         let (dk, dq, dg) = reference::kda_pair_sums_backward(f(k), f(q), f(gam), f(grad));
         (dk.into_primitive().tensor(), dq.into_primitive().tensor(), dg.into_primitive().tensor())
     }
+}
+
+fn f1<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
 fn f3<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 3> {
@@ -270,6 +325,22 @@ pub fn kda_chunk_scan<B: Glm5Backend>(
     let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
     let (o, s) = B::kda_chunk_scan(p(q), p(k), p(v), p(g), beta.into_primitive().tensor(), p(h0), chunk);
     (f3(o), f3(s))
+}
+
+/// [`Glm5Backend::rms_norm`] on tensors.
+pub fn rms_norm<B: Glm5Backend>(x: Tensor<B, 2>, w: Option<Tensor<B, 1>>, eps: f64) -> Tensor<B, 2> {
+    f2(B::rms_norm(x.into_primitive().tensor(), w.map(|w| w.into_primitive().tensor()), eps))
+}
+
+/// [`Glm5Backend::hc_collapse`] on tensors.
+pub fn hc_collapse<B: Glm5Backend>(x: Tensor<B, 3>, pre: Tensor<B, 2>) -> Tensor<B, 2> {
+    f2(B::hc_collapse(x.into_primitive().tensor(), pre.into_primitive().tensor()))
+}
+
+/// [`Glm5Backend::hc_post`] on tensors.
+pub fn hc_post<B: Glm5Backend>(post: Tensor<B, 2>, comb: Tensor<B, 3>, y: Tensor<B, 2>, res: Tensor<B, 3>) -> Tensor<B, 3> {
+    let p = |t: Tensor<B, 2>| t.into_primitive().tensor();
+    f3(B::hc_post(p(post), comb.into_primitive().tensor(), p(y), res.into_primitive().tensor()))
 }
 
 /// [`Glm5Backend::hc_sinkhorn`] on tensors.
@@ -410,6 +481,17 @@ fn device_tensor(v: Vec<f32>, dims: [usize; 3]) -> FloatTensor<Flex> {
     Tensor::<Flex, 3>::from_data(TensorData::new(v, dims), &Default::default()).into_primitive().tensor()
 }
 
+/// A rank-`D` Flex tensor from host f32 data.
+fn flex_tensor<const D: usize>(v: Vec<f32>, dims: [usize; D]) -> FloatTensor<Flex> {
+    Tensor::<Flex, D>::from_data(TensorData::new(v, dims), &Default::default()).into_primitive().tensor()
+}
+
+/// Whether every given tensor is fp32 (the fused host ops' domain; other dtypes take the
+/// reference ops, keeping their rounding).
+fn all_f32(ts: &[Option<&FloatTensor<Flex>>]) -> bool {
+    ts.iter().flatten().all(|t| t.dtype() == DType::F32)
+}
+
 /// A rank-`D` Flex tensor as host f32 data and its shape.
 fn host_n<const D: usize>(t: FloatTensor<Flex>) -> (Vec<f32>, [usize; D]) {
     let t = Tensor::<Flex, D>::from_primitive(TensorPrimitive::Float(t));
@@ -426,6 +508,73 @@ impl Glm5Backend for Flex {
 
     fn has_kda_scan_kernel() -> bool {
         true
+    }
+
+    fn rms_norm(x: FloatTensor<Self>, w: Option<FloatTensor<Self>>, eps: f64) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&x), w.as_ref()]) {
+            return rms::reference_forward(f2::<Self>(x), w.map(f1::<Self>), eps).into_primitive().tensor();
+        }
+        let (x, [r, d]) = host_n::<2>(x);
+        let w = w.map(|w| host_n::<1>(w).0);
+        flex_tensor(rms::host_forward(&x, w.as_deref(), d, eps as f32), [r, d])
+    }
+
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        w: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        if !all_f32(&[Some(&x), w.as_ref(), Some(&grad)]) {
+            let (dx, dw) = rms::reference_backward(f2::<Self>(x), w.map(f1::<Self>), f2::<Self>(grad), eps);
+            return (dx.into_primitive().tensor(), dw.map(|t| t.into_primitive().tensor()));
+        }
+        let ((x, [r, d]), (g, _)) = (host_n::<2>(x), host_n::<2>(grad));
+        let w = w.map(|w| host_n::<1>(w).0);
+        let (dx, dw) = rms::host_backward(&x, w.as_deref(), &g, d, eps as f32);
+        (flex_tensor(dx, [r, d]), dw.map(|dw| flex_tensor(dw, [d])))
+    }
+
+    fn hc_collapse(x: FloatTensor<Self>, pre: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&x), Some(&pre)]) {
+            return hc_streams::reference_collapse(f3::<Self>(x), f2::<Self>(pre)).into_primitive().tensor();
+        }
+        let ((x, [t, n, d]), (pre, _)) = (host(x), host_n::<2>(pre));
+        flex_tensor(hc_streams::host_collapse(&x, &pre, n, d), [t, d])
+    }
+
+    fn hc_collapse_backward(x: FloatTensor<Self>, pre: FloatTensor<Self>, grad: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&x), Some(&pre), Some(&grad)]) {
+            let (dx, dp) = hc_streams::reference_collapse_backward(f3::<Self>(x), f2::<Self>(pre), f2::<Self>(grad));
+            return (dx.into_primitive().tensor(), dp.into_primitive().tensor());
+        }
+        let ((x, [t, n, d]), (pre, _), (g, _)) = (host(x), host_n::<2>(pre), host_n::<2>(grad));
+        let (dx, dp) = hc_streams::host_collapse_backward(&x, &pre, &g, n, d);
+        (flex_tensor(dx, [t, n, d]), flex_tensor(dp, [t, n]))
+    }
+
+    fn hc_post(post: FloatTensor<Self>, comb: FloatTensor<Self>, y: FloatTensor<Self>, res: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&post), Some(&comb), Some(&y), Some(&res)]) {
+            return hc_streams::reference_post(f2::<Self>(post), f3::<Self>(comb), f2::<Self>(y), f3::<Self>(res)).into_primitive().tensor();
+        }
+        let ((post, _), (comb, _), (y, _), (res, [t, n, d])) = (host_n::<2>(post), host(comb), host_n::<2>(y), host(res));
+        flex_tensor(hc_streams::host_post(&post, &comb, &y, &res, n, d), [t, n, d])
+    }
+
+    fn hc_post_backward(
+        post: FloatTensor<Self>,
+        comb: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        res: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&post), Some(&comb), Some(&y), Some(&res), Some(&grad)]) {
+            let (a, b, c, d) = hc_streams::reference_post_backward(f2::<Self>(post), f3::<Self>(comb), f2::<Self>(y), f3::<Self>(res), f3::<Self>(grad));
+            return (a.into_primitive().tensor(), b.into_primitive().tensor(), c.into_primitive().tensor(), d.into_primitive().tensor());
+        }
+        let ((post, _), (comb, _), (y, _), (res, [t, n, d]), (g, _)) = (host_n::<2>(post), host(comb), host_n::<2>(y), host(res), host(grad));
+        let [dp, dc, dy, dx] = hc_streams::host_post_backward(&post, &comb, &y, &res, &g, n, d);
+        (flex_tensor(dp, [t, n]), flex_tensor(dc, [t, n, n]), flex_tensor(dy, [t, d]), flex_tensor(dx, [t, n, d]))
     }
 
     fn hc_sinkhorn(z: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
@@ -702,6 +851,82 @@ mod cube {
     }
 }
 
+/// RMS norm without a weight; holds `x` (the backward recomputes `r` and `y`).
+#[derive(Debug)]
+struct RmsNormBackward;
+
+impl<B: Glm5Backend> Backward<B, 1> for RmsNormBackward {
+    type State = (FloatTensor<B>, f64);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, eps) = ops.state;
+        if let Some(node) = node {
+            grads.register::<B>(node.id, B::rms_norm_backward(x, None, grad, eps).0);
+        }
+    }
+}
+
+/// RMS norm with a weight; holds `x` and `w`.
+#[derive(Debug)]
+struct RmsNormWeightedBackward;
+
+impl<B: Glm5Backend> Backward<B, 2> for RmsNormWeightedBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>, f64);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, w, eps) = ops.state;
+        let (dx, dw) = B::rms_norm_backward(x, Some(w), grad, eps);
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, dx);
+        }
+        if let (Some(node), Some(dw)) = (node_w, dw) {
+            grads.register::<B>(node.id, dw);
+        }
+    }
+}
+
+/// mHC collapse; holds `X` and `pre`.
+#[derive(Debug)]
+struct HcCollapseBackward;
+
+impl<B: Glm5Backend> Backward<B, 2> for HcCollapseBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, pre) = ops.state;
+        let (dx, dp) = B::hc_collapse_backward(x, pre, grad);
+        for (node, g) in ops.parents.into_iter().zip([dx, dp]) {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
+/// mHC stream update; holds its four inputs.
+#[derive(Debug)]
+struct HcPostBackward;
+
+impl<B: Glm5Backend> Backward<B, 4> for HcPostBackward {
+    type State = [FloatTensor<B>; 4];
+
+    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [post, comb, y, res] = ops.state;
+        let (dp, dc, dy, dx) = B::hc_post_backward(post, comb, y, res, grad);
+        for (node, g) in ops.parents.into_iter().zip([dp, dc, dy, dx]) {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
 /// Holds the logits `Z` (`[X, n, n]`, 16 floats a token): the backward recomputes the
 /// normalisation chain from them.
 #[derive(Debug)]
@@ -876,6 +1101,46 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
             OpsKind::UnTracked(prep) => prep.finish(o),
         };
         (o, lse_out)
+    }
+
+    fn rms_norm(x: FloatTensor<Self>, w: Option<FloatTensor<Self>>, eps: f64) -> FloatTensor<Self> {
+        match w {
+            None => match RmsNormBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
+                OpsKind::Tracked(prep) => {
+                    let out = B::rms_norm(x.primitive.clone(), None, eps);
+                    prep.finish((x.primitive, eps), out)
+                }
+                OpsKind::UnTracked(prep) => prep.finish(B::rms_norm(x.primitive, None, eps)),
+            },
+            Some(w) => match RmsNormWeightedBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
+                OpsKind::Tracked(prep) => {
+                    let out = B::rms_norm(x.primitive.clone(), Some(w.primitive.clone()), eps);
+                    prep.finish((x.primitive, w.primitive, eps), out)
+                }
+                OpsKind::UnTracked(prep) => prep.finish(B::rms_norm(x.primitive, Some(w.primitive), eps)),
+            },
+        }
+    }
+
+    fn hc_collapse(x: FloatTensor<Self>, pre: FloatTensor<Self>) -> FloatTensor<Self> {
+        match HcCollapseBackward.prepare::<C>([x.node.clone(), pre.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let out = B::hc_collapse(x.primitive.clone(), pre.primitive.clone());
+                prep.finish((x.primitive, pre.primitive), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::hc_collapse(x.primitive, pre.primitive)),
+        }
+    }
+
+    fn hc_post(post: FloatTensor<Self>, comb: FloatTensor<Self>, y: FloatTensor<Self>, res: FloatTensor<Self>) -> FloatTensor<Self> {
+        let nodes = [&post, &comb, &y, &res].map(|t| t.node.clone());
+        match HcPostBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let out = B::hc_post(post.primitive.clone(), comb.primitive.clone(), y.primitive.clone(), res.primitive.clone());
+                prep.finish([post.primitive, comb.primitive, y.primitive, res.primitive], out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::hc_post(post.primitive, comb.primitive, y.primitive, res.primitive)),
+        }
     }
 
     fn hc_sinkhorn(z: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {

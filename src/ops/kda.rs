@@ -39,6 +39,27 @@ pub fn l2norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B
     x / n
 }
 
+/// The reference form of `prepare`'s normalisation: [`l2norm`] (ε = 1e-6) times `scale`.
+fn l2_reference<B: Backend>(x: Tensor<B, 4>, scale: f64) -> Tensor<B, 4> {
+    let y = l2norm(x, 1e-6);
+    if scale == 1.0 {
+        y
+    } else {
+        y * scale
+    }
+}
+
+/// [`l2norm`] (ε = 1e-6) times `scale`, as the backend's RMS-norm op: `x / sqrt(Σx² + ε)` =
+/// `rms(x; ε/d) / √d`, so one fused pass per row where the backend has one.
+fn l2_op<B: Glm5Backend>(x: Tensor<B, 4>, scale: f64) -> Tensor<B, 4> {
+    let eps = 1e-6;
+    let dims = x.dims();
+    let d = dims[3];
+    let rows = dims[0] * dims[1] * dims[2];
+    let y = super::backend::rms_norm(x.reshape([rows, d]), None, eps / d as f64).reshape(dims);
+    y * (scale / (d as f64).sqrt())
+}
+
 struct Prepared<B: Backend> {
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -49,6 +70,7 @@ struct Prepared<B: Backend> {
 }
 
 /// fp32, `[B, H, T, d]` layout, normalised and scaled q/k.
+/// `l2` normalises and scales rows: `l2(x, scale) = scale · x / sqrt(Σx² + 1e-6)`.
 fn prepare<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -56,13 +78,14 @@ fn prepare<B: Backend>(
     g: Tensor<B, 4>,
     beta: Tensor<B, 3>,
     initial_state: Option<Tensor<B, 4>>,
+    l2: impl Fn(Tensor<B, 4>, f64) -> Tensor<B, 4>,
 ) -> Prepared<B> {
     let [b, _t, h, dk] = k.dims();
     let dv = v.dims()[3];
     let device = q.device();
     let f = |x: Tensor<B, 4>| x.cast(DType::F32).swap_dims(1, 2);
-    let q = l2norm(f(q), 1e-6) * (dk as f64).powf(-0.5);
-    let k = l2norm(f(k), 1e-6);
+    let q = l2(f(q), (dk as f64).powf(-0.5));
+    let k = l2(f(k), 1.0);
     let state = match initial_state {
         Some(s) => s.cast(DType::F32),
         None => Tensor::zeros([b, h, dk, dv], (&device, DType::F32)),
@@ -124,7 +147,7 @@ pub fn kda_recurrent<B: Backend>(
     let dtype = q.dtype();
     let [b, t, h, dk] = k.dims();
     let dv = v.dims()[3];
-    let Prepared { q, k, v, g, beta, mut state } = prepare(q, k, v, g, beta, initial_state);
+    let Prepared { q, k, v, g, beta, mut state } = prepare(q, k, v, g, beta, initial_state, l2_reference);
     let mut outs = Vec::with_capacity(t);
     for i in 0..t {
         let qi = q.clone().slice([0..b, 0..h, i..i + 1, 0..dk]); // [B,H,1,dk]
@@ -173,7 +196,11 @@ pub fn kda_chunked<B: Glm5Backend>(
     let dv = v.dims()[3];
     let device = q.device();
     let t_prep = crate::profile::scope("kda scan: prepare");
-    let (Prepared { q, k, v, g, beta, state }, chunk, tp) = pad_to_chunks(prepare(q, k, v, g, beta, initial_state), chunk);
+    let prepared = match path {
+        PathKind::Kernel => prepare(q, k, v, g, beta, initial_state, l2_op),
+        PathKind::Reference => prepare(q, k, v, g, beta, initial_state, l2_reference),
+    };
+    let (Prepared { q, k, v, g, beta, state }, chunk, tp) = pad_to_chunks(prepared, chunk);
     let n = tp / chunk;
     let (x, c) = (b * h * n, chunk); // every chunk of every head is one batch row
     let q = q.reshape([x, c, dk]);
@@ -255,7 +282,7 @@ pub fn kda_chunked_op<B: Glm5Backend>(
     let dtype = q.dtype();
     let [b, t, h, dk] = k.dims();
     let dv = v.dims()[3];
-    let (Prepared { q, k, v, g, beta, state }, chunk, tp) = pad_to_chunks(prepare(q, k, v, g, beta, initial_state), chunk);
+    let (Prepared { q, k, v, g, beta, state }, chunk, tp) = pad_to_chunks(prepare(q, k, v, g, beta, initial_state, l2_op), chunk);
     let bh = b * h;
     let flat = |x: Tensor<B, 4>, d: usize| x.reshape([bh, tp, d]);
     let (o, s) = kda_chunk_scan(flat(q, dk), flat(k, dk), flat(v, dv), flat(g, dk), beta.reshape([bh, tp]), state.reshape([bh, dk, dv]), chunk);

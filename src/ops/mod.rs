@@ -19,7 +19,9 @@ pub mod backend;
 pub mod kda;
 mod kda_host;
 pub mod kda_scan;
+pub mod hc_streams;
 pub mod kpool;
+pub mod rms;
 pub mod sinkhorn;
 pub mod sparse_attn;
 

@@ -21,7 +21,7 @@ use burn::tensor::activation::sigmoid;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
 use super::norm::rms_normalize;
-use crate::ops::backend::{hc_sinkhorn, Glm5Backend};
+use crate::ops::backend::{hc_collapse, hc_post, hc_sinkhorn, Glm5Backend};
 
 /// One mHC site. `fn_weight` is the checkpoint's `hc_{attn,ffn}_fn`.
 #[derive(Module, Debug)]
@@ -82,7 +82,7 @@ impl<B: Glm5Backend> HyperConnection<B> {
         let comb = hc_sinkhorn(comb_w * sc(2).reshape([1, 1, 1]) + comb_b, self.iters, self.hc_eps);
 
         let x = streams.reshape([bs, n, d]).cast(DType::F32);
-        let collapsed = (x * pre.unsqueeze_dim::<3>(2)).sum_dim(1).reshape([b, s, d]).cast(dtype);
+        let collapsed = hc_collapse(x, pre).reshape([b, s, d]).cast(dtype);
         (HcWeights { post, comb }, collapsed)
     }
 
@@ -90,10 +90,7 @@ impl<B: Glm5Backend> HyperConnection<B> {
     pub fn post(weights: HcWeights<B>, y: Tensor<B, 3>, residual: Tensor<B, 4>) -> Tensor<B, 4> {
         let [b, s, n, d] = residual.dims();
         let dtype = residual.dtype();
-        let post = weights.post.cast(dtype).reshape([b * s, n, 1]);
-        let comb_t = weights.comb.cast(dtype).swap_dims(1, 2); // [BS, n(j), n(i)]
-        let y = y.reshape([b * s, 1, d]);
-        let mixed = comb_t.matmul(residual.reshape([b * s, n, d]));
-        (post * y + mixed).reshape([b, s, n, d])
+        let (post, comb) = (weights.post.cast(dtype), weights.comb.cast(dtype));
+        hc_post(post, comb, y.reshape([b * s, d]), residual.reshape([b * s, n, d])).reshape([b, s, n, d])
     }
 }

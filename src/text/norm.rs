@@ -13,11 +13,20 @@ use burn::module::{Initializer, Module, Param};
 use burn::tensor::activation::sigmoid;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
-/// Unweighted RMS normalisation over the last dim, computed in fp32, returned in fp32.
-pub fn rms_normalize<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
-    let x = x.cast(DType::F32);
-    let var = x.clone().square().mean_dim(D - 1);
-    x * (var + eps).sqrt().recip()
+use crate::ops::backend::{rms_norm, Glm5Backend};
+
+/// Unweighted RMS normalisation over the last dim, computed in fp32, returned in fp32
+/// (the backend op [`Glm5Backend::rms_norm`], `ops::rms`).
+pub fn rms_normalize<B: Glm5Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
+    rms_rows(x.cast(DType::F32), None, eps)
+}
+
+/// [`rms_norm`] over the last dim of a rank-`D` tensor.
+fn rms_rows<B: Glm5Backend, const D: usize>(x: Tensor<B, D>, w: Option<Tensor<B, 1>>, eps: f64) -> Tensor<B, D> {
+    let dims = x.dims();
+    let last = dims[D - 1];
+    let rows = dims.iter().product::<usize>() / last.max(1);
+    rms_norm(x.reshape([rows, last]), w, eps).reshape(dims)
 }
 
 /// Weighted RMSNorm (`weight`: `[D]`).
@@ -35,10 +44,18 @@ impl<B: Backend> RmsNorm<B> {
         }
     }
 
-    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D>
+    where
+        B: Glm5Backend,
+    {
         let dtype = x.dtype();
-        let y = rms_normalize(x, self.eps).cast(dtype);
-        y * self.weight.val().unsqueeze()
+        let w = self.weight.val();
+        if dtype == DType::F32 && w.dtype() == DType::F32 {
+            // one op: the weight is applied in fp32 either way
+            return rms_rows(x, Some(w), self.eps);
+        }
+        // the reference's rounding: normalise in fp32, round, then weight in the activation dtype
+        rms_normalize(x, self.eps).cast(dtype) * w.unsqueeze()
     }
 }
 
@@ -58,9 +75,12 @@ impl<B: Backend> GatedRmsNorm<B> {
     }
 
     /// `x`, `gate`: `[..., d]`; returns the input dtype.
-    pub fn forward<const D: usize>(&self, x: Tensor<B, D>, gate: Tensor<B, D>) -> Tensor<B, D> {
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>, gate: Tensor<B, D>) -> Tensor<B, D>
+    where
+        B: Glm5Backend,
+    {
         let dtype = x.dtype();
-        let y = rms_normalize(x, self.eps) * self.weight.val().cast(DType::F32).unsqueeze();
+        let y = rms_rows(x.cast(DType::F32), Some(self.weight.val().cast(DType::F32)), self.eps);
         (y * sigmoid(gate.cast(DType::F32))).cast(dtype)
     }
 }

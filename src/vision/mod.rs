@@ -166,7 +166,10 @@ impl<B: Backend> VisionModel<B> {
 
     /// `pixel_values` `[N, 1176]`, `grid_thw` per image → merged features `[N/4, out]`.
     /// Each temporal slice of each image attends only to itself.
-    pub fn forward(&self, pixel_values: Tensor<B, 2>, grid_thw: &[[usize; 3]]) -> Tensor<B, 2> {
+    pub fn forward(&self, pixel_values: Tensor<B, 2>, grid_thw: &[[usize; 3]]) -> Tensor<B, 2>
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
         let device = pixel_values.device();
         let dtype = self.patch_embed.proj.weight.val().dtype();
         let mut x = self.patch_embed.proj.forward(pixel_values.cast(dtype));
@@ -193,7 +196,10 @@ impl<B: Backend> VisionModel<B> {
 
 impl<B: Backend> VisionAttention<B> {
     /// `x` `[N, H]`, RoPE tables `[N, head_dim]`, segment lengths summing to N.
-    pub fn forward(&self, x: Tensor<B, 2>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>, segments: &[usize]) -> Tensor<B, 2> {
+    pub fn forward(&self, x: Tensor<B, 2>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>, segments: &[usize]) -> Tensor<B, 2>
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
         let [n, h] = x.dims();
         let heads = self.num_heads;
         let hd = h / heads;

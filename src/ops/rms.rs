@@ -1,0 +1,103 @@
+//! RMS normalisation over the last dim as one op (the body of
+//! [`crate::ops::backend::Glm5Backend::rms_norm`]).
+//!
+//! For rows `x` `[R, D]` (fp32) and an optional weight `w` `[D]`:
+//!
+//! ```text
+//! r = (mean(x²) + ε)^{−1/2}    y = x·r    out = y ⊙ w    (out = y without a weight)
+//! ∂w = Σ_rows ∂out ⊙ y          ∂x = r·(∂y − y·mean(∂y ⊙ y)),  ∂y = ∂out ⊙ w
+//! ```
+//!
+//! HF `Glm5NextTextRMSNorm` / `Glm5NextTextUnweightedRMSNorm` (statistics in fp32). Used by
+//! every RMSNorm of the text tower, the mHC input norm over `n·D`, and KDA's q/k L2 norm
+//! (`x / sqrt(Σx² + ε) = rms(x; ε/D) / √D`). As tensor ops each is a reduction and two
+//! broadcasting products whose backward reduces again; fused (Flex) it is one pass per row.
+
+use burn::tensor::{backend::Backend, Tensor};
+use rayon::prelude::*;
+
+/// Reference forward: `[R, D]` (fp32) → `[R, D]`.
+pub fn reference_forward<B: Backend>(x: Tensor<B, 2>, w: Option<Tensor<B, 1>>, eps: f64) -> Tensor<B, 2> {
+    let var = x.clone().square().mean_dim(1);
+    let y = x * (var + eps).sqrt().recip();
+    match w {
+        Some(w) => y * w.unsqueeze(),
+        None => y,
+    }
+}
+
+/// Reference backward: `(∂x, ∂w)` (`∂w` when a weight is given).
+pub fn reference_backward<B: Backend>(
+    x: Tensor<B, 2>,
+    w: Option<Tensor<B, 1>>,
+    grad: Tensor<B, 2>,
+    eps: f64,
+) -> (Tensor<B, 2>, Option<Tensor<B, 1>>) {
+    let d = x.dims()[1];
+    let r = (x.clone().square().mean_dim(1) + eps).sqrt().recip(); // [R, 1]
+    let y = x * r.clone();
+    let (dy, dw) = match w {
+        Some(w) => {
+            let dw = (grad.clone() * y.clone()).sum_dim(0).reshape([d]);
+            (grad * w.unsqueeze(), Some(dw))
+        }
+        None => (grad, None),
+    };
+    let proj = (dy.clone() * y.clone()).mean_dim(1);
+    ((dy - y * proj) * r, dw)
+}
+
+/// Host forward over flat rows of width `d`.
+pub(crate) fn host_forward(x: &[f32], w: Option<&[f32]>, d: usize, eps: f32) -> Vec<f32> {
+    let mut out = x.to_vec();
+    out.par_chunks_mut(d).for_each(|row| {
+        let r = inv_rms(row, eps);
+        match w {
+            Some(w) => row.iter_mut().zip(w).for_each(|(v, wj)| *v *= r * wj),
+            None => row.iter_mut().for_each(|v| *v *= r),
+        }
+    });
+    out
+}
+
+/// Host backward: `(∂x, ∂w)` over flat rows of width `d`.
+pub(crate) fn host_backward(x: &[f32], w: Option<&[f32]>, grad: &[f32], d: usize, eps: f32) -> (Vec<f32>, Option<Vec<f32>>) {
+    let mut dx = grad.to_vec();
+    // per row: ∂x in place and the row's share of ∂w, summed per rayon split
+    let dw = dx
+        .par_chunks_mut(d)
+        .zip(x.par_chunks(d))
+        .fold(
+            || w.map(|_| vec![0f32; d]),
+            |mut acc, (g, xr)| {
+                let r = inv_rms(xr, eps);
+                if let (Some(w), Some(acc)) = (w, acc.as_mut()) {
+                    for j in 0..d {
+                        acc[j] += g[j] * xr[j] * r;
+                        g[j] *= w[j];
+                    }
+                }
+                let proj = g.iter().zip(xr).map(|(gj, xj)| gj * xj * r).sum::<f32>() / d as f32;
+                for (gj, xj) in g.iter_mut().zip(xr) {
+                    *gj = r * (*gj - xj * r * proj);
+                }
+                acc
+            },
+        )
+        .reduce(
+            || w.map(|_| vec![0f32; d]),
+            |a, b| match (a, b) {
+                (Some(mut a), Some(b)) => {
+                    a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
+                    Some(a)
+                }
+                (a, _) => a,
+            },
+        );
+    (dx, dw)
+}
+
+fn inv_rms(row: &[f32], eps: f32) -> f32 {
+    let ms = row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32;
+    1.0 / (ms + eps).sqrt()
+}

@@ -1,0 +1,178 @@
+//! Flex's fused host ops (`Glm5Backend` overrides) and the reference backwards, against the
+//! reference tensor ops and autodiff through them: forward, the fused backward, the reference
+//! backward, and autodiff through the op on `Autodiff<Flex>` (the hand-written backward as
+//! the model uses it).
+//!
+//! * `hc_sinkhorn` (`ops::sinkhorn`) at the model's settings (n = 4, 20 iterations, ε = 1e-6)
+//!   and at edge settings (one iteration, n = 1, n = 3, near-one-hot softmax rows);
+//! * `rms_norm` (`ops::rms`) with and without a weight, widths 1…1024, rows of mixed scale;
+//! * `hc_collapse` / `hc_post` (`ops::hc_streams`) at n = 4 and n = 1.
+//!
+//! Bar: 1e-5 relative (fp32, different association orders of the same sums).
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::{Tensor, TensorPrimitive};
+use glm5_burn::ops::backend::{hc_collapse, hc_post, hc_sinkhorn, rms_norm, Glm5Backend};
+use glm5_burn::ops::sinkhorn::{reference_backward, reference_forward};
+use glm5_burn::ops::{hc_streams, rms};
+
+mod common;
+use common::random::{rel, tensor as t, to_host as host, Rng};
+
+type A = Autodiff<Flex>;
+
+#[test]
+fn fused_sinkhorn_matches_reference_ops_and_autodiff() {
+    // (tokens, n, iters, logit scale)
+    for (x, n, iters, scale, seed) in [(37, 4, 20, 3.0, 1), (512, 4, 20, 1.0, 2), (9, 4, 1, 2.0, 3), (5, 1, 20, 1.0, 4), (11, 3, 7, 30.0, 5)] {
+        let mut r = Rng(seed);
+        let z = r.vec(x * n * n, scale);
+        let up = r.vec(x * n * n, 1.0);
+        let eps = 1e-6;
+
+        let reference = host(reference_forward(t::<Flex, 3>(&z, [x, n, n]), iters, eps));
+        let fused = host(hc_sinkhorn(t::<Flex, 3>(&z, [x, n, n]), iters, eps));
+        let ef = rel(&fused, &reference);
+
+        // gradients of Σ C ⊙ up: autodiff through the reference ops (the oracle), the reference
+        // backward, Flex's fused backward, and autodiff through the op on Autodiff<Flex>
+        let za = t::<A, 3>(&z, [x, n, n]).require_grad();
+        let g = (reference_forward(za.clone(), iters, eps) * t::<A, 3>(&up, [x, n, n])).sum().backward();
+        let oracle = host(za.grad(&g).unwrap());
+        let ref_bwd = host(reference_backward(t::<Flex, 3>(&z, [x, n, n]), t::<Flex, 3>(&up, [x, n, n]), iters, eps));
+        let p = |v: &[f32]| t::<Flex, 3>(v, [x, n, n]).into_primitive().tensor();
+        let fused_bwd = host(Tensor::<Flex, 3>::from_primitive(TensorPrimitive::Float(Flex::hc_sinkhorn_backward(p(&z), p(&up), iters, eps))));
+        let zo = t::<A, 3>(&z, [x, n, n]).require_grad();
+        let g = (hc_sinkhorn(zo.clone(), iters, eps) * t::<A, 3>(&up, [x, n, n])).sum().backward();
+        let through_op = host(zo.grad(&g).unwrap());
+        let (er, eb, eo) = (rel(&ref_bwd, &oracle), rel(&fused_bwd, &oracle), rel(&through_op, &oracle));
+        println!("x {x} n {n} iters {iters} scale {scale}: fwd fused {ef:.2e}; ∂Z reference {er:.2e}, fused {eb:.2e}, Autodiff op {eo:.2e}");
+        // fp32, ~40 normalisations in a different association order: 1e-5 relative
+        assert!(ef <= 1e-5, "forward {ef:e}");
+        assert!(er <= 1e-5 && eb <= 1e-5 && eo <= 1e-5, "backward {er:e} / {eb:e} / {eo:e}");
+        // a doubly-stochastic-looking output: the columns sum to ~1 after the last pass
+        if n > 1 {
+            for c in fused.chunks(n * n) {
+                for j in 0..n {
+                    let s: f32 = (0..n).map(|i| c[i * n + j]).sum();
+                    assert!((s - 1.0).abs() < 1e-4, "column sum {s}");
+                }
+            }
+        }
+    }
+}
+
+fn prim<const D: usize>(v: &[f32], dims: [usize; D]) -> burn::tensor::ops::FloatTensor<Flex> {
+    t::<Flex, D>(v, dims).into_primitive().tensor()
+}
+
+fn from_prim<const D: usize>(p: burn::tensor::ops::FloatTensor<Flex>) -> Vec<f32> {
+    host(Tensor::<Flex, D>::from_primitive(TensorPrimitive::Float(p)))
+}
+
+fn check(what: &str, got: &[f32], want: &[f32]) {
+    let e = rel(got, want);
+    println!("{what}: {e:.2e}");
+    assert!(e <= 1e-5, "{what}: {e:e}");
+}
+
+#[test]
+fn fused_rms_norm_matches_reference_ops_and_autodiff() {
+    for (r, d, weighted, seed) in [(37, 256, true, 1), (512, 1024, false, 2), (9, 1, true, 3), (5, 32, false, 4), (64, 96, true, 5)] {
+        let mut g = Rng(seed);
+        // rows at scales 1e-2 … 1e2: the normalisation must not care
+        let x: Vec<f32> = g.vec(r * d, 1.0).chunks(d).enumerate().flat_map(|(i, row)| {
+            let s = 10f32.powi((i % 5) as i32 - 2);
+            row.iter().map(move |v| v * s).collect::<Vec<_>>()
+        }).collect();
+        let w = weighted.then(|| g.vec(d, 1.0));
+        let up = g.vec(r * d, 1.0);
+        let eps = 1e-6;
+        let wt = |w: &Option<Vec<f32>>| w.as_ref().map(|w| t::<Flex, 1>(w, [d]));
+        let want = host(rms::reference_forward(t::<Flex, 2>(&x, [r, d]), wt(&w), eps));
+        let got = host(rms_norm(t::<Flex, 2>(&x, [r, d]), wt(&w), eps));
+        check(&format!("rms [{r}, {d}] w {weighted}: forward"), &got, &want);
+
+        let xa = t::<A, 2>(&x, [r, d]).require_grad();
+        let wa = w.as_ref().map(|w| t::<A, 1>(w, [d]).require_grad());
+        let gr = (rms::reference_forward(xa.clone(), wa.clone(), eps) * t::<A, 2>(&up, [r, d])).sum().backward();
+        let (ox, ow) = (host(xa.grad(&gr).unwrap()), wa.as_ref().map(|w| host(w.grad(&gr).unwrap())));
+
+        let (rx, rw) = rms::reference_backward(t::<Flex, 2>(&x, [r, d]), wt(&w), t::<Flex, 2>(&up, [r, d]), eps);
+        let (fx, fw) = Flex::rms_norm_backward(prim(&x, [r, d]), w.as_ref().map(|w| prim(w, [d])), prim(&up, [r, d]), eps);
+        let xo = t::<A, 2>(&x, [r, d]).require_grad();
+        let wo = w.as_ref().map(|w| t::<A, 1>(w, [d]).require_grad());
+        let gr = (rms_norm(xo.clone(), wo.clone(), eps) * t::<A, 2>(&up, [r, d])).sum().backward();
+        for (name, got) in [("reference", host(rx)), ("fused", from_prim::<2>(fx)), ("Autodiff op", host(xo.grad(&gr).unwrap()))] {
+            check(&format!("rms [{r}, {d}] w {weighted}: ∂x {name}"), &got, &ox);
+        }
+        if let Some(ow) = ow {
+            for (name, got) in [("reference", host(rw.unwrap())), ("fused", from_prim::<1>(fw.unwrap())), ("Autodiff op", host(wo.unwrap().grad(&gr).unwrap()))] {
+                check(&format!("rms [{r}, {d}]: ∂w {name}"), &got, &ow);
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_hc_collapse_and_post_match_reference_ops_and_autodiff() {
+    for (x, n, d, seed) in [(37, 4, 64, 1), (512, 4, 256, 2), (7, 1, 5, 3)] {
+        let mut g = Rng(seed);
+        let (xs, pre, post, comb, y) = (g.vec(x * n * d, 1.0), g.vec(x * n, 1.0), g.vec(x * n, 2.0), g.vec(x * n * n, 1.0), g.vec(x * d, 1.0));
+        let (up_h, up_x) = (g.vec(x * d, 1.0), g.vec(x * n * d, 1.0));
+
+        // collapse
+        let want = host(hc_streams::reference_collapse(t::<Flex, 3>(&xs, [x, n, d]), t::<Flex, 2>(&pre, [x, n])));
+        check(&format!("collapse [{x}, {n}, {d}]: forward"), &host(hc_collapse(t::<Flex, 3>(&xs, [x, n, d]), t::<Flex, 2>(&pre, [x, n]))), &want);
+        let (xa, pa) = (t::<A, 3>(&xs, [x, n, d]).require_grad(), t::<A, 2>(&pre, [x, n]).require_grad());
+        let gr = (hc_streams::reference_collapse(xa.clone(), pa.clone()) * t::<A, 2>(&up_h, [x, d])).sum().backward();
+        let oracle = [host(xa.grad(&gr).unwrap()), host(pa.grad(&gr).unwrap())];
+        let (rx, rp) = hc_streams::reference_collapse_backward(t::<Flex, 3>(&xs, [x, n, d]), t::<Flex, 2>(&pre, [x, n]), t::<Flex, 2>(&up_h, [x, d]));
+        let (fx, fp) = Flex::hc_collapse_backward(prim(&xs, [x, n, d]), prim(&pre, [x, n]), prim(&up_h, [x, d]));
+        let (xo, po) = (t::<A, 3>(&xs, [x, n, d]).require_grad(), t::<A, 2>(&pre, [x, n]).require_grad());
+        let gr = (hc_collapse(xo.clone(), po.clone()) * t::<A, 2>(&up_h, [x, d])).sum().backward();
+        let got = [
+            ("reference", [host(rx), host(rp)]),
+            ("fused", [from_prim::<3>(fx), from_prim::<2>(fp)]),
+            ("Autodiff op", [host(xo.grad(&gr).unwrap()), host(po.grad(&gr).unwrap())]),
+        ];
+        for (name, gs) in got {
+            for (i, wrt) in ["∂X", "∂pre"].iter().enumerate() {
+                check(&format!("collapse [{x}, {n}, {d}]: {wrt} {name}"), &gs[i], &oracle[i]);
+            }
+        }
+
+        // post
+        let ins = |p: &[f32], c: &[f32], yv: &[f32], r: &[f32]| (t::<Flex, 2>(p, [x, n]), t::<Flex, 3>(c, [x, n, n]), t::<Flex, 2>(yv, [x, d]), t::<Flex, 3>(r, [x, n, d]));
+        let (a, b, c, e) = ins(&post, &comb, &y, &xs);
+        let want = host(hc_streams::reference_post(a, b, c, e));
+        let (a, b, c, e) = ins(&post, &comb, &y, &xs);
+        check(&format!("post [{x}, {n}, {d}]: forward"), &host(hc_post(a, b, c, e)), &want);
+        let ad = || {
+            (
+                t::<A, 2>(&post, [x, n]).require_grad(),
+                t::<A, 3>(&comb, [x, n, n]).require_grad(),
+                t::<A, 2>(&y, [x, d]).require_grad(),
+                t::<A, 3>(&xs, [x, n, d]).require_grad(),
+            )
+        };
+        let (a, b, c, e) = ad();
+        let gr = (hc_streams::reference_post(a.clone(), b.clone(), c.clone(), e.clone()) * t::<A, 3>(&up_x, [x, n, d])).sum().backward();
+        let oracle = [host(a.grad(&gr).unwrap()), host(b.grad(&gr).unwrap()), host(c.grad(&gr).unwrap()), host(e.grad(&gr).unwrap())];
+        let (a, b, c, e) = ins(&post, &comb, &y, &xs);
+        let (r0, r1, r2, r3) = hc_streams::reference_post_backward(a, b, c, e, t::<Flex, 3>(&up_x, [x, n, d]));
+        let (f0, f1, f2, f3) = Flex::hc_post_backward(prim(&post, [x, n]), prim(&comb, [x, n, n]), prim(&y, [x, d]), prim(&xs, [x, n, d]), prim(&up_x, [x, n, d]));
+        let (a, b, c, e) = ad();
+        let gr = (hc_post(a.clone(), b.clone(), c.clone(), e.clone()) * t::<A, 3>(&up_x, [x, n, d])).sum().backward();
+        let got = [
+            ("reference", [host(r0), host(r1), host(r2), host(r3)]),
+            ("fused", [from_prim::<2>(f0), from_prim::<3>(f1), from_prim::<2>(f2), from_prim::<3>(f3)]),
+            ("Autodiff op", [host(a.grad(&gr).unwrap()), host(b.grad(&gr).unwrap()), host(c.grad(&gr).unwrap()), host(e.grad(&gr).unwrap())]),
+        ];
+        for (name, gs) in got {
+            for (i, wrt) in ["∂post", "∂C", "∂y", "∂X"].iter().enumerate() {
+                check(&format!("post [{x}, {n}, {d}]: {wrt} {name}"), &gs[i], &oracle[i]);
+            }
+        }
+    }
+}
