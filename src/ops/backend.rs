@@ -471,32 +471,46 @@ pub mod reference {
     }
 }
 
-fn host(t: FloatTensor<Flex>) -> (Vec<f32>, [usize; 3]) {
-    let t = Tensor::<Flex, 3>::from_primitive(TensorPrimitive::Float(t));
-    let dims = t.dims();
-    (t.into_data().convert::<f32>().into_vec::<f32>().expect("f32 data"), dims)
+/// A Flex tensor as contiguous fp32 host memory — the tensor's own buffer when it already
+/// is one (no copy), a converted copy otherwise.
+struct HostF32(burn_flex::FlexTensor);
+
+impl std::ops::Deref for HostF32 {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        self.0.as_slice::<f32>().expect("a contiguous fp32 tensor")
+    }
+}
+
+/// A rank-`D` Flex tensor as host fp32 data and its shape.
+fn host_n<const D: usize>(t: FloatTensor<Flex>) -> (HostF32, [usize; D]) {
+    use burn::tensor::ops::FloatTensorOps;
+    use burn::tensor::TensorMetadata;
+    let t = if t.dtype() == DType::F32 { t } else { Flex::float_cast(t, burn::tensor::FloatDType::F32) };
+    let t = t.to_contiguous();
+    let dims = t.shape().dims::<D>();
+    (HostF32(t), dims)
+}
+
+fn host(t: FloatTensor<Flex>) -> (HostF32, [usize; 3]) {
+    host_n::<3>(t)
+}
+
+/// A rank-`D` Flex tensor owning host fp32 data (no copy).
+fn flex_tensor<const D: usize>(v: Vec<f32>, dims: [usize; D]) -> FloatTensor<Flex> {
+    debug_assert_eq!(v.len(), dims.iter().product::<usize>());
+    burn_flex::FlexTensor::new(burn::tensor::Bytes::from_elems(v), burn_flex::Layout::contiguous(dims.into()), DType::F32)
 }
 
 fn device_tensor(v: Vec<f32>, dims: [usize; 3]) -> FloatTensor<Flex> {
-    Tensor::<Flex, 3>::from_data(TensorData::new(v, dims), &Default::default()).into_primitive().tensor()
-}
-
-/// A rank-`D` Flex tensor from host f32 data.
-fn flex_tensor<const D: usize>(v: Vec<f32>, dims: [usize; D]) -> FloatTensor<Flex> {
-    Tensor::<Flex, D>::from_data(TensorData::new(v, dims), &Default::default()).into_primitive().tensor()
+    flex_tensor(v, dims)
 }
 
 /// Whether every given tensor is fp32 (the fused host ops' domain; other dtypes take the
 /// reference ops, keeping their rounding).
 fn all_f32(ts: &[Option<&FloatTensor<Flex>>]) -> bool {
     ts.iter().flatten().all(|t| t.dtype() == DType::F32)
-}
-
-/// A rank-`D` Flex tensor as host f32 data and its shape.
-fn host_n<const D: usize>(t: FloatTensor<Flex>) -> (Vec<f32>, [usize; D]) {
-    let t = Tensor::<Flex, D>::from_primitive(TensorPrimitive::Float(t));
-    let dims = t.dims();
-    (t.into_data().convert::<f32>().into_vec::<f32>().expect("f32 data"), dims)
 }
 
 /// Flex: the pair sums as host loops over each chunk, in parallel over chunks — no `[pairs, d]`
@@ -621,7 +635,7 @@ impl Glm5Backend for Flex {
         let x = kda_host::Inputs { q: &q.0, k: &k.0, v: &v.0, g: &g.0, beta: &beta.0, h0: &h0.0 };
         let [dq, dk, dv, dg, db, dh] = kda_host::backward(&x, d, &d_o.0, &d_final.0, chunk);
         let key = |t| device_tensor(t, [d.bh, d.t, d.dk]);
-        let beta = Tensor::<Flex, 2>::from_data(TensorData::new(db, [d.bh, d.t]), &Default::default()).into_primitive().tensor();
+        let beta = flex_tensor(db, [d.bh, d.t]);
         (key(dq), key(dk), device_tensor(dv, [d.bh, d.t, d.dv]), key(dg), beta, device_tensor(dh, [d.bh, d.dk, d.dv]))
     }
 

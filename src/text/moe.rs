@@ -130,25 +130,55 @@ impl<B: Backend> Experts<B> {
         slots.sort_by_key(|&s| routing.experts[s]);
         let tokens: Vec<i64> = slots.iter().map(|&s| (s / k) as i64).collect();
         let slot_ids: Vec<i64> = slots.iter().map(|&s| s as i64).collect();
-        let tok_t = Tensor::<B, 1, Int>::from_data(TensorData::new(tokens, [n * k]), &device);
+        let tok_t = Tensor::<B, 1, Int>::from_data(TensorData::new(tokens.clone(), [n * k]), &device);
         let slot_t = Tensor::<B, 1, Int>::from_data(TensorData::new(slot_ids, [n * k]), &device);
-        let xs = x.clone().select(0, tok_t.clone()); // [N·K, D]
-
-        let mut outs = Vec::new();
-        let mut start = 0;
-        for ex in 0..e {
-            let count = slots[start..].iter().take_while(|&&s| routing.experts[s] == ex).count();
-            if count == 0 {
-                continue;
-            }
-            let rows = xs.clone().slice([start..start + count, 0..d]);
-            let gate = rows.clone().matmul(self.gate_proj.val().slice([ex..ex + 1, 0..d, 0..i]).reshape([d, i]));
-            let up = rows.matmul(self.up_proj.val().slice([ex..ex + 1, 0..d, 0..i]).reshape([d, i]));
-            let h = clamped_swiglu(gate, up, self.limit, Activation::Silu);
-            outs.push(h.matmul(self.down_proj.val().slice([ex..ex + 1, 0..i, 0..d]).reshape([i, d])));
-            start += count;
+        let mut counts = vec![0usize; e];
+        for &s in &slots {
+            counts[routing.experts[s]] += 1;
         }
-        let y = Tensor::cat(outs, 0); // [N·K, D]
+        let cap = counts.iter().copied().max().unwrap_or(0);
+
+        let y = if e * cap <= 2 * n * k {
+            // Near-balanced routing: every expert's rows padded to the largest group and run as
+            // one batched matmul per projection, [E, cap, D] × [E, D, I]. The padding rows are
+            // zeros (a zero row appended to x) and are never read back. The weights' gradients
+            // come out whole, instead of one full-size zero tensor per expert slice.
+            let mut src = vec![n as i64; e * cap]; // row of x (n = the zero row)
+            let mut back = Vec::with_capacity(n * k); // padded row of each sorted slot
+            let mut start = 0;
+            for (ex, &c) in counts.iter().enumerate() {
+                for r in 0..c {
+                    src[ex * cap + r] = tokens[start + r];
+                    back.push((ex * cap + r) as i64);
+                }
+                start += c;
+            }
+            let src = Tensor::<B, 1, Int>::from_data(TensorData::new(src, [e * cap]), &device);
+            let back = Tensor::<B, 1, Int>::from_data(TensorData::new(back, [n * k]), &device);
+            let x_pad = Tensor::cat(vec![x.clone(), Tensor::zeros([1, d], (&device, x.dtype()))], 0);
+            let rows = x_pad.select(0, src).reshape([e, cap, d]);
+            let gate = rows.clone().matmul(self.gate_proj.val());
+            let up = rows.matmul(self.up_proj.val());
+            let h = clamped_swiglu(gate, up, self.limit, Activation::Silu);
+            h.matmul(self.down_proj.val()).reshape([e * cap, d]).select(0, back) // [N·K, D]
+        } else {
+            // skewed routing: one group at a time, so padding never multiplies the work
+            let xs = x.clone().select(0, tok_t.clone()); // [N·K, D]
+            let mut outs = Vec::new();
+            let mut start = 0;
+            for (ex, &count) in counts.iter().enumerate() {
+                if count == 0 {
+                    continue;
+                }
+                let rows = xs.clone().slice([start..start + count, 0..d]);
+                let gate = rows.clone().matmul(self.gate_proj.val().slice([ex..ex + 1, 0..d, 0..i]).reshape([d, i]));
+                let up = rows.matmul(self.up_proj.val().slice([ex..ex + 1, 0..d, 0..i]).reshape([d, i]));
+                let h = clamped_swiglu(gate, up, self.limit, Activation::Silu);
+                outs.push(h.matmul(self.down_proj.val().slice([ex..ex + 1, 0..i, 0..d]).reshape([i, d])));
+                start += count;
+            }
+            Tensor::cat(outs, 0) // [N·K, D]
+        };
         let w = routing.weights.clone().reshape([n * k]).select(0, slot_t).cast(y.dtype()).unsqueeze_dim(1);
         Tensor::zeros([n, d], (&device, x.dtype())).select_assign(0, tok_t, y * w, IndexingUpdateOp::Add)
     }
