@@ -6,15 +6,17 @@
 //! * `hc_sinkhorn` (`ops::sinkhorn`) at the model's settings (n = 4, 20 iterations, ε = 1e-6)
 //!   and at edge settings (one iteration, n = 1, n = 3, near-one-hot softmax rows);
 //! * `rms_norm` (`ops::rms`) with and without a weight, widths 1…1024, rows of mixed scale;
-//! * `hc_collapse` / `hc_post` (`ops::hc_streams`) at n = 4 and n = 1.
+//! * `hc_collapse` / `hc_post` (`ops::hc_streams`) at n = 4 and n = 1;
+//! * `causal_conv1d` (`ops::conv`): 4 taps, several batches, sequences shorter than the taps,
+//!   lengths that do not fill the last parallel block.
 //!
 //! Bar: 1e-5 relative (fp32, different association orders of the same sums).
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Tensor, TensorPrimitive};
-use glm5_burn::ops::backend::{hc_collapse, hc_post, hc_sinkhorn, rms_norm, Glm5Backend};
+use glm5_burn::ops::backend::{causal_conv1d, hc_collapse, hc_post, hc_sinkhorn, rms_norm, Glm5Backend};
 use glm5_burn::ops::sinkhorn::{reference_backward, reference_forward};
-use glm5_burn::ops::{hc_streams, rms};
+use glm5_burn::ops::{conv, hc_streams, rms};
 
 mod common;
 use common::random::{rel, tensor as t, to_host as host, Rng};
@@ -172,6 +174,49 @@ fn fused_hc_collapse_and_post_match_reference_ops_and_autodiff() {
         for (name, gs) in got {
             for (i, wrt) in ["∂post", "∂C", "∂y", "∂X"].iter().enumerate() {
                 check(&format!("post [{x}, {n}, {d}]: {wrt} {name}"), &gs[i], &oracle[i]);
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_causal_conv_matches_reference_ops_and_autodiff() {
+    // (B, T, C, W)
+    for (b, tt, c, taps, seed) in [(1, 512, 256, 4, 1), (3, 70, 8, 4, 2), (2, 2, 5, 4, 3), (1, 9, 3, 1, 4)] {
+        let mut g = Rng(seed);
+        let (x, w, up) = (g.vec(b * tt * c, 1.0), g.vec(c * taps, 1.0), g.vec(b * tt * c, 1.0));
+        let want = host(conv::reference_forward(t::<Flex, 3>(&x, [b, tt, c]), t::<Flex, 2>(&w, [c, taps])));
+        check(&format!("conv [{b}, {tt}, {c}] W {taps}: forward"), &host(causal_conv1d(t::<Flex, 3>(&x, [b, tt, c]), t::<Flex, 2>(&w, [c, taps]))), &want);
+        // direct definition, independent of both forms
+        let mut def = vec![0f32; b * tt * c];
+        for bi in 0..b {
+            for ti in 0..tt {
+                for ci in 0..c {
+                    for i in 0..taps {
+                        if ti + i + 1 >= taps {
+                            def[(bi * tt + ti) * c + ci] += w[ci * taps + i] * x[(bi * tt + ti + i + 1 - taps) * c + ci];
+                        }
+                    }
+                }
+            }
+        }
+        check(&format!("conv [{b}, {tt}, {c}] W {taps}: forward vs definition"), &want, &def);
+
+        let (xa, wa) = (t::<A, 3>(&x, [b, tt, c]).require_grad(), t::<A, 2>(&w, [c, taps]).require_grad());
+        let gr = (conv::reference_forward(xa.clone(), wa.clone()) * t::<A, 3>(&up, [b, tt, c])).sum().backward();
+        let oracle = [host(xa.grad(&gr).unwrap()), host(wa.grad(&gr).unwrap())];
+        let (rx, rw) = conv::reference_backward(t::<Flex, 3>(&x, [b, tt, c]), t::<Flex, 2>(&w, [c, taps]), t::<Flex, 3>(&up, [b, tt, c]));
+        let (fx, fw) = Flex::causal_conv1d_backward(prim(&x, [b, tt, c]), prim(&w, [c, taps]), prim(&up, [b, tt, c]));
+        let (xo, wo) = (t::<A, 3>(&x, [b, tt, c]).require_grad(), t::<A, 2>(&w, [c, taps]).require_grad());
+        let gr = (causal_conv1d(xo.clone(), wo.clone()) * t::<A, 3>(&up, [b, tt, c])).sum().backward();
+        let got = [
+            ("reference", [host(rx), host(rw)]),
+            ("fused", [from_prim::<3>(fx), from_prim::<2>(fw)]),
+            ("Autodiff op", [host(xo.grad(&gr).unwrap()), host(wo.grad(&gr).unwrap())]),
+        ];
+        for (name, gs) in got {
+            for (i, wrt) in ["∂x", "∂w"].iter().enumerate() {
+                check(&format!("conv [{b}, {tt}, {c}] W {taps}: {wrt} {name}"), &gs[i], &oracle[i]);
             }
         }
     }

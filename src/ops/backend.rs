@@ -51,6 +51,7 @@ use rayon::prelude::*;
 use super::kda_host;
 use super::kda_scan;
 use super::kpool::{self, KpoolSelect};
+use super::conv;
 use super::hc_streams;
 use super::rms;
 use super::sinkhorn;
@@ -205,6 +206,18 @@ pub trait Glm5Backend: Backend {
         (dq.into_primitive().tensor(), dkv.into_primitive().tensor())
     }
 
+    /// KDA's causal depthwise convolution (`ops::conv`): `x` `[B, T, C]`, taps `w` `[C, W]`
+    /// (fp32) → `[B, T, C]`. Default: the reference tensor ops.
+    fn causal_conv1d(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        conv::reference_forward(f3::<Self>(x), f2::<Self>(w)).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::causal_conv1d`]: `(∂x, ∂w)`. Default: the reference tensor ops.
+    fn causal_conv1d_backward(x: FloatTensor<Self>, w: FloatTensor<Self>, grad: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dw) = conv::reference_backward(f3::<Self>(x), f2::<Self>(w), f3::<Self>(grad));
+        (dx.into_primitive().tensor(), dw.into_primitive().tensor())
+    }
+
     /// RMS normalisation of rows `x` `[R, D]` (fp32) with an optional weight `[D]`
     /// (`ops::rms`). Default: the reference tensor ops.
     fn rms_norm(x: FloatTensor<Self>, w: Option<FloatTensor<Self>>, eps: f64) -> FloatTensor<Self> {
@@ -325,6 +338,11 @@ pub fn kda_chunk_scan<B: Glm5Backend>(
     let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
     let (o, s) = B::kda_chunk_scan(p(q), p(k), p(v), p(g), beta.into_primitive().tensor(), p(h0), chunk);
     (f3(o), f3(s))
+}
+
+/// [`Glm5Backend::causal_conv1d`] on tensors.
+pub fn causal_conv1d<B: Glm5Backend>(x: Tensor<B, 3>, w: Tensor<B, 2>) -> Tensor<B, 3> {
+    f3(B::causal_conv1d(x.into_primitive().tensor(), w.into_primitive().tensor()))
 }
 
 /// [`Glm5Backend::rms_norm`] on tensors.
@@ -522,6 +540,24 @@ impl Glm5Backend for Flex {
 
     fn has_kda_scan_kernel() -> bool {
         true
+    }
+
+    fn causal_conv1d(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&x), Some(&w)]) {
+            return conv::reference_forward(f3::<Self>(x), f2::<Self>(w)).into_primitive().tensor();
+        }
+        let ((x, [b, t, c]), (w, [_, taps])) = (host(x), host_n::<2>(w));
+        flex_tensor(conv::host_forward(&x, &w, t, c, taps), [b, t, c])
+    }
+
+    fn causal_conv1d_backward(x: FloatTensor<Self>, w: FloatTensor<Self>, grad: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&x), Some(&w), Some(&grad)]) {
+            let (dx, dw) = conv::reference_backward(f3::<Self>(x), f2::<Self>(w), f3::<Self>(grad));
+            return (dx.into_primitive().tensor(), dw.into_primitive().tensor());
+        }
+        let ((x, [b, t, c]), (w, [_, taps]), (g, _)) = (host(x), host_n::<2>(w), host(grad));
+        let (dx, dw) = conv::host_backward(&x, &w, &g, t, c, taps);
+        (flex_tensor(dx, [b, t, c]), flex_tensor(dw, [c, taps]))
     }
 
     fn rms_norm(x: FloatTensor<Self>, w: Option<FloatTensor<Self>>, eps: f64) -> FloatTensor<Self> {
@@ -903,6 +939,25 @@ impl<B: Glm5Backend> Backward<B, 2> for RmsNormWeightedBackward {
     }
 }
 
+/// Causal depthwise conv; holds `x` and the taps.
+#[derive(Debug)]
+struct CausalConvBackward;
+
+impl<B: Glm5Backend> Backward<B, 2> for CausalConvBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, w) = ops.state;
+        let (dx, dw) = B::causal_conv1d_backward(x, w, grad);
+        for (node, g) in ops.parents.into_iter().zip([dx, dw]) {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
 /// mHC collapse; holds `X` and `pre`.
 #[derive(Debug)]
 struct HcCollapseBackward;
@@ -1133,6 +1188,16 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
                 }
                 OpsKind::UnTracked(prep) => prep.finish(B::rms_norm(x.primitive, Some(w.primitive), eps)),
             },
+        }
+    }
+
+    fn causal_conv1d(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        match CausalConvBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let out = B::causal_conv1d(x.primitive.clone(), w.primitive.clone());
+                prep.finish((x.primitive, w.primitive), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::causal_conv1d(x.primitive, w.primitive)),
         }
     }
 

@@ -16,6 +16,7 @@
 //!   `Autodiff`. [`PathKind`] selects, per forward pass, the op or the reference.
 
 pub mod backend;
+pub mod conv;
 pub mod kda;
 mod kda_host;
 pub mod kda_scan;

@@ -27,7 +27,7 @@ use super::mlp::linear;
 use super::norm::GatedRmsNorm;
 use super::{ForwardOptions, KdaImpl, TokenMask};
 use crate::config::{Activation, TextConfig};
-use crate::ops::backend::Glm5Backend;
+use crate::ops::backend::{causal_conv1d, Glm5Backend};
 use crate::ops::kda::{kda_chunked, kda_recurrent};
 
 /// Causal depthwise conv taps (`weight` `[C, W]`; tap `W−1` multiplies the current token).
@@ -37,22 +37,13 @@ pub struct DepthwiseConv<B: Backend> {
 }
 
 impl<B: Backend> DepthwiseConv<B> {
-    /// `x` `[B, T, C]` → `[B, T, C]` in fp32 (the taps are fp32 in the reference).
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [b, t, c] = x.dims();
-        let [_, w] = self.weight.dims();
-        let x = x.cast(DType::F32);
-        let taps = self.weight.val().cast(DType::F32); // [C, W]
-        let xp = Tensor::cat(vec![Tensor::zeros([b, w - 1, c], (&x.device(), DType::F32)), x], 1);
-        let mut acc: Option<Tensor<B, 3>> = None;
-        for i in 0..w {
-            let term = xp.clone().slice([0..b, i..i + t, 0..c]) * taps.clone().slice([0..c, i..i + 1]).reshape([1, 1, c]);
-            acc = Some(match acc {
-                None => term,
-                Some(a) => a + term,
-            });
-        }
-        acc.expect("conv kernel has at least one tap")
+    /// `x` `[B, T, C]` → `[B, T, C]` in fp32 (the taps are fp32 in the reference); the backend
+    /// op [`Glm5Backend::causal_conv1d`] (`ops::conv`).
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3>
+    where
+        B: Glm5Backend,
+    {
+        causal_conv1d(x.cast(DType::F32), self.weight.val().cast(DType::F32))
     }
 }
 
