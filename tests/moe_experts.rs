@@ -16,6 +16,7 @@ use common::random::{rel, tensor as t, to_host as host, Rng};
 
 type A = Autodiff<Flex>;
 
+#[allow(clippy::too_many_arguments)]
 fn definition(x: Tensor<A, 2>, w: Tensor<A, 2>, experts: &[usize], k: usize, g: &Tensor<A, 3>, u: &Tensor<A, 3>, dn: &Tensor<A, 3>, limit: f64) -> Tensor<A, 2> {
     let [n, d] = x.dims();
     let [_, _, i] = g.dims();
