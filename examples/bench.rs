@@ -28,6 +28,7 @@ use glm5_burn::train::recipe::{DecayStyle, FreezeConfig, NonFinitePolicy, Precis
 use glm5_burn::train::schedule::LrSchedule;
 use glm5_burn::train::step::MicroBatch;
 use glm5_burn::train::trainer::{TrainOptions, Trainer};
+use glm5_burn::text::AttentionImpl;
 use glm5_burn::{profile, ForwardOptions, Glm5Backend, Glm5ForCausalLM};
 use serde_json::json;
 
@@ -36,6 +37,13 @@ enum Mode {
     Forward,
     Train,
     Both,
+}
+
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum Attention {
+    Auto,
+    Dense,
+    Sparse,
 }
 
 #[derive(Parser)]
@@ -63,6 +71,11 @@ struct Args {
     /// Train with activation checkpointing (`Autodiff<Flex, BalancedCheckpointing>`).
     #[arg(long)]
     checkpointing: bool,
+    /// DSA attention form: `auto` (the library default: dense up to 1024 tokens, sparse
+    /// above), `dense` (S×S masked, the reference's form) or `sparse` (over the selected
+    /// indices).
+    #[arg(long, value_enum, default_value = "auto")]
+    attention: Attention,
     /// Instead: measure this backend's f32 matmul rate at 512×256×768 (the model's FFN shape
     /// at seq 512) and 2048³, printed as `{"gflops": {...}}`.
     #[arg(long)]
@@ -133,7 +146,12 @@ fn main() -> Result<()> {
                    "peak_rss_mb": peak_rss_mb(), "threads": threads, "active_non_embedding": active_non_embedding})
         );
     };
-    let opts = ForwardOptions::default();
+    let mut opts = ForwardOptions::default();
+    match a.attention {
+        Attention::Auto => {}
+        Attention::Dense => opts.attention = AttentionImpl::Dense,
+        Attention::Sparse => opts.attention = AttentionImpl::Sparse,
+    }
 
     if matches!(a.mode, Mode::Forward | Mode::Both) {
         let device = Default::default();

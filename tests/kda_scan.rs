@@ -104,7 +104,7 @@ fn op_inputs(bh: usize, t: usize, dk: usize, dv: usize, seed: u64) -> [Vec<f32>;
 
 /// The op on backend `B` (forward and `Glm5Backend` backward, no autodiff), or the reference
 /// body (`kda_scan::forward`/`backward`) when `reference`.
-fn op_run<B: Glm5Backend>(x: &[Vec<f32>; 8], dims: [usize; 4], chunk: usize, reference: bool) -> Outs<B> {
+fn op_run<B: Glm5Backend>(x: &[Vec<f32>; 8], dims: [usize; 4], batch: usize, chunk: usize, reference: bool) -> Outs<B> {
     let [bh, tt, dk, dv] = dims;
     let [q, k, v, g, beta, h0, d_o, d_s] = x;
     let tk = |a: &Vec<f32>| t::<B, 3>(a, [bh, tt, dk]);
@@ -117,12 +117,34 @@ fn op_run<B: Glm5Backend>(x: &[Vec<f32>; 8], dims: [usize; 4], chunk: usize, ref
         let (a, b, c, d, e, f) = kda_scan::backward(saved, d_o, d_s);
         return (o, s, [host(a), host(b), host(c), host(d), host(e), host(f)]);
     }
-    let p = |x: Tensor<B, 3>| x.into_primitive().tensor();
-    let (o, s) = kda_chunk_scan(q.clone(), k.clone(), v.clone(), g.clone(), beta.clone(), h0.clone(), chunk);
-    let (a, b, c, d, e, f) = B::kda_chunk_scan_backward(p(q), p(k), p(v), p(g), beta.into_primitive().tensor(), p(h0), p(d_o), p(d_s), chunk);
-    let h3 = |x| host(Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(x)));
-    let h2 = |x| host(Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(x)));
-    (o, s, [h3(a), h3(b), h3(c), h3(d), h2(e), h3(f)])
+    // the op takes the model's layout, [B, T, H, d], and [B, H, dk, dv] states
+    let model = |x: Tensor<B, 3>| {
+        let [_, _, w] = x.dims();
+        x.reshape([batch, bh / batch, tt, w]).swap_dims(1, 2)
+    };
+    let heads_major = |x: Tensor<B, 4>| {
+        let [_, _, _, w] = x.dims();
+        x.swap_dims(1, 2).reshape([bh, tt, w])
+    };
+    let states = |x: Tensor<B, 3>| x.reshape([batch, bh / batch, dk, dv]);
+    let beta_m = beta.reshape([batch, bh / batch, tt]).swap_dims(1, 2);
+    let p = |x: Tensor<B, 4>| x.into_primitive().tensor();
+    let (o, s) = kda_chunk_scan(model(q.clone()), model(k.clone()), model(v.clone()), model(g.clone()), beta_m.clone(), states(h0.clone()), chunk);
+    let (a, b, c, d, e, f) = B::kda_chunk_scan_backward(
+        p(model(q)),
+        p(model(k)),
+        p(model(v)),
+        p(model(g)),
+        beta_m.into_primitive().tensor(),
+        p(states(h0)),
+        p(model(d_o)),
+        p(states(d_s)),
+        chunk,
+    );
+    let f4 = |x| Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(x));
+    let h4 = |x| host(heads_major(f4(x)));
+    let hb = host(Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(e)).swap_dims(1, 2).reshape([bh, tt]));
+    (heads_major(o), s.reshape([bh, dk, dv]), [h4(a), h4(b), h4(c), h4(d), hb, host(f4(f).reshape([bh, dk, dv]))])
 }
 
 /// Autodiff through the reference body's forward (its pair terms through the Autodiff op).
@@ -142,11 +164,11 @@ fn op_autodiff(x: &[Vec<f32>; 8], dims: [usize; 4], chunk: usize) -> [Vec<f32>; 
 
 #[test]
 fn reference_scan_body_matches_host_recurrence_and_its_own_autodiff() {
-    // [BH, T, dk, dv], chunk (T a multiple of the chunk, as the op requires)
-    for (dims, chunk, seed) in [([3, 128, 8, 6], 64, 11), ([2, 48, 16, 16], 16, 12), ([1, 5, 4, 3], 5, 13)] {
+    // [BH, T, dk, dv], B, chunk (T a multiple of the chunk, as the op requires)
+    for (dims, batch, chunk, seed) in [([3, 128, 8, 6], 1, 64, 11), ([6, 48, 16, 16], 2, 16, 12), ([1, 5, 4, 3], 1, 5, 13)] {
         let x = op_inputs(dims[0], dims[1], dims[2], dims[3], seed);
-        let (or, sr, gr) = op_run::<Flex>(&x, dims, chunk, true);
-        let (oh, sh, gh) = op_run::<Flex>(&x, dims, chunk, false);
+        let (or, sr, gr) = op_run::<Flex>(&x, dims, batch, chunk, true);
+        let (oh, sh, gh) = op_run::<Flex>(&x, dims, batch, chunk, false);
         let ga = op_autodiff(&x, dims, chunk);
         let (eo, es) = (rel(&host(or), &host(oh)), rel(&host(sr), &host(sh)));
         println!("{dims:?} C={chunk}: o {eo:.2e}, S_T {es:.2e} (reference body vs host recurrence)");

@@ -71,10 +71,11 @@ pub trait Glm5Backend: Backend {
         false
     }
 
-    /// The chunked KDA scan on prepared inputs (`ops::kda_scan` module docs): `q, k, g`
-    /// `[BH, T, dk]`, `v` `[BH, T, dv]`, `β` `[BH, T]`, `h0` `[BH, dk, dv]` (fp32, `T` a
-    /// multiple of `chunk`) → `(O [BH, T, dv], S_T [BH, dk, dv])`. Default: the reference
-    /// tensor ops (with this backend's pair sums); under `Autodiff` its backward is
+    /// The KDA scan on prepared inputs in the model's layout: `q, k, g` `[B, T, H, dk]`, `v`
+    /// `[B, T, H, dv]`, `β` `[B, T, H]`, `h0` `[B, H, dk, dv]` (fp32, normalised and scaled
+    /// `q`/`k`, `T` a multiple of `chunk`) → `(O [B, T, H, dv], S_T [B, H, dk, dv])`. Default:
+    /// the chunked reference of `ops::kda_scan` (heads-major, so transposed in and out; with
+    /// this backend's pair sums and state recurrences); under `Autodiff` its backward is
     /// [`Self::kda_chunk_scan_backward`], not autodiff through the recurrence.
     #[allow(clippy::too_many_arguments)]
     fn kda_chunk_scan(
@@ -86,11 +87,13 @@ pub trait Glm5Backend: Backend {
         h0: FloatTensor<Self>,
         chunk: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (o, s, _) = kda_scan::forward::<Self>(f3(q), f3(k), f3(v), f3(g), f2(beta), f3(h0), chunk);
-        (o.into_primitive().tensor(), s.into_primitive().tensor())
+        let [b, _, h, _] = f4::<Self>(q.clone()).dims();
+        let (o, s, _) = kda_scan::forward::<Self>(heads_major(q), heads_major(k), heads_major(v), heads_major(g), beta_heads_major(beta), f4::<Self>(h0).flatten(0, 1), chunk);
+        let [_, dk, dv] = s.dims();
+        (model_layout(o, b, h).into_primitive().tensor(), s.reshape([b, h, dk, dv]).into_primitive().tensor())
     }
 
-    /// Backward of [`Self::kda_chunk_scan`] for upstream `∂O`, `∂S_T`:
+    /// Backward of [`Self::kda_chunk_scan`] for upstream `∂O`, `∂S_T` (same layouts):
     /// `(∂q, ∂k, ∂v, ∂g, ∂β, ∂h0)`. Default: the reference forward (for its intermediates)
     /// and the closed-form backward of `ops::kda_scan`.
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
@@ -105,10 +108,13 @@ pub trait Glm5Backend: Backend {
         d_final: FloatTensor<Self>,
         chunk: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (_, _, saved) = kda_scan::forward::<Self>(f3(q), f3(k), f3(v), f3(g), f2(beta), f3(h0), chunk);
-        let (dq, dk, dv, dg, db, dh) = kda_scan::backward(saved, f3(d_o), f3(d_final));
-        let p3 = |t: Tensor<Self, 3>| t.into_primitive().tensor();
-        (p3(dq), p3(dk), p3(dv), p3(dg), db.into_primitive().tensor(), p3(dh))
+        let [b, _, h, _] = f4::<Self>(q.clone()).dims();
+        let (_, _, saved) = kda_scan::forward::<Self>(heads_major(q), heads_major(k), heads_major(v), heads_major(g), beta_heads_major(beta), f4::<Self>(h0).flatten(0, 1), chunk);
+        let (dq, dk, dv, dg, db, dh) = kda_scan::backward(saved, heads_major(d_o), f4::<Self>(d_final).flatten(0, 1));
+        let back = |t: Tensor<Self, 3>| model_layout(t, b, h).into_primitive().tensor();
+        let [_, dk_, dv_] = dh.dims();
+        let db = model_layout(db.unsqueeze_dim::<3>(2), b, h).squeeze_dim::<3>(3);
+        (back(dq), back(dk), back(dv), back(dg), db.into_primitive().tensor(), dh.reshape([b, h, dk_, dv_]).into_primitive().tensor())
     }
 
     /// Whether [`Self::kda_chunk_scan`] runs kernels here (CubeCL backends: the state
@@ -297,6 +303,26 @@ pub trait Glm5Backend: Backend {
     }
 }
 
+fn f4<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 4> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// `[B, T, H, d]` → `[B·H, T, d]`.
+fn heads_major<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 3> {
+    f4::<B>(t).swap_dims(1, 2).flatten(0, 1)
+}
+
+/// `β` `[B, T, H]` → `[B·H, T]`.
+fn beta_heads_major<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 2> {
+    f3::<B>(t).swap_dims(1, 2).flatten(0, 1)
+}
+
+/// `[B·H, T, d]` → `[B, T, H, d]`.
+fn model_layout<B: Backend>(t: Tensor<B, 3>, b: usize, h: usize) -> Tensor<B, 4> {
+    let [_, tt, d] = t.dims();
+    t.reshape([b, h, tt, d]).swap_dims(1, 2)
+}
+
 fn f1<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
@@ -305,9 +331,6 @@ fn f3<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 3> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
-fn f4<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 4> {
-    Tensor::from_primitive(TensorPrimitive::Float(t))
-}
 
 fn f2<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 2> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
@@ -327,17 +350,17 @@ pub fn sparse_latent_attention<B: Glm5Backend>(
 /// [`Glm5Backend::kda_chunk_scan`] on tensors: `(O, S_T)`.
 #[allow(clippy::too_many_arguments)]
 pub fn kda_chunk_scan<B: Glm5Backend>(
-    q: Tensor<B, 3>,
-    k: Tensor<B, 3>,
-    v: Tensor<B, 3>,
-    g: Tensor<B, 3>,
-    beta: Tensor<B, 2>,
-    h0: Tensor<B, 3>,
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    g: Tensor<B, 4>,
+    beta: Tensor<B, 3>,
+    h0: Tensor<B, 4>,
     chunk: usize,
-) -> (Tensor<B, 3>, Tensor<B, 3>) {
-    let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let p = |t: Tensor<B, 4>| t.into_primitive().tensor();
     let (o, s) = B::kda_chunk_scan(p(q), p(k), p(v), p(g), beta.into_primitive().tensor(), p(h0), chunk);
-    (f3(o), f3(s))
+    (f4(o), f4(s))
 }
 
 /// [`Glm5Backend::causal_conv1d`] on tensors.
@@ -647,11 +670,13 @@ impl Glm5Backend for Flex {
         h0: FloatTensor<Self>,
         _chunk: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (q, k, v, g, beta, h0) = (host(q), host(k), host(v), host(g), host_n::<2>(beta), host(h0));
-        let d = kda_host::Dims { bh: q.1[0], t: q.1[1], dk: q.1[2], dv: v.1[2] };
+        let (q, k, v, g) = (host_n::<4>(q), host_n::<4>(k), host_n::<4>(v), host_n::<4>(g));
+        let (beta, h0) = (host(beta), host_n::<4>(h0));
+        let [b, t, h, dk] = q.1;
+        let d = kda_host::Dims { b, t, h, dk, dv: v.1[3] };
         let x = kda_host::Inputs { q: &q.0, k: &k.0, v: &v.0, g: &g.0, beta: &beta.0, h0: &h0.0 };
         let (o, s) = kda_host::forward(&x, d);
-        (device_tensor(o, [d.bh, d.t, d.dv]), device_tensor(s, [d.bh, d.dk, d.dv]))
+        (flex_tensor(o, [b, t, h, d.dv]), flex_tensor(s, [b, h, dk, d.dv]))
     }
 
     fn kda_chunk_scan_backward(
@@ -665,14 +690,14 @@ impl Glm5Backend for Flex {
         d_final: FloatTensor<Self>,
         chunk: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (q, k, v, g, beta, h0) = (host(q), host(k), host(v), host(g), host_n::<2>(beta), host(h0));
-        let (d_o, d_final) = (host(d_o), host(d_final));
-        let d = kda_host::Dims { bh: q.1[0], t: q.1[1], dk: q.1[2], dv: v.1[2] };
+        let (q, k, v, g) = (host_n::<4>(q), host_n::<4>(k), host_n::<4>(v), host_n::<4>(g));
+        let (beta, h0, d_o, d_final) = (host(beta), host_n::<4>(h0), host_n::<4>(d_o), host_n::<4>(d_final));
+        let [b, t, h, dk] = q.1;
+        let d = kda_host::Dims { b, t, h, dk, dv: v.1[3] };
         let x = kda_host::Inputs { q: &q.0, k: &k.0, v: &v.0, g: &g.0, beta: &beta.0, h0: &h0.0 };
-        let [dq, dk, dv, dg, db, dh] = kda_host::backward(&x, d, &d_o.0, &d_final.0, chunk);
-        let key = |t| device_tensor(t, [d.bh, d.t, d.dk]);
-        let beta = flex_tensor(db, [d.bh, d.t]);
-        (key(dq), key(dk), device_tensor(dv, [d.bh, d.t, d.dv]), key(dg), beta, device_tensor(dh, [d.bh, d.dk, d.dv]))
+        let [dq, dk_, dv, dg, db, dh] = kda_host::backward(&x, d, &d_o.0, &d_final.0, chunk);
+        let key = |x| flex_tensor(x, [b, t, h, dk]);
+        (key(dq), key(dk_), flex_tensor(dv, [b, t, h, d.dv]), key(dg), flex_tensor(db, [b, t, h]), flex_tensor(dh, [b, h, dk, d.dv]))
     }
 
     fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -1040,7 +1065,7 @@ impl<B: Glm5Backend> Backward<B, 3> for KdaPairSumsBackward {
 #[derive(Debug, Clone)]
 struct KdaScanState<B: Backend> {
     inputs: [FloatTensor<B>; 6],
-    dims: [usize; 4], // bh, t, dk, dv
+    dims: [usize; 5], // b, t, h, dk, dv
     chunk: usize,
 }
 
@@ -1051,10 +1076,11 @@ impl<B: Glm5Backend> Backward<B, 6> for KdaScanBackward {
     type State = KdaScanState<B>;
 
     fn backward(self, ops: Ops<Self::State, 6>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let KdaScanState { inputs, dims: [bh, t, dk, dv], chunk } = ops.state;
+        let KdaScanState { inputs, dims: [b, t, h, dk, dv], chunk } = ops.state;
         let packed = f2::<B>(grads.consume::<B>(&ops.node));
-        let d_o = packed.clone().slice([0..bh, 0..t * dv]).reshape([bh, t, dv]);
-        let d_final = packed.slice([0..bh, t * dv..t * dv + dk * dv]).reshape([bh, dk, dv]);
+        let (no, ns) = (t * h * dv, h * dk * dv);
+        let d_o = packed.clone().slice([0..b, 0..no]).reshape([b, t, h, dv]);
+        let d_final = packed.slice([0..b, no..no + ns]).reshape([b, h, dk, dv]);
         let [q, k, v, g, beta, h0] = inputs;
         let (dq, dk_, dv_, dg, db, dh) =
             B::kda_chunk_scan_backward(q, k, v, g, beta, h0, d_o.into_primitive().tensor(), d_final.into_primitive().tensor(), chunk);
@@ -1124,21 +1150,22 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
         chunk: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         use burn::tensor::TensorMetadata;
-        let [bh, t, dk] = q.primitive.shape().dims::<3>();
-        let dv = v.primitive.shape().dims::<3>()[2];
+        let [b, t, h, dk] = q.primitive.shape().dims::<4>();
+        let dv = v.primitive.shape().dims::<4>()[3];
         let nodes = [&q, &k, &v, &g, &beta, &h0].map(|x| x.node.clone());
         let prims = [&q, &k, &v, &g, &beta, &h0].map(|x| x.primitive.clone());
         let [pq, pk, pv, pg, pb, ph] = prims.clone();
         let (o, s) = B::kda_chunk_scan(pq, pk, pv, pg, pb, ph, chunk);
-        // one tracked output: [BH, T·dv + dk·dv] = (O | S_T), split below
-        let packed = Tensor::cat(vec![f3::<B>(o).reshape([bh, t * dv]), f3::<B>(s).reshape([bh, dk * dv])], 1).into_primitive().tensor();
+        // one tracked output: [B, T·H·dv + H·dk·dv] = (O | S_T), split below
+        let (no, ns) = (t * h * dv, h * dk * dv);
+        let packed = Tensor::cat(vec![f4::<B>(o).reshape([b, no]), f4::<B>(s).reshape([b, ns])], 1).into_primitive().tensor();
         let out = match KdaScanBackward.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish(KdaScanState { inputs: prims, dims: [bh, t, dk, dv], chunk }, packed),
+            OpsKind::Tracked(prep) => prep.finish(KdaScanState { inputs: prims, dims: [b, t, h, dk, dv], chunk }, packed),
             OpsKind::UnTracked(prep) => prep.finish(packed),
         };
         let out = f2::<Self>(out);
-        let o = out.clone().slice([0..bh, 0..t * dv]).reshape([bh, t, dv]);
-        let s = out.slice([0..bh, t * dv..t * dv + dk * dv]).reshape([bh, dk, dv]);
+        let o = out.clone().slice([0..b, 0..no]).reshape([b, t, h, dv]);
+        let s = out.slice([0..b, no..no + ns]).reshape([b, h, dk, dv]);
         (o.into_primitive().tensor(), s.into_primitive().tensor())
     }
 

@@ -39,7 +39,10 @@ pub fn l2norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B
     x / n
 }
 
-/// The reference form of `prepare`'s normalisation: [`l2norm`] (ε = 1e-6) times `scale`.
+/// `prepare`'s normalisation: [`l2norm`] (ε = 1e-6) times `scale`, HF's formula op for op.
+/// (Rewriting it as the fused RMS-norm op, `rms(x; ε/d)/√d`, is equal in exact arithmetic and
+/// no faster here, but its different fp32 rounding, amplified by AdamW over 20 steps, moved the
+/// tiny model's loss curve off the HF fp32 run by 0.7 % in grad norm at step 6, `tests/train.rs`.)
 fn l2_reference<B: Backend>(x: Tensor<B, 4>, scale: f64) -> Tensor<B, 4> {
     let y = l2norm(x, 1e-6);
     if scale == 1.0 {
@@ -49,16 +52,6 @@ fn l2_reference<B: Backend>(x: Tensor<B, 4>, scale: f64) -> Tensor<B, 4> {
     }
 }
 
-/// [`l2norm`] (ε = 1e-6) times `scale`, as the backend's RMS-norm op: `x / sqrt(Σx² + ε)` =
-/// `rms(x; ε/d) / √d`, so one fused pass per row where the backend has one.
-fn l2_op<B: Glm5Backend>(x: Tensor<B, 4>, scale: f64) -> Tensor<B, 4> {
-    let eps = 1e-6;
-    let dims = x.dims();
-    let d = dims[3];
-    let rows = dims[0] * dims[1] * dims[2];
-    let y = super::backend::rms_norm(x.reshape([rows, d]), None, eps / d as f64).reshape(dims);
-    y * (scale / (d as f64).sqrt())
-}
 
 struct Prepared<B: Backend> {
     q: Tensor<B, 4>,
@@ -196,10 +189,7 @@ pub fn kda_chunked<B: Glm5Backend>(
     let dv = v.dims()[3];
     let device = q.device();
     let t_prep = crate::profile::scope("kda scan: prepare");
-    let prepared = match path {
-        PathKind::Kernel => prepare(q, k, v, g, beta, initial_state, l2_op),
-        PathKind::Reference => prepare(q, k, v, g, beta, initial_state, l2_reference),
-    };
+    let prepared = prepare(q, k, v, g, beta, initial_state, l2_reference);
     let (Prepared { q, k, v, g, beta, state }, chunk, tp) = pad_to_chunks(prepared, chunk);
     let n = tp / chunk;
     let (x, c) = (b * h * n, chunk); // every chunk of every head is one batch row
@@ -265,10 +255,11 @@ pub fn kda_chunked<B: Glm5Backend>(
     (o.swap_dims(1, 2).cast(dtype), state.reshape([b, h, dk, dv]))
 }
 
-/// [`kda_chunked`] as one op, [`Glm5Backend::kda_chunk_scan`] (`ops::kda_scan`): the same
-/// forward, with a hand-written backward under `Autodiff` (gradients for q, k, v, g, β and the
-/// initial state) instead of autodiff through the chunk recurrence. Same shapes as
-/// [`kda_chunked`].
+/// [`kda_chunked`] as one op, [`Glm5Backend::kda_chunk_scan`] (`ops::kda_scan`; Flex:
+/// `ops::kda_host`): the same forward, with a hand-written backward under `Autodiff`
+/// (gradients for q, k, v, g, β and the initial state) instead of autodiff through the chunk
+/// recurrence. Inputs stay in the model's `[B, T, H, d]` layout (a backend that wants
+/// heads-major transposes inside the op). Same shapes as [`kda_chunked`].
 pub fn kda_chunked_op<B: Glm5Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -282,10 +273,27 @@ pub fn kda_chunked_op<B: Glm5Backend>(
     let dtype = q.dtype();
     let [b, t, h, dk] = k.dims();
     let dv = v.dims()[3];
-    let (Prepared { q, k, v, g, beta, state }, chunk, tp) = pad_to_chunks(prepare(q, k, v, g, beta, initial_state, l2_op), chunk);
-    let bh = b * h;
-    let flat = |x: Tensor<B, 4>, d: usize| x.reshape([bh, tp, d]);
-    let (o, s) = kda_chunk_scan(flat(q, dk), flat(k, dk), flat(v, dv), flat(g, dk), beta.reshape([bh, tp]), state.reshape([bh, dk, dv]), chunk);
-    let o = o.slice([0..bh, 0..t, 0..dv]).reshape([b, h, t, dv]);
-    (o.swap_dims(1, 2).cast(dtype), s.reshape([b, h, dk, dv]))
+    let device = q.device();
+    let f = |x: Tensor<B, 4>| x.cast(DType::F32);
+    let q = l2_reference(f(q), (dk as f64).powf(-0.5));
+    let k = l2_reference(f(k), 1.0);
+    let state = match initial_state {
+        Some(s) => s.cast(DType::F32),
+        None => Tensor::zeros([b, h, dk, dv], (&device, DType::F32)),
+    };
+    let (v, g, beta) = (f(v), f(g), beta.cast(DType::F32));
+    // whole chunks of inert tokens (k = v = q = 0, β = 0, g = 0: no decay, no write)
+    let chunk = chunk.min(t.max(1));
+    let tp = t.div_ceil(chunk) * chunk;
+    let pad4 = |x: Tensor<B, 4>| {
+        if tp == t {
+            return x;
+        }
+        let d = x.dims()[3];
+        Tensor::cat(vec![x, Tensor::zeros([b, tp - t, h, d], (&device, DType::F32))], 1)
+    };
+    let beta = if tp == t { beta } else { Tensor::cat(vec![beta, Tensor::zeros([b, tp - t, h], (&device, DType::F32))], 1) };
+    let (o, s) = kda_chunk_scan(pad4(q), pad4(k), pad4(v), pad4(g), beta, state, chunk);
+    let o = if tp == t { o } else { o.slice([0..b, 0..t, 0..h, 0..dv]) };
+    (o.cast(dtype), s)
 }

@@ -1,9 +1,10 @@
 //! KDA scan on the host (Flex's [`crate::ops::backend::Glm5Backend::kda_chunk_scan`]): the
 //! token recurrence as fused loops, one thread per head, with a hand-written backward.
 //!
-//! Same inputs and outputs as [`crate::ops::kda_scan`] (`q, k, g` `[BH, T, dk]`, `v`
-//! `[BH, T, dv]`, `β` `[BH, T]`, `h0` `[BH, dk, dv]`, fp32, `q`/`k` already normalised and
-//! scaled). Per token, with `α = e^{g_t}` (`g ≤ 0` in the model) and `S` `[dk, dv]` row-major:
+//! Inputs in the model's layout, as the op takes them (`q, k, g` `[B, T, H, dk]`, `v`
+//! `[B, T, H, dv]`, `β` `[B, T, H]`, `h0` `[B, H, dk, dv]`, fp32, `q`/`k` already normalised
+//! and scaled): a head's tokens are read with a stride, so nothing is transposed. Per token,
+//! with `α = e^{g_t}` (`g ≤ 0` in the model) and `S` `[dk, dv]` row-major:
 //!
 //! ```text
 //! A = α ⊙ S_{t−1} (rows)   κ = Aᵀ k_t   u = β_t (v_t − κ)   S_t = A + k_t uᵀ   o_t = S_tᵀ q_t
@@ -28,22 +29,43 @@
 
 use rayon::prelude::*;
 
-/// Shapes of one scan: `bh` heads of `t` tokens, key width `dk`, value width `dv`.
+/// Shapes of one scan: batch `b`, `t` tokens, `h` heads, key width `dk`, value width `dv`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Dims {
-    pub bh: usize,
+    pub b: usize,
     pub t: usize,
+    pub h: usize,
     pub dk: usize,
     pub dv: usize,
 }
 
-/// One head's inputs.
+/// One head's view of the inputs: token `t`'s row of `q` starts at `q[t · H·dk]`, and so on.
 struct Head<'a> {
     q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
     g: &'a [f32],
     beta: &'a [f32],
+    /// `H`: the stride of β and (times the row width) of the rows.
+    heads: usize,
+}
+
+impl Head<'_> {
+    fn qr(&self, t: usize, dk: usize) -> &[f32] {
+        &self.q[t * self.heads * dk..][..dk]
+    }
+    fn kr(&self, t: usize, dk: usize) -> &[f32] {
+        &self.k[t * self.heads * dk..][..dk]
+    }
+    fn gr(&self, t: usize, dk: usize) -> &[f32] {
+        &self.g[t * self.heads * dk..][..dk]
+    }
+    fn vr(&self, t: usize, dv: usize) -> &[f32] {
+        &self.v[t * self.heads * dv..][..dv]
+    }
+    fn beta(&self, t: usize) -> f32 {
+        self.beta[t * self.heads]
+    }
 }
 
 /// All heads' inputs, flat as in the module docs.
@@ -57,16 +79,33 @@ pub(crate) struct Inputs<'a> {
 }
 
 impl<'a> Inputs<'a> {
+    /// Head `x = b·H + h`.
     fn head(&self, d: Dims, x: usize) -> Head<'a> {
-        let (tk, tv) = (d.t * d.dk, d.t * d.dv);
+        let (bi, hi) = (x / d.h, x % d.h);
+        let (ok, ov) = ((bi * d.t * d.h + hi) * d.dk, (bi * d.t * d.h + hi) * d.dv);
         Head {
-            q: &self.q[x * tk..][..tk],
-            k: &self.k[x * tk..][..tk],
-            v: &self.v[x * tv..][..tv],
-            g: &self.g[x * tk..][..tk],
-            beta: &self.beta[x * d.t..][..d.t],
+            q: &self.q[ok..],
+            k: &self.k[ok..],
+            v: &self.v[ov..],
+            g: &self.g[ok..],
+            beta: &self.beta[bi * d.t * d.h + hi..],
+            heads: d.h,
         }
     }
+}
+
+/// Scatters per-head `[T, w]` rows (head `x = b·H + h`) into `[B, T, H, w]`.
+fn scatter_heads(per_head: &[Vec<f32>], d: Dims, w: usize) -> Vec<f32> {
+    let mut out = vec![0f32; d.b * d.t * d.h * w];
+    out.par_chunks_mut(d.t * d.h * w).enumerate().for_each(|(bi, ob)| {
+        for hi in 0..d.h {
+            let src = &per_head[bi * d.h + hi];
+            for t in 0..d.t {
+                ob[(t * d.h + hi) * w..][..w].copy_from_slice(&src[t * w..][..w]);
+            }
+        }
+    });
+    out
 }
 
 /// One token's step on `s` (`S_{t−1}` in, `S_t` out); leaves `κ` in `kappa`, `u` in `u` and,
@@ -74,7 +113,7 @@ impl<'a> Inputs<'a> {
 #[inline]
 fn step(s: &mut [f32], h: &Head, t: usize, d: Dims, kappa: &mut [f32], u: &mut [f32], o: Option<&mut [f32]>) {
     let (dk, dv) = (d.dk, d.dv);
-    let (k, g) = (&h.k[t * dk..][..dk], &h.g[t * dk..][..dk]);
+    let (k, g) = (h.kr(t, dk), h.gr(t, dk));
     kappa.fill(0.0);
     for i in 0..dk {
         let a = g[i].exp();
@@ -83,11 +122,11 @@ fn step(s: &mut [f32], h: &Head, t: usize, d: Dims, kappa: &mut [f32], u: &mut [
             *kj += k[i] * *sj;
         }
     }
-    let (v, b) = (&h.v[t * dv..][..dv], h.beta[t]);
+    let (v, b) = (h.vr(t, dv), h.beta(t));
     for j in 0..dv {
         u[j] = b * (v[j] - kappa[j]);
     }
-    let q = &h.q[t * dk..][..dk];
+    let q = h.qr(t, dk);
     let mut o = o;
     if let Some(o) = o.as_deref_mut() {
         o.fill(0.0);
@@ -105,44 +144,43 @@ fn step(s: &mut [f32], h: &Head, t: usize, d: Dims, kappa: &mut [f32], u: &mut [
     }
 }
 
-/// Forward: `(o [BH, T, dv], S_T [BH, dk, dv])`.
+/// Forward: `(o [B, T, H, dv], S_T [B, H, dk, dv])`.
 pub(crate) fn forward(x: &Inputs, d: Dims) -> (Vec<f32>, Vec<f32>) {
     let (dk, dv, t) = (d.dk, d.dv, d.t);
-    let mut o = vec![0f32; d.bh * t * dv];
-    let mut fin = x.h0[..d.bh * dk * dv].to_vec();
-    o.par_chunks_mut(t * dv).zip(fin.par_chunks_mut(dk * dv)).enumerate().for_each(|(xi, (o, s))| {
-        let h = x.head(d, xi);
-        let (mut kappa, mut u) = (vec![0f32; dv], vec![0f32; dv]);
-        for ti in 0..t {
-            step(s, &h, ti, d, &mut kappa, &mut u, Some(&mut o[ti * dv..][..dv]));
-        }
-    });
-    (o, fin)
+    let mut fin = x.h0[..d.b * d.h * dk * dv].to_vec();
+    let outs: Vec<Vec<f32>> = fin
+        .par_chunks_mut(dk * dv)
+        .enumerate()
+        .map(|(xi, s)| {
+            let h = x.head(d, xi);
+            let mut o = vec![0f32; t * dv];
+            let (mut kappa, mut u) = (vec![0f32; dv], vec![0f32; dv]);
+            for ti in 0..t {
+                step(s, &h, ti, d, &mut kappa, &mut u, Some(&mut o[ti * dv..][..dv]));
+            }
+            o
+        })
+        .collect();
+    (scatter_heads(&outs, d, dv), fin)
 }
 
-/// Gradients `(∂q, ∂k, ∂v, ∂g, ∂β, ∂h0)` for upstream `∂o` `[BH, T, dv]` and `∂S_T`
-/// `[BH, dk, dv]`; `chunk` sets the checkpoint spacing.
+/// Gradients `(∂q, ∂k, ∂v, ∂g, ∂β, ∂h0)` (in the inputs' layouts) for upstream `∂o`
+/// `[B, T, H, dv]` and `∂S_T` `[B, H, dk, dv]`; `chunk` sets the checkpoint spacing.
 pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk: usize) -> [Vec<f32>; 6] {
     let (dk, dv, t) = (d.dk, d.dv, d.t);
     let chunk = chunk.clamp(1, t.max(1));
     let n = t.div_ceil(chunk);
     let sz = dk * dv;
-    let mut dq = vec![0f32; d.bh * t * dk];
-    let mut dk_ = vec![0f32; d.bh * t * dk];
-    let mut dg = vec![0f32; d.bh * t * dk];
-    let mut dvv = vec![0f32; d.bh * t * dv];
-    let mut db = vec![0f32; d.bh * t];
-    let mut dh = d_final[..d.bh * sz].to_vec();
-    dq.par_chunks_mut(t * dk)
-        .zip(dk_.par_chunks_mut(t * dk))
-        .zip(dg.par_chunks_mut(t * dk))
-        .zip(dvv.par_chunks_mut(t * dv))
-        .zip(db.par_chunks_mut(t))
-        .zip(dh.par_chunks_mut(sz))
+    let mut dh = d_final[..d.b * d.h * sz].to_vec();
+    let per_head: Vec<[Vec<f32>; 5]> = dh
+        .par_chunks_mut(sz)
         .enumerate()
-        .for_each(|(xi, (((((dq, dkk), dg), dv_), db), ds))| {
+        .map(|(xi, ds)| {
             let h = x.head(d, xi);
-            let d_o = &d_o[xi * t * dv..][..t * dv];
+            let (mut dq, mut dkk, mut dg) = (vec![0f32; t * dk], vec![0f32; t * dk], vec![0f32; t * dk]);
+            let (mut dv_, mut db) = (vec![0f32; t * dv], vec![0f32; t]);
+            let o_base = ((xi / d.h) * t * d.h + xi % d.h) * dv;
+            let d_o_row = |ti: usize| &d_o[o_base + ti * d.h * dv..][..dv];
             // states at chunk starts
             let mut starts = vec![0f32; n * sz];
             let mut s = x.h0[xi * sz..][..sz].to_vec();
@@ -170,9 +208,9 @@ pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk:
                     let r = ti - lo;
                     let (s_prev, s_t) = (&states[r * sz..][..sz], &states[(r + 1) * sz..][..sz]);
                     let kap = &kappas[r * dv..][..dv];
-                    let (q, k, g) = (&h.q[ti * dk..][..dk], &h.k[ti * dk..][..dk], &h.g[ti * dk..][..dk]);
-                    let (v, b) = (&h.v[ti * dv..][..dv], h.beta[ti]);
-                    let dot = &d_o[ti * dv..][..dv];
+                    let (q, k, g) = (h.qr(ti, dk), h.kr(ti, dk), h.gr(ti, dk));
+                    let (v, b) = (h.vr(ti, dv), h.beta(ti));
+                    let dot = d_o_row(ti);
                     for j in 0..dv {
                         u[j] = b * (v[j] - kap[j]);
                     }
@@ -215,6 +253,15 @@ pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk:
                     }
                 }
             }
-        });
-    [dq, dk_, dvv, dg, db, dh]
+            [dq, dkk, dg, dv_, db]
+        })
+        .collect();
+    let mut parts: [Vec<Vec<f32>>; 5] = Default::default();
+    for grads in per_head {
+        for (dst, g) in parts.iter_mut().zip(grads) {
+            dst.push(g);
+        }
+    }
+    let [dq, dkk, dg, dv_, db] = parts;
+    [scatter_heads(&dq, d, dk), scatter_heads(&dkk, d, dk), scatter_heads(&dv_, d, dv), scatter_heads(&dg, d, dk), scatter_heads(&db, d, 1), dh]
 }

@@ -9,9 +9,9 @@
 //! ```
 //!
 //! HF `Glm5NextTextRMSNorm` / `Glm5NextTextUnweightedRMSNorm` (statistics in fp32). Used by
-//! every RMSNorm of the text tower, the mHC input norm over `n·D`, and KDA's q/k L2 norm
-//! (`x / sqrt(Σx² + ε) = rms(x; ε/D) / √D`). As tensor ops each is a reduction and two
-//! broadcasting products whose backward reduces again; fused (Flex) it is one pass per row.
+//! every RMSNorm of the text and vision towers and the mHC input norm over `n·D`. As tensor
+//! ops each is a reduction and two broadcasting products whose backward reduces again; fused
+//! (Flex) it is one pass per row.
 
 use burn::tensor::{backend::Backend, Tensor};
 use rayon::prelude::*;
