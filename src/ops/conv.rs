@@ -76,41 +76,42 @@ pub(crate) fn host_forward(x: &[f32], w: &[f32], t: usize, c: usize, taps: usize
 pub(crate) fn host_backward(x: &[f32], w: &[f32], grad: &[f32], t: usize, c: usize, taps: usize) -> (Vec<f32>, Vec<f32>) {
     let wt = transpose(w, c, taps);
     let mut dx = vec![0f32; x.len()];
-    let dwt = dx
+    // per fixed block of rows, then the blocks summed in order: ∂w's rounding does not depend
+    // on the thread count or on scheduling
+    let partials: Vec<Vec<f32>> = dx
         .par_chunks_mut(ROWS * c)
         .enumerate()
-        .fold(
-            || vec![0f32; taps * c],
-            |mut dwt, (blk, d)| {
-                for (r, drow) in d.chunks_mut(c).enumerate() {
-                    let row = blk * ROWS + r;
-                    let ti = row % t;
-                    let gr = &grad[row * c..][..c];
-                    for i in 0..taps {
-                        // ∂x: the output that read this row through tap i
-                        let dst = ti + (taps - 1) - i;
-                        if dst < t {
-                            let g = &grad[(row - ti + dst) * c..][..c];
-                            for ((dv, gv), wv) in drow.iter_mut().zip(g).zip(&wt[i * c..][..c]) {
-                                *dv += wv * gv;
-                            }
+        .map(|(blk, d)| {
+            let mut dwt = vec![0f32; taps * c];
+            for (r, drow) in d.chunks_mut(c).enumerate() {
+                let row = blk * ROWS + r;
+                let ti = row % t;
+                let gr = &grad[row * c..][..c];
+                for i in 0..taps {
+                    // ∂x: the output that read this row through tap i
+                    let dst = ti + (taps - 1) - i;
+                    if dst < t {
+                        let g = &grad[(row - ti + dst) * c..][..c];
+                        for ((dv, gv), wv) in drow.iter_mut().zip(g).zip(&wt[i * c..][..c]) {
+                            *dv += wv * gv;
                         }
-                        // ∂w: this row's output through tap i
-                        if let Some(src) = (ti + i).checked_sub(taps - 1) {
-                            let xs = &x[(row - ti + src) * c..][..c];
-                            for ((acc, gv), xv) in dwt[i * c..][..c].iter_mut().zip(gr).zip(xs) {
-                                *acc += gv * xv;
-                            }
+                    }
+                    // ∂w: this row's output through tap i
+                    if let Some(src) = (ti + i).checked_sub(taps - 1) {
+                        let xs = &x[(row - ti + src) * c..][..c];
+                        for ((acc, gv), xv) in dwt[i * c..][..c].iter_mut().zip(gr).zip(xs) {
+                            *acc += gv * xv;
                         }
                     }
                 }
-                dwt
-            },
-        )
-        .reduce(|| vec![0f32; taps * c], |mut a, b| {
-            a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
-            a
-        });
+            }
+            dwt
+        })
+        .collect();
+    let mut dwt = vec![0f32; taps * c];
+    for p in &partials {
+        dwt.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+    }
     (dx, transpose(&dwt, taps, c))
 }
 

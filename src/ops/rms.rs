@@ -60,16 +60,20 @@ pub(crate) fn host_forward(x: &[f32], w: Option<&[f32]>, d: usize, eps: f32) -> 
     out
 }
 
+/// Rows per parallel block of the backward: fixed, so the weight gradient's partial sums — and
+/// so its rounding — do not depend on the thread count or on scheduling.
+const BLOCK_ROWS: usize = 64;
+
 /// Host backward: `(∂x, ∂w)` over flat rows of width `d`.
 pub(crate) fn host_backward(x: &[f32], w: Option<&[f32]>, grad: &[f32], d: usize, eps: f32) -> (Vec<f32>, Option<Vec<f32>>) {
     let mut dx = grad.to_vec();
-    // per row: ∂x in place and the row's share of ∂w, summed per rayon split
-    let dw = dx
-        .par_chunks_mut(d)
-        .zip(x.par_chunks(d))
-        .fold(
-            || w.map(|_| vec![0f32; d]),
-            |mut acc, (g, xr)| {
+    // ∂x in place per row; the rows' shares of ∂w summed per block, then the blocks in order
+    let partials: Vec<Option<Vec<f32>>> = dx
+        .par_chunks_mut(BLOCK_ROWS * d)
+        .zip(x.par_chunks(BLOCK_ROWS * d))
+        .map(|(gb, xb)| {
+            let mut acc = w.map(|_| vec![0f32; d]);
+            for (g, xr) in gb.chunks_mut(d).zip(xb.chunks(d)) {
                 let r = inv_rms(xr, eps);
                 if let (Some(w), Some(acc)) = (w, acc.as_mut()) {
                     for j in 0..d {
@@ -81,19 +85,17 @@ pub(crate) fn host_backward(x: &[f32], w: Option<&[f32]>, grad: &[f32], d: usize
                 for (gj, xj) in g.iter_mut().zip(xr) {
                     *gj = r * (*gj - xj * r * proj);
                 }
-                acc
-            },
-        )
-        .reduce(
-            || w.map(|_| vec![0f32; d]),
-            |a, b| match (a, b) {
-                (Some(mut a), Some(b)) => {
-                    a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
-                    Some(a)
-                }
-                (a, _) => a,
-            },
-        );
+            }
+            acc
+        })
+        .collect();
+    let dw = w.map(|_| {
+        let mut dw = vec![0f32; d];
+        for p in partials.iter().flatten() {
+            dw.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+        }
+        dw
+    });
     (dx, dw)
 }
 
