@@ -108,6 +108,29 @@ fn scatter_heads(per_head: &[Vec<f32>], d: Dims, w: usize) -> Vec<f32> {
     out
 }
 
+/// `y += a·x`.
+#[inline]
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (yj, xj) in y.iter_mut().zip(x) {
+        *yj += a * xj;
+    }
+}
+
+/// `Σ_j a_j b_j` in 8 independent partial sums (so it vectorises; a fixed order, so the
+/// result does not depend on anything but the inputs).
+#[inline]
+fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
 /// One token's step on `s` (`S_{t−1}` in, `S_t` out); leaves `κ` in `kappa`, `u` in `u` and,
 /// if given, writes `o_t` into `o`.
 #[inline]
@@ -133,13 +156,9 @@ fn step(s: &mut [f32], h: &Head, t: usize, d: Dims, kappa: &mut [f32], u: &mut [
     }
     for i in 0..dk {
         let row = &mut s[i * dv..][..dv];
-        for (sj, uj) in row.iter_mut().zip(u.iter()) {
-            *sj += k[i] * uj;
-        }
+        axpy(row, k[i], u);
         if let Some(o) = o.as_deref_mut() {
-            for (oj, sj) in o.iter_mut().zip(row.iter()) {
-                *oj += q[i] * sj;
-            }
+            axpy(o, q[i], row);
         }
     }
 }
@@ -194,7 +213,7 @@ pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk:
             // per chunk in reverse: the states inside it, then the tokens in reverse
             let mut states = vec![0f32; (chunk + 1) * sz];
             let mut kappas = vec![0f32; chunk * dv];
-            let (mut du, mut dkap) = (vec![0f32; dv], vec![0f32; dv]);
+            let (mut du, mut dkap, mut vmk) = (vec![0f32; dv], vec![0f32; dv], vec![0f32; dv]);
             for c in (0..n).rev() {
                 let (lo, hi) = (c * chunk, ((c + 1) * chunk).min(t));
                 states[..sz].copy_from_slice(&starts[c * sz..][..sz]);
@@ -218,38 +237,26 @@ pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk:
                     du.fill(0.0);
                     for i in 0..dk {
                         let (row, st) = (&mut ds[i * dv..][..dv], &s_t[i * dv..][..dv]);
-                        let (mut acc_q, mut acc_k) = (0f32, 0f32);
-                        for j in 0..dv {
-                            row[j] += q[i] * dot[j];
-                            acc_q += st[j] * dot[j];
-                            acc_k += row[j] * u[j];
-                            du[j] += row[j] * k[i];
-                        }
-                        dq[ti * dk + i] = acc_q;
-                        dkk[ti * dk + i] = acc_k;
+                        axpy(row, q[i], dot);
+                        dq[ti * dk + i] = dot8(st, dot);
+                        dkk[ti * dk + i] = dot8(row, &u);
+                        axpy(&mut du, k[i], row);
                     }
                     // u = β (v − κ)
-                    let mut acc_b = 0f32;
                     for j in 0..dv {
                         dv_[ti * dv + j] = b * du[j];
-                        acc_b += du[j] * (v[j] - kap[j]);
+                        vmk[j] = v[j] - kap[j];
                         dkap[j] = -b * du[j];
                     }
-                    db[ti] = acc_b;
-                    // κ = Aᵀ k and A = α ⊙ S_{t−1}
+                    db[ti] = dot8(&du, &vmk);
+                    // κ = Aᵀ k and A = α ⊙ S_{t−1}:  ∂A = ∂S + k ∂κᵀ,  ∂g = α·rowsum(∂A ⊙ S_{t−1})
                     for i in 0..dk {
                         let a = g[i].exp();
                         let (row, sp) = (&mut ds[i * dv..][..dv], &s_prev[i * dv..][..dv]);
-                        let (mut acc_k, mut acc_g) = (0f32, 0f32);
-                        for j in 0..dv {
-                            let aij = a * sp[j];
-                            let da = row[j] + k[i] * dkap[j];
-                            acc_k += aij * dkap[j];
-                            acc_g += da * aij;
-                            row[j] = a * da;
-                        }
-                        dkk[ti * dk + i] += acc_k;
-                        dg[ti * dk + i] = acc_g;
+                        axpy(row, k[i], &dkap);
+                        dkk[ti * dk + i] += a * dot8(sp, &dkap);
+                        dg[ti * dk + i] = a * dot8(row, sp);
+                        row.iter_mut().for_each(|r| *r *= a);
                     }
                 }
             }
