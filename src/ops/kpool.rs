@@ -14,6 +14,7 @@
 
 use burn::tensor::activation::relu;
 use burn::tensor::{backend::Backend, Tensor};
+use rayon::prelude::*;
 
 /// Pool scores `[B, S, P]` from the indexer's queries `q` `[B, S, H, d]`, head weights `w`
 /// `[B, S, H]` (already × `H^{-1/2}`) and pooled keys `[B, P, d]` (all fp32):
@@ -135,47 +136,56 @@ impl KpoolSelect {
         let budget = self.index_topk / kp;
         let layouts = pool_layouts(mask, batch, seq, kp);
         let mut out = vec![-1i64; batch * seq * width];
-        let mut cand: Vec<(f32, usize)> = Vec::with_capacity(n_pools);
+        // descending score, then ascending pool index: a total order, so the top `budget` is
+        // one set and its order one list, whatever the selection algorithm
+        let order = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
         for (b, lay) in layouts.iter().enumerate() {
             let row_mask = &mask[b * seq..(b + 1) * seq];
             let complete = complete_pools(lay, row_mask, kp);
-            let mut visible_count = 0usize;
-            for t in 0..seq {
-                if row_mask[t] {
-                    visible_count += 1;
-                }
-                if !row_mask[t] {
-                    continue;
-                }
-                let srow = &scores[(b * seq + t) * n_pools..(b * seq + t + 1) * n_pools];
-                cand.clear();
-                for p in 0..n_pools {
-                    if complete[p] && pool_token(lay, kp, p, kp - 1) <= t {
-                        cand.push((srow[p], p));
+            // valid tokens up to and including each position
+            let visible: Vec<usize> = row_mask.iter().scan(0usize, |n, &m| {
+                *n += m as usize;
+                Some(*n)
+            }).collect();
+            // queries are independent: in parallel, each with its own candidate buffer
+            out[b * seq * width..(b + 1) * seq * width].par_chunks_mut(width.max(1)).enumerate().for_each_init(
+                || Vec::with_capacity(n_pools),
+                |cand: &mut Vec<(f32, usize)>, (t, o)| {
+                    if !row_mask[t] {
+                        return;
                     }
-                }
-                // descending score, then ascending pool index
-                cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-                let o = &mut out[(b * seq + t) * width..(b * seq + t + 1) * width];
-                let mut w = 0;
-                for &(_, p) in cand.iter().take(budget) {
-                    for j in 0..kp {
-                        o[w] = pool_token(lay, kp, p, j) as i64;
-                        w += 1;
+                    let srow = &scores[(b * seq + t) * n_pools..(b * seq + t + 1) * n_pools];
+                    cand.clear();
+                    for p in 0..n_pools {
+                        if complete[p] && pool_token(lay, kp, p, kp - 1) <= t {
+                            cand.push((srow[p], p));
+                        }
                     }
-                }
-                if self.always_select_tail {
-                    let tail = visible_count % kp;
-                    let start = lay.first + visible_count - tail;
-                    for j in 0..tail {
-                        let idx = start + j;
-                        if idx < seq && idx <= t && row_mask[idx] {
-                            o[w] = idx as i64;
+                    if cand.len() > budget && budget > 0 {
+                        cand.select_nth_unstable_by(budget - 1, order);
+                    }
+                    cand.truncate(budget);
+                    cand.sort_by(order);
+                    let mut w = 0;
+                    for &(_, p) in cand.iter() {
+                        for j in 0..kp {
+                            o[w] = pool_token(lay, kp, p, j) as i64;
                             w += 1;
                         }
                     }
-                }
-            }
+                    if self.always_select_tail {
+                        let tail = visible[t] % kp;
+                        let start = lay.first + visible[t] - tail;
+                        for j in 0..tail {
+                            let idx = start + j;
+                            if idx < seq && idx <= t && row_mask[idx] {
+                                o[w] = idx as i64;
+                                w += 1;
+                            }
+                        }
+                    }
+                },
+            );
         }
         out
     }
@@ -194,17 +204,27 @@ impl KpoolSelect {
         for (b, lay) in layouts.iter().enumerate() {
             let row_mask = &mask[b * seq..(b + 1) * seq];
             let complete = complete_pools(lay, row_mask, kp);
-            for t in (0..seq).filter(|&t| row_mask[t]) {
-                let srow = &scores[(b * seq + t) * n_pools..(b * seq + t + 1) * n_pools];
-                let mut c: Vec<f32> = (0..n_pools)
-                    .filter(|&p| complete[p] && pool_token(lay, kp, p, kp - 1) <= t)
-                    .map(|p| srow[p])
-                    .collect();
-                if c.len() > budget && budget > 0 {
-                    c.sort_by(|a, b| b.total_cmp(a));
-                    margin = margin.min(c[budget - 1] - c[budget]);
-                }
-            }
+            let row_margin = (0..seq)
+                .into_par_iter()
+                .filter(|&t| row_mask[t])
+                .map(|t| {
+                    let srow = &scores[(b * seq + t) * n_pools..(b * seq + t + 1) * n_pools];
+                    let mut c: Vec<f32> = (0..n_pools)
+                        .filter(|&p| complete[p] && pool_token(lay, kp, p, kp - 1) <= t)
+                        .map(|p| srow[p])
+                        .collect();
+                    if c.len() > budget && budget > 0 {
+                        // the budget-th best and the best rejected score
+                        let (_, last, rest) = c.select_nth_unstable_by(budget - 1, |a, b| b.total_cmp(a));
+                        let last = *last;
+                        let best_rejected = rest.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        last - best_rejected
+                    } else {
+                        f32::INFINITY
+                    }
+                })
+                .reduce(|| f32::INFINITY, f32::min); // min is exact: any order gives the same value
+            margin = margin.min(row_margin);
         }
         margin
     }
