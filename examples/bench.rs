@@ -120,6 +120,7 @@ fn print_profile(total: f64) {
 }
 
 fn main() -> Result<()> {
+    glm5_burn::train::alloc::keep_freed_memory();
     let a = Args::parse();
     if let Some(t) = a.threads {
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("rayon thread pool")?;

@@ -80,6 +80,7 @@ fn anchor(p: &Path, embedded: bool) -> PathBuf {
 }
 
 fn main() -> Result<()> {
+    glm5_burn::train::alloc::keep_freed_memory();
     let args = parse_args()?;
     let embedded = args.recipe.is_none();
     let mut recipe = match &args.recipe {
