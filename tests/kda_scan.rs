@@ -104,7 +104,7 @@ fn op_inputs(bh: usize, t: usize, dk: usize, dv: usize, seed: u64) -> [Vec<f32>;
 
 /// The op on backend `B` (forward and `Glm5Backend` backward, no autodiff), or the reference
 /// body (`kda_scan::forward`/`backward`) when `reference`.
-fn op_run<B: Glm5Backend>(x: &[Vec<f32>; 8], dims: [usize; 4], batch: usize, chunk: usize, reference: bool) -> Outs<B> {
+fn op_run<B: Glm5Backend>(x: &[Vec<f32>; 8], dims: [usize; 4], batch: usize, chunk: usize, reference: bool, resets: &[usize]) -> Outs<B> {
     let [bh, tt, dk, dv] = dims;
     let [q, k, v, g, beta, h0, d_o, d_s] = x;
     let tk = |a: &Vec<f32>| t::<B, 3>(a, [bh, tt, dk]);
@@ -113,7 +113,7 @@ fn op_run<B: Glm5Backend>(x: &[Vec<f32>; 8], dims: [usize; 4], batch: usize, chu
     let h0 = t::<B, 3>(h0, [bh, dk, dv]);
     let (d_o, d_s) = (t::<B, 3>(d_o, [bh, tt, dv]), t::<B, 3>(d_s, [bh, dk, dv]));
     if reference {
-        let (o, s, saved) = kda_scan::forward(q, k, v, g, beta, h0, chunk);
+        let (o, s, saved) = kda_scan::forward(q, k, v, g, beta, h0, chunk, resets);
         let (a, b, c, d, e, f) = kda_scan::backward(saved, d_o, d_s);
         return (o, s, [host(a), host(b), host(c), host(d), host(e), host(f)]);
     }
@@ -129,7 +129,7 @@ fn op_run<B: Glm5Backend>(x: &[Vec<f32>; 8], dims: [usize; 4], batch: usize, chu
     let states = |x: Tensor<B, 3>| x.reshape([batch, bh / batch, dk, dv]);
     let beta_m = beta.reshape([batch, bh / batch, tt]).swap_dims(1, 2);
     let p = |x: Tensor<B, 4>| x.into_primitive().tensor();
-    let (o, s) = kda_chunk_scan(model(q.clone()), model(k.clone()), model(v.clone()), model(g.clone()), beta_m.clone(), states(h0.clone()), chunk);
+    let (o, s) = kda_chunk_scan(model(q.clone()), model(k.clone()), model(v.clone()), model(g.clone()), beta_m.clone(), states(h0.clone()), chunk, resets);
     let (a, b, c, d, e, f) = B::kda_chunk_scan_backward(
         p(model(q)),
         p(model(k)),
@@ -140,6 +140,7 @@ fn op_run<B: Glm5Backend>(x: &[Vec<f32>; 8], dims: [usize; 4], batch: usize, chu
         p(model(d_o)),
         p(states(d_s)),
         chunk,
+        resets,
     );
     let f4 = |x| Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(x));
     let h4 = |x| host(heads_major(f4(x)));
@@ -148,7 +149,7 @@ fn op_run<B: Glm5Backend>(x: &[Vec<f32>; 8], dims: [usize; 4], batch: usize, chu
 }
 
 /// Autodiff through the reference body's forward (its pair terms through the Autodiff op).
-fn op_autodiff(x: &[Vec<f32>; 8], dims: [usize; 4], chunk: usize) -> [Vec<f32>; 6] {
+fn op_autodiff(x: &[Vec<f32>; 8], dims: [usize; 4], chunk: usize, resets: &[usize]) -> [Vec<f32>; 6] {
     let [bh, tt, dk, dv] = dims;
     let [q, k, v, g, beta, h0, d_o, d_s] = x;
     let tk = |a: &Vec<f32>| t::<A, 3>(a, [bh, tt, dk]).require_grad();
@@ -156,7 +157,7 @@ fn op_autodiff(x: &[Vec<f32>; 8], dims: [usize; 4], chunk: usize) -> [Vec<f32>; 
     let v = t::<A, 3>(v, [bh, tt, dv]).require_grad();
     let beta = t::<A, 2>(beta, [bh, tt]).require_grad();
     let h0 = t::<A, 3>(h0, [bh, dk, dv]).require_grad();
-    let (o, s, _) = kda_scan::forward(q.clone(), k.clone(), v.clone(), g.clone(), beta.clone(), h0.clone(), chunk);
+    let (o, s, _) = kda_scan::forward(q.clone(), k.clone(), v.clone(), g.clone(), beta.clone(), h0.clone(), chunk, resets);
     let loss = (o * t::<A, 3>(d_o, [bh, tt, dv])).sum() + (s * t::<A, 3>(d_s, [bh, dk, dv])).sum();
     let gr = loss.backward();
     [host(q.grad(&gr).unwrap()), host(k.grad(&gr).unwrap()), host(v.grad(&gr).unwrap()), host(g.grad(&gr).unwrap()), host(beta.grad(&gr).unwrap()), host(h0.grad(&gr).unwrap())]
@@ -167,9 +168,9 @@ fn reference_scan_body_matches_host_recurrence_and_its_own_autodiff() {
     // [BH, T, dk, dv], B, chunk (T a multiple of the chunk, as the op requires)
     for (dims, batch, chunk, seed) in [([3, 128, 8, 6], 1, 64, 11), ([6, 48, 16, 16], 2, 16, 12), ([1, 5, 4, 3], 1, 5, 13)] {
         let x = op_inputs(dims[0], dims[1], dims[2], dims[3], seed);
-        let (or, sr, gr) = op_run::<Flex>(&x, dims, batch, chunk, true);
-        let (oh, sh, gh) = op_run::<Flex>(&x, dims, batch, chunk, false);
-        let ga = op_autodiff(&x, dims, chunk);
+        let (or, sr, gr) = op_run::<Flex>(&x, dims, batch, chunk, true, &[]);
+        let (oh, sh, gh) = op_run::<Flex>(&x, dims, batch, chunk, false, &[]);
+        let ga = op_autodiff(&x, dims, chunk, &[]);
         let (eo, es) = (rel(&host(or), &host(oh)), rel(&host(sr), &host(sh)));
         println!("{dims:?} C={chunk}: o {eo:.2e}, S_T {es:.2e} (reference body vs host recurrence)");
         assert!(eo <= 1e-5 && es <= 1e-5, "{dims:?}: forward {eo:e} / {es:e}");
@@ -179,4 +180,43 @@ fn reference_scan_body_matches_host_recurrence_and_its_own_autodiff() {
             assert!(e_h <= 1e-5 && e_a <= 1e-6, "{dims:?} {name}: {e_h:e} / {e_a:e}");
         }
     }
+}
+
+/// Packed documents in one scan (`resets`): the reference body and Flex's recurrence agree
+/// with each other and with autodiff through the reference forward (which checks how the
+/// hand-written backward stops gradients at a reset), and the outputs equal one scan per
+/// document (the first from h0, the others from zero).
+#[test]
+fn packed_documents_restart_the_state() {
+    let (bh, tt, dk, dv, chunk) = (2usize, 96usize, 8usize, 6usize, 16usize);
+    let resets = [32usize, 48, 80]; // documents of 32, 16, 32 and 16 tokens
+    let dims = [bh, tt, dk, dv];
+    let x = op_inputs(bh, tt, dk, dv, 21);
+    let (or, sr, gr) = op_run::<Flex>(&x, dims, 1, chunk, true, &resets);
+    let (oh, sh, gh) = op_run::<Flex>(&x, dims, 1, chunk, false, &resets);
+    let ga = op_autodiff(&x, dims, chunk, &resets);
+    let (or, oh) = (host(or), host(oh));
+    let (eo, es) = (rel(&or, &oh), rel(&host(sr), &host(sh)));
+    println!("packed: o {eo:.2e}, S_T {es:.2e} (reference body vs host recurrence)");
+    assert!(eo <= 1e-5 && es <= 1e-5, "packed forward {eo:e} / {es:e}");
+    for (i, name) in ["∂q", "∂k", "∂v", "∂g", "∂β", "∂h0"].iter().enumerate() {
+        let (e_h, e_a) = (rel(&gr[i], &gh[i]), rel(&gr[i], &ga[i]));
+        println!("packed {name}: reference backward vs host recurrence {e_h:.2e}, vs autodiff of the reference forward {e_a:.2e}");
+        assert!(e_h <= 1e-5 && e_a <= 1e-6, "packed {name}: {e_h:e} / {e_a:e}");
+    }
+    // one document at a time, with the reference body
+    let bounds: Vec<usize> = std::iter::once(0).chain(resets).chain(std::iter::once(tt)).collect();
+    let mut worst = 0f32;
+    for (j, w) in bounds.windows(2).enumerate() {
+        let (lo, hi) = (w[0], w[1]);
+        let rows = |a: &Vec<f32>, width: usize| -> Vec<f32> { (0..bh).flat_map(|r| a[(r * tt + lo) * width..(r * tt + hi) * width].to_vec()).collect() };
+        let h0 = if j == 0 { x[5].clone() } else { vec![0.0; bh * dk * dv] };
+        let part = [rows(&x[0], dk), rows(&x[1], dk), rows(&x[2], dv), rows(&x[3], dk), rows(&x[4], 1), h0, rows(&x[6], dv), x[7].clone()];
+        let (o, _, _) = op_run::<Flex>(&part, [bh, hi - lo, dk, dv], 1, chunk, true, &[]);
+        let o = host(o);
+        let packed_part: Vec<f32> = (0..bh).flat_map(|r| oh[(r * tt + lo) * dv..(r * tt + hi) * dv].to_vec()).collect();
+        worst = worst.max(rel(&packed_part, &o));
+    }
+    println!("packed vs one scan per document: {worst:.2e}");
+    assert!(worst <= 1e-5, "packed vs per-document {worst:e}");
 }

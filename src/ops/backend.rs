@@ -9,10 +9,20 @@
 //! | op | reference (default body) | Flex | CubeCL (`Vulkan`, `Cuda`) | `Autodiff<B>` |
 //! |---|---|---|---|---|
 //! | `kda_pair_sums` (+ backward) | gathered tensor ops | fused host loops | kernels | hand-written backward |
-//! | `kda_chunk_scan` (+ backward) | `ops::kda_scan` (batched ops + the two below) | reference | reference body on the kernels | hand-written backward |
+//! | `kda_chunk_scan` (+ backward) | `ops::kda_scan` (batched ops + the two below) | token recurrence, host loops (`ops::kda_host`) | reference body on the kernels | hand-written backward |
 //! | `kda_states_forward` / `_backward` | loops of tensor ops | reference | kernels | (inside the scan op) |
 //! | `sparse_latent_attention` (+ backward) | gather + masked softmax | reference | kernels (online softmax) | hand-written backward |
 //! | `kpool_select` | dense scores + host top-k | reference | kernels (tiled scores, radix select) | no gradient |
+//! | `causal_conv1d` (+ backward) | `ops::conv`: shifted slices | fused host loops | reference | hand-written backward |
+//! | `rms_norm` (+ backward) | `ops::rms` | fused host loops | reference | hand-written backward |
+//! | `hc_collapse`, `hc_post` (+ backwards) | `ops::hc_streams` | fused host loops | reference | hand-written backward |
+//! | `hc_sinkhorn` (+ backward) | `ops::sinkhorn` | fused host loops | reference | hand-written backward |
+//!
+//! The last four exist for the CPU path: as tensor ops they are chains of small broadcasting
+//! ops whose autodiff backward dominated Flex's train step; Flex runs each as one pass (fp32
+//! inputs; other dtypes take the reference ops, keeping their rounding). Every fused form is
+//! tested against its reference and against autodiff through it (`tests/fused_ops.rs`,
+//! `tests/kda_scan.rs`).
 //!
 //! The `has_*_kernel` methods tell the model whether an op is more than its reference here;
 //! the recipe's `model.backend.attn`/`.linear: kernel` uses the op where it is and the
@@ -77,6 +87,10 @@ pub trait Glm5Backend: Backend {
     /// the chunked reference of `ops::kda_scan` (heads-major, so transposed in and out; with
     /// this backend's pair sums and state recurrences); under `Autodiff` its backward is
     /// [`Self::kda_chunk_scan_backward`], not autodiff through the recurrence.
+    ///
+    /// `resets`: sorted token offsets (multiples of `chunk`, > 0) where packed documents
+    /// start — the state restarts from zero there, so documents never share state (`h0`
+    /// applies to the first); the final state is the last document's.
     #[allow(clippy::too_many_arguments)]
     fn kda_chunk_scan(
         q: FloatTensor<Self>,
@@ -86,9 +100,10 @@ pub trait Glm5Backend: Backend {
         beta: FloatTensor<Self>,
         h0: FloatTensor<Self>,
         chunk: usize,
+        resets: &[usize],
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let [b, _, h, _] = f4::<Self>(q.clone()).dims();
-        let (o, s, _) = kda_scan::forward::<Self>(heads_major(q), heads_major(k), heads_major(v), heads_major(g), beta_heads_major(beta), f4::<Self>(h0).flatten(0, 1), chunk);
+        let (o, s, _) = kda_scan::forward::<Self>(heads_major(q), heads_major(k), heads_major(v), heads_major(g), beta_heads_major(beta), f4::<Self>(h0).flatten(0, 1), chunk, resets);
         let [_, dk, dv] = s.dims();
         (model_layout(o, b, h).into_primitive().tensor(), s.reshape([b, h, dk, dv]).into_primitive().tensor())
     }
@@ -107,9 +122,10 @@ pub trait Glm5Backend: Backend {
         d_o: FloatTensor<Self>,
         d_final: FloatTensor<Self>,
         chunk: usize,
+        resets: &[usize],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let [b, _, h, _] = f4::<Self>(q.clone()).dims();
-        let (_, _, saved) = kda_scan::forward::<Self>(heads_major(q), heads_major(k), heads_major(v), heads_major(g), beta_heads_major(beta), f4::<Self>(h0).flatten(0, 1), chunk);
+        let (_, _, saved) = kda_scan::forward::<Self>(heads_major(q), heads_major(k), heads_major(v), heads_major(g), beta_heads_major(beta), f4::<Self>(h0).flatten(0, 1), chunk, resets);
         let (dq, dk, dv, dg, db, dh) = kda_scan::backward(saved, heads_major(d_o), f4::<Self>(d_final).flatten(0, 1));
         let back = |t: Tensor<Self, 3>| model_layout(t, b, h).into_primitive().tensor();
         let [_, dk_, dv_] = dh.dims();
@@ -357,9 +373,10 @@ pub fn kda_chunk_scan<B: Glm5Backend>(
     beta: Tensor<B, 3>,
     h0: Tensor<B, 4>,
     chunk: usize,
+    resets: &[usize],
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
     let p = |t: Tensor<B, 4>| t.into_primitive().tensor();
-    let (o, s) = B::kda_chunk_scan(p(q), p(k), p(v), p(g), beta.into_primitive().tensor(), p(h0), chunk);
+    let (o, s) = B::kda_chunk_scan(p(q), p(k), p(v), p(g), beta.into_primitive().tensor(), p(h0), chunk, resets);
     (f4(o), f4(s))
 }
 
@@ -669,13 +686,14 @@ impl Glm5Backend for Flex {
         beta: FloatTensor<Self>,
         h0: FloatTensor<Self>,
         _chunk: usize,
+        resets: &[usize],
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (q, k, v, g) = (host_n::<4>(q), host_n::<4>(k), host_n::<4>(v), host_n::<4>(g));
         let (beta, h0) = (host(beta), host_n::<4>(h0));
         let [b, t, h, dk] = q.1;
         let d = kda_host::Dims { b, t, h, dk, dv: v.1[3] };
         let x = kda_host::Inputs { q: &q.0, k: &k.0, v: &v.0, g: &g.0, beta: &beta.0, h0: &h0.0 };
-        let (o, s) = kda_host::forward(&x, d);
+        let (o, s) = kda_host::forward(&x, d, resets);
         (flex_tensor(o, [b, t, h, d.dv]), flex_tensor(s, [b, h, dk, d.dv]))
     }
 
@@ -689,13 +707,14 @@ impl Glm5Backend for Flex {
         d_o: FloatTensor<Self>,
         d_final: FloatTensor<Self>,
         chunk: usize,
+        resets: &[usize],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (q, k, v, g) = (host_n::<4>(q), host_n::<4>(k), host_n::<4>(v), host_n::<4>(g));
         let (beta, h0, d_o, d_final) = (host(beta), host_n::<4>(h0), host_n::<4>(d_o), host_n::<4>(d_final));
         let [b, t, h, dk] = q.1;
         let d = kda_host::Dims { b, t, h, dk, dv: v.1[3] };
         let x = kda_host::Inputs { q: &q.0, k: &k.0, v: &v.0, g: &g.0, beta: &beta.0, h0: &h0.0 };
-        let [dq, dk_, dv, dg, db, dh] = kda_host::backward(&x, d, &d_o.0, &d_final.0, chunk);
+        let [dq, dk_, dv, dg, db, dh] = kda_host::backward(&x, d, &d_o.0, &d_final.0, chunk, resets);
         let key = |x| flex_tensor(x, [b, t, h, dk]);
         (key(dq), key(dk_), flex_tensor(dv, [b, t, h, d.dv]), key(dg), flex_tensor(db, [b, t, h]), flex_tensor(dh, [b, h, dk, d.dv]))
     }
@@ -1067,6 +1086,7 @@ struct KdaScanState<B: Backend> {
     inputs: [FloatTensor<B>; 6],
     dims: [usize; 5], // b, t, h, dk, dv
     chunk: usize,
+    resets: Vec<usize>,
 }
 
 #[derive(Debug)]
@@ -1076,14 +1096,14 @@ impl<B: Glm5Backend> Backward<B, 6> for KdaScanBackward {
     type State = KdaScanState<B>;
 
     fn backward(self, ops: Ops<Self::State, 6>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let KdaScanState { inputs, dims: [b, t, h, dk, dv], chunk } = ops.state;
+        let KdaScanState { inputs, dims: [b, t, h, dk, dv], chunk, resets } = ops.state;
         let packed = f2::<B>(grads.consume::<B>(&ops.node));
         let (no, ns) = (t * h * dv, h * dk * dv);
         let d_o = packed.clone().slice([0..b, 0..no]).reshape([b, t, h, dv]);
         let d_final = packed.slice([0..b, no..no + ns]).reshape([b, h, dk, dv]);
         let [q, k, v, g, beta, h0] = inputs;
         let (dq, dk_, dv_, dg, db, dh) =
-            B::kda_chunk_scan_backward(q, k, v, g, beta, h0, d_o.into_primitive().tensor(), d_final.into_primitive().tensor(), chunk);
+            B::kda_chunk_scan_backward(q, k, v, g, beta, h0, d_o.into_primitive().tensor(), d_final.into_primitive().tensor(), chunk, &resets);
         for (node, grad) in ops.parents.into_iter().zip([dq, dk_, dv_, dg, db, dh]) {
             if let Some(node) = node {
                 grads.register::<B>(node.id, grad);
@@ -1148,6 +1168,7 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
         beta: FloatTensor<Self>,
         h0: FloatTensor<Self>,
         chunk: usize,
+        resets: &[usize],
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         use burn::tensor::TensorMetadata;
         let [b, t, h, dk] = q.primitive.shape().dims::<4>();
@@ -1155,12 +1176,12 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
         let nodes = [&q, &k, &v, &g, &beta, &h0].map(|x| x.node.clone());
         let prims = [&q, &k, &v, &g, &beta, &h0].map(|x| x.primitive.clone());
         let [pq, pk, pv, pg, pb, ph] = prims.clone();
-        let (o, s) = B::kda_chunk_scan(pq, pk, pv, pg, pb, ph, chunk);
+        let (o, s) = B::kda_chunk_scan(pq, pk, pv, pg, pb, ph, chunk, resets);
         // one tracked output: [B, T·H·dv + H·dk·dv] = (O | S_T), split below
         let (no, ns) = (t * h * dv, h * dk * dv);
         let packed = Tensor::cat(vec![f4::<B>(o).reshape([b, no]), f4::<B>(s).reshape([b, ns])], 1).into_primitive().tensor();
         let out = match KdaScanBackward.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish(KdaScanState { inputs: prims, dims: [b, t, h, dk, dv], chunk }, packed),
+            OpsKind::Tracked(prep) => prep.finish(KdaScanState { inputs: prims, dims: [b, t, h, dk, dv], chunk, resets: resets.to_vec() }, packed),
             OpsKind::UnTracked(prep) => prep.finish(packed),
         };
         let out = f2::<Self>(out);

@@ -269,6 +269,25 @@ pub fn kda_chunked_op<B: Glm5Backend>(
     initial_state: Option<Tensor<B, 4>>,
     chunk: usize,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    kda_packed_op(q, k, v, g, beta, initial_state, chunk, &[])
+}
+
+/// [`kda_chunked_op`] over packed documents in one row (`cu_seqlens`-style varlen): `resets`
+/// are the token offsets where documents start (each a multiple of `chunk`, documents padded
+/// to whole chunks by the caller with inert tokens, β = g = 0); the state restarts from zero
+/// at each, so documents never share state, in one scan for the whole row. The final state
+/// is the last document's.
+#[allow(clippy::too_many_arguments)]
+pub fn kda_packed_op<B: Glm5Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    g: Tensor<B, 4>,
+    beta: Tensor<B, 3>,
+    initial_state: Option<Tensor<B, 4>>,
+    chunk: usize,
+    resets: &[usize],
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
     assert!(chunk > 0, "KDA chunk size must be positive");
     let dtype = q.dtype();
     let [b, t, h, dk] = k.dims();
@@ -293,7 +312,7 @@ pub fn kda_chunked_op<B: Glm5Backend>(
         Tensor::cat(vec![x, Tensor::zeros([b, tp - t, h, d], (&device, DType::F32))], 1)
     };
     let beta = if tp == t { beta } else { Tensor::cat(vec![beta, Tensor::zeros([b, tp - t, h], (&device, DType::F32))], 1) };
-    let (o, s) = kda_chunk_scan(pad4(q), pad4(k), pad4(v), pad4(g), beta, state, chunk);
+    let (o, s) = kda_chunk_scan(pad4(q), pad4(k), pad4(v), pad4(g), beta, state, chunk, resets);
     let o = if tp == t { o } else { o.slice([0..b, 0..t, 0..h, 0..dv]) };
     (o.cast(dtype), s)
 }

@@ -163,8 +163,9 @@ fn step(s: &mut [f32], h: &Head, t: usize, d: Dims, kappa: &mut [f32], u: &mut [
     }
 }
 
-/// Forward: `(o [B, T, H, dv], S_T [B, H, dk, dv])`.
-pub(crate) fn forward(x: &Inputs, d: Dims) -> (Vec<f32>, Vec<f32>) {
+/// Forward: `(o [B, T, H, dv], S_T [B, H, dk, dv])`. The state restarts from zero before
+/// every token in `resets` (packed documents).
+pub(crate) fn forward(x: &Inputs, d: Dims, resets: &[usize]) -> (Vec<f32>, Vec<f32>) {
     let (dk, dv, t) = (d.dk, d.dv, d.t);
     let mut fin = x.h0[..d.b * d.h * dk * dv].to_vec();
     let outs: Vec<Vec<f32>> = fin
@@ -175,6 +176,9 @@ pub(crate) fn forward(x: &Inputs, d: Dims) -> (Vec<f32>, Vec<f32>) {
             let mut o = vec![0f32; t * dv];
             let (mut kappa, mut u) = (vec![0f32; dv], vec![0f32; dv]);
             for ti in 0..t {
+                if resets.binary_search(&ti).is_ok() {
+                    s.fill(0.0);
+                }
                 step(s, &h, ti, d, &mut kappa, &mut u, Some(&mut o[ti * dv..][..dv]));
             }
             o
@@ -184,8 +188,11 @@ pub(crate) fn forward(x: &Inputs, d: Dims) -> (Vec<f32>, Vec<f32>) {
 }
 
 /// Gradients `(∂q, ∂k, ∂v, ∂g, ∂β, ∂h0)` (in the inputs' layouts) for upstream `∂o`
-/// `[B, T, H, dv]` and `∂S_T` `[B, H, dk, dv]`; `chunk` sets the checkpoint spacing.
-pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk: usize) -> [Vec<f32>; 6] {
+/// `[B, T, H, dv]` and `∂S_T` `[B, H, dk, dv]`; `chunk` sets the checkpoint spacing. With
+/// `resets` as in [`forward`]: a token after a reset reads a zero state, and no gradient
+/// flows back across it.
+pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk: usize, resets: &[usize]) -> [Vec<f32>; 6] {
+    let reset = |ti: usize| resets.binary_search(&ti).is_ok();
     let (dk, dv, t) = (d.dk, d.dv, d.t);
     let chunk = chunk.clamp(1, t.max(1));
     let n = t.div_ceil(chunk);
@@ -207,9 +214,15 @@ pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk:
             for c in 0..n {
                 starts[c * sz..][..sz].copy_from_slice(&s);
                 for ti in c * chunk..((c + 1) * chunk).min(t) {
+                    if reset(ti) {
+                        s.fill(0.0);
+                    }
                     step(&mut s, &h, ti, d, &mut kappa, &mut u, None);
                 }
             }
+            // states[r] is S after token lo + r − 1; the state token lo + r reads is that, or
+            // zero after a reset
+            let zero = vec![0f32; sz];
             // per chunk in reverse: the states inside it, then the tokens in reverse
             let mut states = vec![0f32; (chunk + 1) * sz];
             let mut kappas = vec![0f32; chunk * dv];
@@ -220,12 +233,13 @@ pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk:
                 for ti in lo..hi {
                     let r = ti - lo;
                     let (prev, next) = states.split_at_mut((r + 1) * sz);
-                    next[..sz].copy_from_slice(&prev[r * sz..]);
+                    next[..sz].copy_from_slice(if reset(ti) { &zero } else { &prev[r * sz..] });
                     step(&mut next[..sz], &h, ti, d, &mut kappas[r * dv..][..dv], &mut u, None);
                 }
                 for ti in (lo..hi).rev() {
                     let r = ti - lo;
-                    let (s_prev, s_t) = (&states[r * sz..][..sz], &states[(r + 1) * sz..][..sz]);
+                    let s_prev = if reset(ti) { &zero[..] } else { &states[r * sz..][..sz] };
+                    let s_t = &states[(r + 1) * sz..][..sz];
                     let kap = &kappas[r * dv..][..dv];
                     let (q, k, g) = (h.qr(ti, dk), h.kr(ti, dk), h.gr(ti, dk));
                     let (v, b) = (h.vr(ti, dv), h.beta(ti));
@@ -257,6 +271,10 @@ pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk:
                         dkk[ti * dk + i] += a * dot8(sp, &dkap);
                         dg[ti * dk + i] = a * dot8(row, sp);
                         row.iter_mut().for_each(|r| *r *= a);
+                    }
+                    if reset(ti) {
+                        // the state before the reset reaches nothing after it
+                        ds.fill(0.0);
                     }
                 }
             }

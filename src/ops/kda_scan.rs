@@ -159,6 +159,18 @@ pub struct ScanSaved<B: Backend> {
     /// `V'_i`, `[bh, n, C, dv]`.
     pub v_new: Tensor<B, 4>,
     pub chunk: usize,
+    /// `[bh·n, 1, 1]`: 0 on a packed document's last chunk, 1 elsewhere (`None`: one document).
+    pub keep: Option<Tensor<B, 3>>,
+}
+
+/// Per chunk of every head, `[bh·n, 1, 1]`: 0 where the next chunk starts a new document.
+fn keep_mask<B: Backend>(bh: usize, n: usize, c: usize, resets: &[usize], device: &B::Device) -> Option<Tensor<B, 3>> {
+    if resets.is_empty() {
+        return None;
+    }
+    let per_head: Vec<f32> = (0..n).map(|i| if resets.contains(&((i + 1) * c)) { 0.0 } else { 1.0 }).collect();
+    let all: Vec<f32> = (0..bh).flat_map(|_| per_head.iter().copied()).collect();
+    Some(Tensor::<B, 1>::from_data(TensorData::new(all, [bh * n]), device).reshape([bh * n, 1, 1]))
 }
 
 /// Forward (module docs): `(O [BH, T, dv], S_n [BH, dk, dv], saved)`.
@@ -170,11 +182,13 @@ pub fn forward<B: Glm5Backend>(
     beta: Tensor<B, 2>,
     h0: Tensor<B, 3>,
     chunk: usize,
+    resets: &[usize],
 ) -> (Tensor<B, 3>, Tensor<B, 3>, ScanSaved<B>) {
     let [bh, t, dk] = k.dims();
     let dv = v.dims()[2];
     let c = chunk;
     assert!(c > 0 && t % c == 0, "kda_chunk_scan: T = {t} is not a multiple of the chunk {c}");
+    assert!(resets.iter().all(|&r| r > 0 && r < t && r % c == 0), "kda_chunk_scan: document starts {resets:?} must be chunk multiples inside (0, {t})");
     let n = t / c;
     let device = q.device();
     let x = bh * n;
@@ -191,8 +205,14 @@ pub fn forward<B: Glm5Backend>(
     let u = tm.clone().matmul(v.clone() * beta.clone());
     let qg = q.clone() * e;
     let g_last = last_in_chunk(&gam); // [x, 1, dk]
-    let kd = k.clone() * (g_last.clone() - gam.clone()).exp();
-    let a = g_last.exp().reshape([x, dk, 1]);
+    let mut kd = k.clone() * (g_last.clone() - gam.clone()).exp();
+    let mut a = g_last.exp().reshape([x, dk, 1]);
+    // a document's last chunk hands nothing on: S_{i+1} = 0·S_i + 0ᵀV'_i restarts the state
+    let keep = keep_mask::<B>(bh, n, c, resets, &device);
+    if let Some(keep) = &keep {
+        kd = kd * keep.clone();
+        a = a * keep.clone();
+    }
 
     let per = |t: Tensor<B, 3>, r: usize, d: usize| t.reshape([bh, n, r, d]);
     let (w, u, qg, kd, p, a) = (per(w, c, dk), per(u, c, dv), per(qg, c, dk), per(kd, c, dk), per(p, c, c), per(a, dk, 1));
@@ -215,6 +235,7 @@ pub fn forward<B: Glm5Backend>(
         states,
         v_new,
         chunk: c,
+        keep,
     };
     (o, s, saved)
 }
@@ -227,7 +248,7 @@ pub fn backward<B: Glm5Backend>(
     d_o: Tensor<B, 3>,
     d_final: Tensor<B, 3>,
 ) -> (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 2>, Tensor<B, 3>) {
-    let ScanSaved { q, k, v, beta, gam, sums, t: tm, w, qg, kd, a, p, states, v_new, chunk: c } = saved;
+    let ScanSaved { q, k, v, beta, gam, sums, t: tm, w, qg, kd, a, p, states, v_new, chunk: c, keep } = saved;
     let [bh, n, _, dk] = w.dims();
     let dv = v.dims()[2];
     let x = bh * n;
@@ -239,7 +260,10 @@ pub fn backward<B: Glm5Backend>(
     let tr = |t: Tensor<B, 4>| t.swap_dims(2, 3);
     let dp = per(d_o.clone().matmul(tr(v_new.clone())), c, c);
     let dqg = per(d_o.matmul(tr(states.clone())), c, dk);
-    let dkd = per(v_new.matmul(tr(ds_next.clone())), c, dk);
+    let mut dkd = per(v_new.matmul(tr(ds_next.clone())), c, dk);
+    if let Some(keep) = keep {
+        dkd = dkd * keep; // Kd was masked in the forward; `a` is, and carries its zero into ∂Γ
+    }
     let da = per((states.clone() * ds_next).sum_dim(3), dk, 1);
     let dw = per(d_vn.clone().matmul(tr(states)).neg(), c, dk);
     let du = per(d_vn, c, dv);

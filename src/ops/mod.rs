@@ -10,10 +10,13 @@
 //!   deterministic ties).
 //! * [`sparse_attn`]: MLA over the selected indices, dense-masked and absorbed-latent sparse,
 //!   and the absorbed core as a flat op (`latent_reference`) with its closed-form backward.
+//! * [`conv`], [`rms`], [`hc_streams`], [`sinkhorn`]: KDA's short convolution, RMS
+//!   normalisation, mHC's stream collapse/update and its Sinkhorn mixing matrix, each a
+//!   reference tensor-op form with a closed-form backward and a fused host form for Flex.
 //! * [`backend`]: [`backend::Glm5Backend`], the custom-op trait: ops whose default bodies are
-//!   reference paths and which a backend overrides (Flex: KDA's pair sums as fused loops;
-//!   CubeCL backends: the `glm5-cubecl-kernels` kernels), with hand-written backwards under
-//!   `Autodiff`. [`PathKind`] selects, per forward pass, the op or the reference.
+//!   reference paths and which a backend overrides (Flex: KDA's scan as a host recurrence,
+//!   its pair sums and the ops above as fused loops; CubeCL backends: the
+//!   `glm5-cubecl-kernels` kernels), with hand-written backwards under `Autodiff`. [`PathKind`] selects, per forward pass, the op or the reference.
 
 pub mod backend;
 pub mod conv;

@@ -21,11 +21,11 @@
 use burn::module::{Initializer, Module, Param};
 use burn::nn::Linear;
 use burn::tensor::activation::{sigmoid, softplus};
-use burn::tensor::{backend::Backend, DType, Tensor};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
 use super::mlp::linear;
 use super::norm::GatedRmsNorm;
-use super::{ForwardOptions, KdaImpl, TokenMask};
+use super::{ForwardOptions, KdaImpl, PathKind, TokenMask};
 use crate::config::{Activation, TextConfig};
 use crate::ops::backend::{causal_conv1d, Glm5Backend};
 use crate::ops::kda::{kda_chunked, kda_recurrent};
@@ -119,13 +119,18 @@ impl<B: Backend> KdaAttention<B> {
         }
     }
 
-    /// `u` `[B, T, D]` → `[B, T, D]`. Packed documents are scanned separately, each from a
-    /// zero state and a zero conv window.
+    /// `u` `[B, T, D]` → `[B, T, D]`. Packed documents each start from a zero state and a
+    /// zero conv window: on the `kernel` path of the chunked form all documents of the row go
+    /// through one scan ([`Self::forward_packed`], `cu_seqlens`-style), otherwise one forward
+    /// per document (the reference).
     pub fn forward(&self, u: Tensor<B, 3>, mask: &TokenMask<B>, opts: &ForwardOptions) -> Tensor<B, 3>
     where
         B: Glm5Backend,
     {
         match &mask.documents {
+            Some(docs) if docs.len() > 1 && opts.linear_path == PathKind::Kernel && matches!(opts.kda, KdaImpl::Chunked(_)) => {
+                self.forward_packed(u, docs, opts)
+            }
             Some(docs) => {
                 let [_, _, d] = u.dims();
                 let device = u.device();
@@ -140,6 +145,71 @@ impl<B: Backend> KdaAttention<B> {
             }
             None => self.forward_with_state(u, mask, opts, None).0,
         }
+    }
+
+    /// Packed documents of a `B = 1` row in one pass: every document is laid out in its own
+    /// chunk-aligned segment followed by at least `W − 1` zero tokens (so the short conv of
+    /// the next document starts from zeros), with β = g = 0 on the padding (inert: no write,
+    /// no decay), and the scan restarts its state at every segment
+    /// ([`crate::ops::kda::kda_packed_op`]). Projections and gates run once over the row.
+    /// Same result as one [`Self::forward_with_state`] per document, up to rounding
+    /// (`tests/packing.rs`).
+    pub fn forward_packed(&self, u: Tensor<B, 3>, docs: &[std::ops::Range<usize>], opts: &ForwardOptions) -> Tensor<B, 3>
+    where
+        B: Glm5Backend,
+    {
+        let KdaImpl::Chunked(chunk) = opts.kda else {
+            unreachable!("forward_packed is the chunked form's path")
+        };
+        let [_, s, d] = u.dims();
+        let (h, hd) = (self.num_heads, self.head_dim);
+        let taps = self.q_conv1d.weight.dims()[1];
+        let device = u.device();
+        let dtype = u.dtype();
+        // the padded layout: token sources (s = the appended zero row), document starts, and
+        // where each packed token lands
+        let (mut src, mut resets, mut back) = (Vec::new(), Vec::new(), vec![0i64; s]);
+        for r in docs {
+            let start = src.len();
+            if start > 0 {
+                resets.push(start);
+            }
+            let seg = (r.len() + taps - 1).div_ceil(chunk) * chunk;
+            for j in 0..seg {
+                if j < r.len() {
+                    back[r.start + j] = (start + j) as i64;
+                    src.push((r.start + j) as i64);
+                } else {
+                    src.push(s as i64);
+                }
+            }
+        }
+        let sp = src.len();
+        let real: Vec<f32> = src.iter().map(|&i| if (i as usize) < s { 1.0 } else { 0.0 }).collect();
+        let src = Tensor::<B, 1, Int>::from_data(TensorData::new(src, [sp]), &device);
+        let back = Tensor::<B, 1, Int>::from_data(TensorData::new(back, [s]), &device);
+        let real = Tensor::<B, 1>::from_data(TensorData::new(real, [sp]), &device);
+
+        let t_in = crate::profile::scope("kda: projections, conv, gates");
+        let flat = u.clone().reshape([s, d]);
+        let u_pad = Tensor::cat(vec![flat, Tensor::zeros([1, d], (&device, dtype))], 0).select(0, src).reshape([1, sp, d]);
+        let branch = |proj: &Linear<B>, conv: &DepthwiseConv<B>| {
+            let x = conv.forward(proj.forward(u_pad.clone()));
+            self.act.apply(x).cast(dtype).reshape([1, sp, h, hd])
+        };
+        let q = branch(&self.q_proj, &self.q_conv1d);
+        let k = branch(&self.k_proj, &self.k_conv1d);
+        let v = branch(&self.v_proj, &self.v_conv1d);
+        // padding is inert: g = 0 (no decay) and β = 0 (no write)
+        let g = self.forget_gate(u_pad.clone()) * real.clone().reshape([1, sp, 1, 1]);
+        let beta = sigmoid(self.b_proj.forward(u_pad)) * real.reshape([1, sp, 1]).cast(dtype);
+        drop(t_in);
+        let (o, _) = crate::ops::kda::kda_packed_op(q, k, v, g, beta, None, chunk, &resets);
+        let o = o.reshape([sp, h * hd]).select(0, back).reshape([1, s, h, hd]);
+        let _t_out = crate::profile::scope("kda: output gate, norm, o_proj");
+        let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([1, s, h, hd]);
+        let o = self.o_norm.forward(o, gate).reshape([1, s, h * hd]);
+        self.o_proj.forward(o)
     }
 
     /// Like [`Self::forward`], starting from a recurrent state `[B, H, d, d]` (fp32) and
