@@ -378,12 +378,20 @@ fn tiny_model_kernel_paths_match_reference_paths() {
 
 #[test]
 fn kda_scan_with_state_kernels_matches_reference() {
-    use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op};
+    use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op, kda_packed_op};
     use glm5_burn::PathKind;
     // Autodiff<Vulkan> through the scan op (pair-term and state-recurrence kernels, hand-written
     // backward) against Autodiff<Flex> through the chunked reference form (gathered pair terms,
-    // autodiff through the recurrence): outputs, final state and every gradient.
-    for (b, s, h, dk, dv, chunk, seed) in [(2usize, 150usize, 2usize, 8usize, 6usize, 64usize, 1u64), (1, 67, 3, 16, 16, 16, 2), (1, 300, 2, 32, 32, 64, 3)] {
+    // autodiff through the recurrence): outputs, final state and every gradient. The last case
+    // packs three documents into the row (`resets`): there the reference is Flex's host
+    // recurrence with the same resets (itself checked against per-document scans in
+    // `tests/kda_scan.rs`).
+    for (b, s, h, dk, dv, chunk, seed, resets) in [
+        (2usize, 150usize, 2usize, 8usize, 6usize, 64usize, 1u64, &[][..]),
+        (1, 67, 3, 16, 16, 16, 2, &[]),
+        (1, 300, 2, 32, 32, 64, 3, &[]),
+        (1, 160, 2, 16, 16, 32, 4, &[32usize, 96][..]),
+    ] {
         let mut r = Rng(seed);
         let q = r.vec(b * s * h * dk, 1.0);
         let k = r.vec(b * s * h * dk, 1.0);
@@ -397,6 +405,7 @@ fn kda_scan_with_state_kernels_matches_reference() {
             ins: [&[f32]; 8],
             d: [usize; 6],
             op: bool,
+            resets: &[usize],
         ) -> Vec<Vec<f32>> {
             let [b, s, h, dk, dv, chunk] = d;
             let q = t::<B, 4>(ins[0], [b, s, h, dk]).require_grad();
@@ -406,7 +415,9 @@ fn kda_scan_with_state_kernels_matches_reference() {
             let beta = t::<B, 3>(ins[4], [b, s, h]).require_grad();
             let h0 = t::<B, 4>(ins[5], [b, h, dk, dv]).require_grad();
             let args = (q.clone(), k.clone(), v.clone(), g.clone(), beta.clone(), Some(h0.clone()));
-            let (o, st) = if op {
+            let (o, st) = if !resets.is_empty() {
+                kda_packed_op(args.0, args.1, args.2, args.3, args.4, args.5, chunk, resets)
+            } else if op {
                 kda_chunked_op(args.0, args.1, args.2, args.3, args.4, args.5, chunk)
             } else {
                 kda_chunked(args.0, args.1, args.2, args.3, args.4, args.5, chunk, PathKind::Reference)
@@ -425,8 +436,8 @@ fn kda_scan_with_state_kernels_matches_reference() {
         }
         let ins: [&[f32]; 8] = [&q, &k, &v, &g, &beta, &h0, &wo, &ws];
         let d = [b, s, h, dk, dv, chunk];
-        let kern = run::<Autodiff<V>>(ins, d, true);
-        let refr = run::<Autodiff<Flex>>(ins, d, false);
+        let kern = run::<Autodiff<V>>(ins, d, true, resets);
+        let refr = run::<Autodiff<Flex>>(ins, d, false, resets);
         for (name, (a, e)) in ["o", "S_T", "∂q", "∂k", "∂v", "∂g", "∂β", "∂h0"].iter().zip(kern.iter().zip(&refr)) {
             let err = rel(a, e);
             println!("kda scan {d:?}: {name} kernels vs reference {err:.2e}");

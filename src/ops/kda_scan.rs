@@ -174,6 +174,7 @@ fn keep_mask<B: Backend>(bh: usize, n: usize, c: usize, resets: &[usize], device
 }
 
 /// Forward (module docs): `(O [BH, T, dv], S_n [BH, dk, dv], saved)`.
+#[allow(clippy::too_many_arguments)]
 pub fn forward<B: Glm5Backend>(
     q: Tensor<B, 3>,
     k: Tensor<B, 3>,
