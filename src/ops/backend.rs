@@ -133,8 +133,9 @@ pub trait Glm5Backend: Backend {
         (back(dq), back(dk), back(dv), back(dg), db.into_primitive().tensor(), dh.reshape([b, h, dk_, dv_]).into_primitive().tensor())
     }
 
-    /// Whether [`Self::kda_chunk_scan`] runs kernels here (CubeCL backends: the state
-    /// recurrences below); the model then takes the scan op for KDA's `kernel` path.
+    /// Whether [`Self::kda_chunk_scan`] is more than its reference here (CubeCL backends: the
+    /// state recurrences below as kernels; Flex: the fused host recurrence); the model then
+    /// takes the scan op for KDA's `kernel` path.
     fn has_kda_scan_kernel() -> bool {
         false
     }

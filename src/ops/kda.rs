@@ -165,9 +165,10 @@ pub fn kda_recurrent<B: Backend>(
 /// `Σ_c x_rc k_sc e^{Γ_rc−Γ_sc}` are formed pair by pair, as the reference forms them, for the
 /// causal pairs `s ≤ r` only: with `path = Kernel` by the backend op
 /// [`Glm5Backend::kda_pair_sums`] (Flex: fused loops; CubeCL backends: a kernel), otherwise
-/// by the gathered tensor-op form [`reference::kda_pair_sums`]. On a backend with scan kernels
-/// ([`Glm5Backend::has_kda_scan_kernel`]: CubeCL) `path = Kernel` runs [`kda_chunked_op`]
-/// instead: the same math as one op, whose state recurrences are kernels.
+/// by the gathered tensor-op form [`reference::kda_pair_sums`]. On a backend with a scan op
+/// ([`Glm5Backend::has_kda_scan_kernel`]: CubeCL, whose state recurrences are kernels, and
+/// Flex, whose scan is the fused host recurrence) `path = Kernel` runs [`kda_chunked_op`]
+/// instead: the same result as one op with a hand-written backward.
 #[allow(clippy::too_many_arguments)]
 pub fn kda_chunked<B: Glm5Backend>(
     q: Tensor<B, 4>,
