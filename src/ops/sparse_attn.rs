@@ -134,7 +134,7 @@ pub fn latent_reference_backward<B: Backend>(
 
 /// Per-entry gradients `[N, W, R]` (f32) summed into the `m` rows of `kv` they belong to;
 /// `rows` `[N, W]` holds each entry's row, `m` (a spare row, dropped) for invalid entries
-/// (as [`valid_rows`] with `dummy = m` gives them). Shared by the reference backward and the
+/// (as `valid_rows` with `dummy = m` gives them). Shared by the reference backward and the
 /// CubeCL backend, whose kernel returns such partials instead of using float atomics.
 pub fn scatter_entries<B: Backend>(partials: Tensor<B, 3>, rows: Tensor<B, 2, Int>, m: usize) -> Tensor<B, 2> {
     let [n, w, r] = partials.dims();
@@ -143,7 +143,7 @@ pub fn scatter_entries<B: Backend>(partials: Tensor<B, 3>, rows: Tensor<B, 2, In
         .slice([0..m, 0..r])
 }
 
-/// [`valid_rows`] for the CubeCL backward: each entry's row, `m` where it has none.
+/// `valid_rows` for the CubeCL backward: each entry's row, `m` where it has none.
 pub fn entry_rows<B: Backend>(idx: Tensor<B, 2, Int>, m: usize) -> Tensor<B, 2, Int> {
     valid_rows(idx, m, m as i64).1
 }
