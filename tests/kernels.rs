@@ -554,3 +554,64 @@ fn kda_pair_sums_match_float64() {
         assert!(e.iter().all(|e| *e <= 1e-5), "{name}: {e:?}");
     }
 }
+
+/// The indexer's pooled keys: kernel against the reference on Vulkan and on Flex and against
+/// a float64 evaluation of the HF formula, with full, left-padded (pools anchored at the first
+/// valid token), all-padding (every member clamped to the last position) rows, a partial last
+/// pool, and gate logits large enough that the softmax is far from uniform; then half inputs.
+#[test]
+fn kpool_compress_matches_reference() {
+    for (b, s, d, kp, seed) in [(3, 37, 8, 4, 1), (2, 300, 32, 16, 2), (1, 9, 5, 1, 3), (1, 2048, 64, 4, 4)] {
+        let mut rng = Rng(seed);
+        let k = rng.vec(b * s * d, 1.0);
+        let gate = rng.vec(b * s * d, 4.0);
+        let ape = rng.vec(kp * d, 2.0);
+        let first: Vec<usize> = (0..b).map(|i| [0, 5.min(s), s][i % 3]).collect();
+        let p = s.div_ceil(kp);
+        let mut truth = vec![0f64; b * p * d];
+        for bi in 0..b {
+            for pi in 0..p {
+                for c in 0..d {
+                    let at = |j: usize| (first[bi] + pi * kp + j).min(s - 1);
+                    let x: Vec<f64> = (0..kp).map(|j| gate[(bi * s + at(j)) * d + c] as f64 + ape[j * d + c] as f64).collect();
+                    let m = x.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = x.iter().map(|v| (v - m).exp()).collect();
+                    let num: f64 = (0..kp).map(|j| e[j] * k[(bi * s + at(j)) * d + c] as f64).sum();
+                    truth[(bi * p + pi) * d + c] = num / e.iter().sum::<f64>();
+                }
+            }
+        }
+        let truth: Vec<f32> = truth.iter().map(|v| *v as f32).collect();
+        let prim = |v: &[f32], dims: [usize; 3]| t::<V, 3>(v, dims).into_primitive().tensor();
+        let kern = host(Tensor::<V, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(V::kpool_compress(
+            prim(&k, [b, s, d]),
+            prim(&gate, [b, s, d]),
+            t::<V, 2>(&ape, [kp, d]).into_primitive().tensor(),
+            &first,
+        ))));
+        let refv = host(glm5_burn::ops::kpool::reference_compress::<V>(t(&k, [b, s, d]), t(&gate, [b, s, d]), t(&ape, [kp, d]), &first));
+        let reff = host(glm5_burn::ops::kpool::reference_compress::<Flex>(t(&k, [b, s, d]), t(&gate, [b, s, d]), t(&ape, [kp, d]), &first));
+        let (ev, ef, et) = (rel(&kern, &refv), rel(&kern, &reff), rel(&kern, &truth));
+        println!("kpool compress b={b} s={s} d={d} kpool={kp}: vs reference {ev:.2e} (vulkan) {ef:.2e} (flex), vs float64 {et:.2e} (references: {:.2e})", rel(&refv, &truth));
+        assert!(ev <= 1e-5 && ef <= 1e-5 && et <= 1e-5, "{ev:e} {ef:e} {et:e}");
+    }
+    // half inputs, f32 output: against the reference on the same rounded inputs
+    let (b, s, d, kp) = (2, 64, 16, 4);
+    let half = half_dtype();
+    let mut rng = Rng(5);
+    let (k, gate, ape) = (rng.vec(b * s * d, 1.0), rng.vec(b * s * d, 4.0), rng.vec(kp * d, 2.0));
+    let first = [0, 3];
+    let hv = |v: &[f32], dims: [usize; 3]| t::<V, 3>(v, dims).cast(half).into_primitive().tensor();
+    let out = Tensor::<V, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(V::kpool_compress(
+        hv(&k, [b, s, d]),
+        hv(&gate, [b, s, d]),
+        t::<V, 2>(&ape, [kp, d]).cast(half).into_primitive().tensor(),
+        &first,
+    )));
+    assert_eq!(out.dtype(), DType::F32);
+    let r3 = |v: &[f32], dims: [usize; 3]| t::<Flex, 3>(v, dims).cast(half).cast(DType::F32);
+    let refr = host(glm5_burn::ops::kpool::reference_compress::<Flex>(r3(&k, [b, s, d]), r3(&gate, [b, s, d]), t::<Flex, 2>(&ape, [kp, d]).cast(half).cast(DType::F32), &first));
+    let e = rel(&host(out), &refr);
+    println!("kpool compress {half:?}: vs fp32 reference on the rounded inputs {e:.2e}");
+    assert!(e <= 1e-5, "{half:?}: {e:e}");
+}

@@ -17,6 +17,8 @@
 //!   backward (the `L`/`P` terms of the chunked scan, `glm5_burn::ops::kda`).
 //! * [`kda_states`]: KDA's inter-chunk state recurrence and its backward (one unit per head
 //!   row and value column, looping over chunks), the sequential part of the chunked scan.
+//! * [`kpool_compress`]: the KPool indexer's pooled keys (softmax-gated compression of each
+//!   pool of `kpool` keys, anchored at the row's first valid token).
 //! * [`kpool`]: the KPool indexer's pool scoring, per-query top-k (ties to the lower pool)
 //!   and expansion to token indices, tiled over queries.
 //! * [`sparse_attn`]: attention of `H` query heads over selected rows of a shared latent
@@ -26,6 +28,7 @@
 pub mod kda_pairs;
 pub mod kda_states;
 pub mod kpool;
+pub mod kpool_compress;
 pub mod sparse_attn;
 
 pub use burn_cubecl::{tensor::CubeTensor, BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};

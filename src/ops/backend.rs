@@ -12,6 +12,7 @@
 //! | `kda_chunk_scan` (+ backward) | `ops::kda_scan` (batched ops + the two below) | token recurrence, host loops (`ops::kda_host`) | reference body on the kernels | hand-written backward |
 //! | `kda_states_forward` / `_backward` | loops of tensor ops | reference | kernels | (inside the scan op) |
 //! | `sparse_latent_attention` (+ backward) | gather + masked softmax | reference | kernels (online softmax) | hand-written backward |
+//! | `kpool_compress` | gather + softmax + sum | reference | kernel | no gradient |
 //! | `kpool_select` | dense scores + host top-k | reference | kernels (tiled scores, radix select) | no gradient |
 //! | `causal_conv1d` (+ backward) | `ops::conv`: shifted slices | fused host loops | reference | hand-written backward |
 //! | `rms_norm` (+ backward) | `ops::rms` | fused host loops | reference | hand-written backward |
@@ -190,6 +191,14 @@ pub trait Glm5Backend: Backend {
     ) -> (Vec<i64>, f32) {
         let q = Tensor::<Self, 4>::from_primitive(TensorPrimitive::Float(q));
         kpool::reference_select(q, f3(w), f3(pooled), mask, sel, scale)
+    }
+
+    /// KPool pooled keys (`ops::kpool::reference_compress`): keys `k` and gate logits `gate`
+    /// `[B, S, d]`, the position bias `ape` `[kpool, d]` and each row's first valid token →
+    /// `[B, ceil(S / kpool), d]` f32. No gradient (the indexer is detached). Default: gather,
+    /// softmax over each pool, weighted sum.
+    fn kpool_compress(k: FloatTensor<Self>, gate: FloatTensor<Self>, ape: FloatTensor<Self>, first: &[usize]) -> FloatTensor<Self> {
+        kpool::reference_compress(f3::<Self>(k), f3(gate), f2(ape), first).into_primitive().tensor()
     }
 
     /// Sparse latent attention (`ops::sparse_attn` module docs): `q` `[N, H, R]`, `kv`
@@ -843,6 +852,13 @@ mod cube {
             kpool_on_cube::<R, F, I, BT>(q, w, pooled, mask, sel, scale)
         }
 
+        fn kpool_compress(k: FloatTensor<Self>, gate: FloatTensor<Self>, ape: FloatTensor<Self>, first: &[usize]) -> FloatTensor<Self> {
+            let first: Vec<i32> = first.iter().map(|&f| i32::try_from(f).expect("sequence positions fit in i32")).collect();
+            let n = first.len();
+            let first = Tensor::<Self, 1, Int>::from_data(TensorData::new(first, [n]), &k.device).cast(burn::tensor::IntDType::I32);
+            glm5_cubecl_kernels::kpool_compress::compress(k, gate, ape, first.into_primitive())
+        }
+
         fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
             kda_pairs::pair_sums(k, q, gam)
         }
@@ -1200,6 +1216,11 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
         scale: f32,
     ) -> (Vec<i64>, f32) {
         B::kpool_select(q.primitive, w.primitive, pooled.primitive, mask, sel, scale)
+    }
+
+    fn kpool_compress(k: FloatTensor<Self>, gate: FloatTensor<Self>, ape: FloatTensor<Self>, first: &[usize]) -> FloatTensor<Self> {
+        use burn::tensor::backend::AutodiffBackend;
+        <Self as AutodiffBackend>::from_inner(B::kpool_compress(k.primitive, gate.primitive, ape.primitive, first))
     }
 
     fn sparse_latent_attention(

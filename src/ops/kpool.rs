@@ -12,8 +12,8 @@
 //! no rule). The selection runs on the host: it is cheap next to the scoring, it is the
 //! specification the indexer kernel is tested against, and the indexer takes no gradient.
 
-use burn::tensor::activation::relu;
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::activation::{relu, softmax};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
 /// Pool scores `[B, S, P]` from the indexer's queries `q` `[B, S, H, d]`, head weights `w`
@@ -25,6 +25,34 @@ pub fn reference_scores<B: Backend>(q: Tensor<B, 4>, w: Tensor<B, 3>, pooled: Te
     let n_pools = pooled.dims()[1];
     let scores = relu(q.reshape([b, s * h, d]).matmul(pooled.swap_dims(1, 2)) * scale).reshape([b, s, h, n_pools]);
     (scores * w.unsqueeze_dim::<4>(3)).sum_dim(2).reshape([b, s, n_pools])
+}
+
+/// Pooled keys `[B, P, d]` (fp32), `P = ceil(S / kpool)` with `kpool = ape.dims()[0]`, the
+/// reference form of HF `get_pooled_states`: for row `b` (first valid token `first[b]`), pool
+/// `p` and channel `c`, over the pool's members `t_j = min(first[b] + p·kpool + j, S − 1)`,
+/// `K̄[b, p, c] = Σ_j softmax_j(gate[b, t_j, c] + ape[j, c]) · k[b, t_j, c]`. Members past the
+/// end are clamped: such pools are incomplete and never selected ([`complete_pools`]), but
+/// their values are defined. `k`, `gate` `[B, S, d]`, `ape` `[kpool, d]`.
+pub fn reference_compress<B: Backend>(k: Tensor<B, 3>, gate: Tensor<B, 3>, ape: Tensor<B, 2>, first: &[usize]) -> Tensor<B, 3> {
+    let [b, s, d] = k.dims();
+    let kp = ape.dims()[0];
+    assert_eq!(first.len(), b, "kpool compress: {} first tokens for {b} rows", first.len());
+    let n_pools = s.div_ceil(kp);
+    let mut idx = Vec::with_capacity(b * n_pools * kp * d);
+    for &f in first {
+        let layout = PoolLayout { first: f, n_pools };
+        for p in 0..n_pools {
+            for j in 0..kp {
+                let tok = pool_token(&layout, kp, p, j).min(s - 1) as i64;
+                idx.extend(std::iter::repeat_n(tok, d));
+            }
+        }
+    }
+    let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(idx, [b, n_pools * kp, d]), &k.device());
+    let gk = k.cast(DType::F32).gather(1, idx.clone()).reshape([b, n_pools, kp, d]);
+    let gg = gate.cast(DType::F32).gather(1, idx).reshape([b, n_pools, kp, d]);
+    let probs = softmax(gg + ape.cast(DType::F32).reshape([1, 1, kp, d]), 2);
+    (probs * gk).sum_dim(2).reshape([b, n_pools, d])
 }
 
 /// The reference indexer selection: [`reference_scores`], then [`KpoolSelect::select`] and

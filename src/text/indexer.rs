@@ -15,15 +15,14 @@
 
 use burn::module::{Initializer, Module, Param};
 use burn::nn::Linear;
-use burn::tensor::activation::softmax;
-use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, DType, Tensor, TensorPrimitive};
 
 use super::mlp::linear;
 use super::norm::LayerNorm;
 use super::TokenMask;
 use crate::config::TextConfig;
 use crate::ops::backend::Glm5Backend;
-use crate::ops::kpool::{pool_layouts, pool_token, reference_scores, reference_select, KpoolSelect};
+use crate::ops::kpool::{pool_layouts, reference_compress, reference_scores, reference_select, KpoolSelect};
 use crate::ops::PathKind;
 
 #[derive(Module, Debug)]
@@ -71,38 +70,29 @@ impl<B: Backend> Indexer<B> {
 
     /// The scoring inputs, fp32: queries `[B, S, H, d]`, head weights `[B, S, H]` (× `H^{-1/2}`)
     /// and pooled keys `[B, P, d]`, `P = ceil(S / kpool)`; pools that are not complete are
-    /// pooled from clamped positions and never selected.
-    pub fn pool_inputs(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>) -> (Tensor<B, 4>, Tensor<B, 3>, Tensor<B, 3>) {
+    /// pooled from clamped positions and never selected. With `kernel`, the pooled keys come
+    /// from the backend's op ([`Glm5Backend::kpool_compress`]; a kernel on CubeCL backends),
+    /// otherwise from the reference tensor ops ([`reference_compress`]).
+    pub fn pool_inputs(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>, kernel: bool) -> (Tensor<B, 4>, Tensor<B, 3>, Tensor<B, 3>)
+    where
+        B: Glm5Backend,
+    {
         let x = x.detach();
         let q_resid = q_resid.detach();
         let [b, s, _] = x.dims();
-        let (h, d, kp) = (self.n_heads, self.head_dim, self.kpool);
-        let device = x.device();
-        let n_pools = s.div_ceil(kp);
+        let (h, d) = (self.n_heads, self.head_dim);
 
         let q = self.wq_b.forward(q_resid).cast(DType::F32).reshape([b, s, h, d]);
-        let k = self.k_norm.forward(self.wk.forward(x.clone())).cast(DType::F32); // [B,S,d]
-        let gate = x.clone().cast(DType::F32).matmul(
-            self.index_kpool_compress_gate.val().cast(DType::F32).transpose().unsqueeze::<3>(),
-        ); // [B,S,d]
-
-        // gather pool members (clamped; incomplete pools are never selected)
-        let layouts = pool_layouts(&mask.host, b, s, kp);
-        let mut idx = Vec::with_capacity(b * n_pools * kp * d);
-        for lay in &layouts {
-            for p in 0..n_pools {
-                for j in 0..kp {
-                    let tok = pool_token(lay, kp, p, j).min(s - 1) as i64;
-                    idx.extend(std::iter::repeat_n(tok, d));
-                }
-            }
-        }
-        let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(idx, [b, n_pools * kp, d]), &device);
-        let gk = k.gather(1, idx.clone()).reshape([b, n_pools, kp, d]);
-        let gg = gate.gather(1, idx).reshape([b, n_pools, kp, d]);
-        let ape = self.index_kpool_compress_ape.val().cast(DType::F32).reshape([1, 1, kp, d]);
-        let probs = softmax(gg + ape, 2);
-        let pooled = (probs * gk).sum_dim(2).reshape([b, n_pools, d]);
+        let k = self.k_norm.forward(self.wk.forward(x.clone())); // [B,S,d]
+        let gate = x.clone().matmul(self.index_kpool_compress_gate.val().transpose().unsqueeze::<3>()); // [B,S,d]
+        let ape = self.index_kpool_compress_ape.val();
+        let first: Vec<usize> = pool_layouts(&mask.host, b, s, self.kpool).iter().map(|l| l.first).collect();
+        let pooled = if kernel {
+            let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
+            Tensor::from_primitive(TensorPrimitive::Float(B::kpool_compress(p(k), p(gate), ape.into_primitive().tensor(), &first)))
+        } else {
+            reference_compress(k, gate, ape, &first)
+        };
         let w = self.weights_proj.forward(x).cast(DType::F32) * (h as f64).powf(-0.5); // [B,S,H]
         (q, w, pooled)
     }
@@ -113,8 +103,11 @@ impl<B: Backend> Indexer<B> {
     }
 
     /// Pool scores `[B, S, P]` (fp32) by the reference path ([`reference_scores`]).
-    pub fn pool_scores(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>) -> Tensor<B, 3> {
-        let (q, w, pooled) = self.pool_inputs(x, q_resid, mask);
+    pub fn pool_scores(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>) -> Tensor<B, 3>
+    where
+        B: Glm5Backend,
+    {
+        let (q, w, pooled) = self.pool_inputs(x, q_resid, mask, false);
         reference_scores(q, w, pooled, self.score_scale())
     }
 
@@ -129,8 +122,9 @@ impl<B: Backend> Indexer<B> {
     {
         let _t = crate::profile::scope("indexer");
         let sel = self.selector();
-        let (q, w, pooled) = self.pool_inputs(x, q_resid, mask);
-        if path.use_kernel::<B>("KPool indexer", B::has_kpool_kernel()) {
+        let kernel = path.use_kernel::<B>("KPool indexer", B::has_kpool_kernel());
+        let (q, w, pooled) = self.pool_inputs(x, q_resid, mask, kernel);
+        if kernel {
             let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
             return B::kpool_select(q.into_primitive().tensor(), p(w), p(pooled), &mask.host, sel, self.score_scale());
         }
