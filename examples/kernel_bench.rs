@@ -20,6 +20,8 @@
 //!   `2·C·d` (L and P over the causal half), `2·C·2d` (W, U), `2·C·d` (P V'), `8·d²` (W S,
 //!   Q S, state update); the in-chunk inverse (`⌈log₂C⌉` C×C products) is not counted.
 //! * KPool indexer: `2·S·P·H_I·d_I` with `P = S / kpool` (scoring; selection is integer work).
+//! * KPool pooled keys (`kpool_compress`): memory-bound, reported in bytes moved (`gbyte_per_s`):
+//!   `4·(2·S·d_I + P·d_I)` (keys and gate logits read once, pooled keys written).
 //! * Sparse attention (absorbed MLA core): `4·S·H·W·R` (scores and weighted sum), `W =
 //!   min(topk, S)`; backward counted as 2× forward.
 //!
@@ -35,11 +37,11 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use clap::Parser;
 use glm5_burn::ops::backend::sparse_latent_attention;
 use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op};
-use glm5_burn::ops::kpool::{reference_scores, KpoolSelect};
+use glm5_burn::ops::kpool::{reference_compress, reference_scores, KpoolSelect};
 use glm5_burn::ops::sparse_attn::latent_reference;
 use glm5_burn::{Glm5Backend, PathKind};
 use serde_json::json;
@@ -92,16 +94,28 @@ fn median_ms<B: Backend>(device: &B::Device, reps: usize, mut f: impl FnMut()) -
     times[times.len() / 2]
 }
 
-fn emit(backend: &str, op: &str, path: PathKind, pass: &str, seq: usize, ms: f64, flop: f64) {
-    let path = match path {
+/// The work a measurement did: floating-point operations, or bytes moved for a memory-bound op.
+enum Work {
+    Flop(f64),
+    Bytes(f64),
+}
+
+fn path_name(path: PathKind) -> &'static str {
+    match path {
         PathKind::Kernel => "kernel",
         PathKind::Reference => "reference",
+    }
+}
+
+fn emit(backend: &str, op: &str, path: &str, pass: &str, seq: usize, ms: f64, work: Work) {
+    let mut line = json!({"backend": backend, "op": op, "path": path, "pass": pass, "seq": seq, "median_ms": (ms * 100.0).round() / 100.0,
+                          "tokens_per_s": (seq as f64 / (ms / 1e3)).round()});
+    let (key, amount) = match work {
+        Work::Flop(f) => ("gflop_per_s", f),
+        Work::Bytes(b) => ("gbyte_per_s", b),
     };
-    println!(
-        "{}",
-        json!({"backend": backend, "op": op, "path": path, "pass": pass, "seq": seq, "median_ms": (ms * 100.0).round() / 100.0,
-               "tokens_per_s": (seq as f64 / (ms / 1e3)).round(), "gflop_per_s": ((flop / (ms / 1e3) / 1e9) * 100.0).round() / 100.0})
-    );
+    line[key] = json!(((amount / (ms / 1e3) / 1e9) * 100.0).round() / 100.0);
+    println!("{line}");
 }
 
 fn kda<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
@@ -121,14 +135,14 @@ fn kda<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
                 let (o, _) = kda_chunked::<B>(inner(&q), inner(&k), inner(&v), inner(&g), beta.clone().inner(), None, 64, path);
                 drop(o);
             });
-            emit(name, "kda_chunked", path, "fwd", s, ms, flop);
+            emit(name, "kda_chunked", path_name(path), "fwd", s, ms, Work::Flop(flop));
             let ms = median_ms::<B>(device, a.reps, || {
                 let [q, k, v] = [&q, &k, &v].map(|t| t.clone().require_grad());
                 let (o, _) = kda_chunked(q.clone(), k, v, g.clone(), beta.clone(), None, 64, path);
                 let grads = (o * wts.clone()).sum().backward();
                 drop(q.grad(&grads));
             });
-            emit(name, "kda_chunked", path, "fwd+bwd", s, ms, 3.0 * flop);
+            emit(name, "kda_chunked", path_name(path), "fwd+bwd", s, ms, Work::Flop(3.0 * flop));
         }
         // the whole scan as one op with its hand-written backward (`ops::kda_scan`)
         let ms = median_ms::<B>(device, a.reps, || {
@@ -137,11 +151,7 @@ fn kda<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
             let grads = (o * wts.clone()).sum().backward();
             drop(q.grad(&grads));
         });
-        println!(
-            "{}",
-            json!({"backend": name, "op": "kda_chunked", "path": "scan_op", "pass": "fwd+bwd", "seq": s, "median_ms": (ms * 100.0).round() / 100.0,
-                   "tokens_per_s": (s as f64 / (ms / 1e3)).round(), "gflop_per_s": ((3.0 * flop / (ms / 1e3) / 1e9) * 100.0).round() / 100.0})
-        );
+        emit(name, "kda_chunked", "scan_op", "fwd+bwd", s, ms, Work::Flop(3.0 * flop));
     }
 }
 
@@ -154,6 +164,23 @@ fn kpool<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
         let w = Tensor::<B, 3>::random([1, s, h], Distribution::Normal(0.0, 1.0), device);
         let pooled = Tensor::<B, 3>::random([1, p, d], Distribution::Normal(0.0, 1.0), device);
         let mask = vec![true; s];
+        // pooled keys: k, gate [1, S, d] → [1, P, d], memory-bound (reads 2·S·d, writes P·d)
+        let k = Tensor::<B, 3>::random([1, s, d], Distribution::Normal(0.0, 1.0), device);
+        let gate = Tensor::<B, 3>::random([1, s, d], Distribution::Normal(0.0, 1.0), device);
+        let ape = Tensor::<B, 2>::random([kp, d], Distribution::Normal(0.0, 1.0), device);
+        let bytes = 4.0 * (2 * s * d + p * d) as f64;
+        for path in [PathKind::Kernel, PathKind::Reference] {
+            let ms = median_ms::<B>(device, a.reps, || {
+                let out = if path == PathKind::Kernel {
+                    let prim = |t: Tensor<B, 3>| t.into_primitive().tensor();
+                    Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(B::kpool_compress(prim(k.clone()), prim(gate.clone()), ape.clone().into_primitive().tensor(), &[0])))
+                } else {
+                    reference_compress(k.clone(), gate.clone(), ape.clone(), &[0])
+                };
+                drop(out);
+            });
+            emit(name, "kpool_compress", path_name(path), "fwd", s, ms, Work::Bytes(bytes));
+        }
         let sel = KpoolSelect { kpool: kp, index_topk: a.topk, always_select_tail: true };
         let scale = (d as f32).powf(-0.5);
         for path in [PathKind::Kernel, PathKind::Reference] {
@@ -175,7 +202,7 @@ fn kpool<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
                 };
                 drop(out);
             });
-            emit(name, "kpool_indexer", path, "fwd", s, ms, flop);
+            emit(name, "kpool_indexer", path_name(path), "fwd", s, ms, Work::Flop(flop));
         }
     }
 }
@@ -217,13 +244,13 @@ fn sparse<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
         };
         for path in [PathKind::Kernel, PathKind::Reference] {
             let ms = median_ms::<B>(device, a.reps, || drop(attend(path, q.clone(), kv.clone())));
-            emit(name, "sparse_attention", path, "fwd", s, ms, flop);
+            emit(name, "sparse_attention", path_name(path), "fwd", s, ms, Work::Flop(flop));
             let ms = median_ms::<B>(device, a.reps, || {
                 let (qg, kvg) = (q.clone().require_grad(), kv.clone().require_grad());
                 let grads = (attend(path, qg.clone(), kvg) * wts.clone()).sum().backward();
                 drop(qg.grad(&grads));
             });
-            emit(name, "sparse_attention", path, "fwd+bwd", s, ms, 3.0 * flop);
+            emit(name, "sparse_attention", path_name(path), "fwd+bwd", s, ms, Work::Flop(3.0 * flop));
         }
     }
 }

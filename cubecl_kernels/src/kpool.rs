@@ -16,12 +16,21 @@
 //! `vis_n mod kpool` most recent valid tokens, `≤ t_n`) when asked, then −1 up to the row
 //! width. A query that is padding gets a row of −1.
 //!
-//! Two kernels: scores `[N, P]` for the tile (one unit per (query, pool), `H·d` work each),
-//! then one unit per query selecting by radix select on order-preserving keys of the f32
-//! scores (32 counting passes over its row; exact, deterministic, no sort). The caller tiles
-//! the queries, so at most `N × P` scores exist at a time. Each query also reports its top-k
-//! boundary margin (score of the last kept pool − best rejected score; +3e38 when nothing is
-//! rejected), the diagnostic `KpoolSelect::boundary_margin` gives on the host.
+//! Two kernels, on a tile of queries (the caller tiles them, so at most `N × P` scores exist
+//! at a time):
+//! * scores: one unit per query and group of 4 pools (each query element loaded serves four
+//!   pooled keys), summed in the same order as one pool at a time;
+//! * selection: one unit per query, a radix select on order-preserving u32 keys of the f32
+//!   scores — 8 passes over the query's candidates, each a 16-bin histogram of the next 4-bit
+//!   digit of the keys that match the threshold's digits so far; exact, deterministic, no
+//!   sort. Each query also reports its top-k boundary margin (score of the last kept pool −
+//!   best rejected score; +3e38 when nothing is rejected), the diagnostic
+//!   `KpoolSelect::boundary_margin` gives on the host.
+//!
+//! Queries are the innermost index throughout — the tile's queries are transposed once to
+//! `[H, d, N]` and the scores kept as `[P, N]` — so neighbouring units (consecutive queries)
+//! read and write neighbouring addresses and share the pooled keys they read: coalesced on a
+//! GPU, vector loads on lavapipe.
 //!
 //! Reference: `glm5_burn::ops::kpool::KpoolSelect::select` (host) on the scores of
 //! `glm5_burn::text::indexer::Indexer::pool_scores`.
@@ -31,43 +40,84 @@ use cubecl::prelude::*;
 
 use crate::{contiguous, dims, elementwise, empty_like, CubeRuntime, CubeTensor};
 
+/// Pools per unit of the scoring kernel: each query element loaded is used for this many
+/// pooled keys (register blocking).
+const POOLS_PER_UNIT: usize = 4;
+
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn scores_kernel<F: Float>(
-    q: &Tensor<F>,
+    q_t: &Tensor<F>,
     pooled: &Tensor<F>,
     w: &Tensor<F>,
     query_row: &Tensor<i32>,
     query_pos: &Tensor<i32>,
     last: &Tensor<i32>,
-    scores: &mut Tensor<f32>,
+    scores_t: &mut Tensor<f32>,
     scale: f32,
     #[define(F)] _dtype: StorageType,
 ) {
+    // unit (pool group, n), queries fastest: neighbouring units read neighbouring `q_t` and
+    // `scores_t` entries and (within a batch row) the same pooled keys; each unit scores
+    // POOLS_PER_UNIT pools, in the same order of summation as one pool at a time
+    let n_q = q_t.shape(2);
+    let h_n = q_t.shape(0);
+    let d = q_t.shape(1);
+    let p_n = pooled.shape(1);
     let pos = ABSOLUTE_POS;
-    if pos >= scores.len() {
+    if pos >= n_q * p_n.div_ceil(POOLS_PER_UNIT) {
         terminate!();
     }
-    let h_n = q.shape(1);
-    let d = q.shape(2);
-    let p_n = pooled.shape(1);
-    let p = pos % p_n;
-    let n = pos / p_n;
+    let n = pos % n_q;
+    let p0 = (pos / n_q) * POOLS_PER_UNIT;
     let b = usize::cast_from(query_row[n]);
-    let l = last[b * p_n + p];
-    let mut acc = 0.0f32;
-    if l >= 0i32 && l <= query_pos[n] {
-        let kb = (b * p_n + p) * d;
-        for h in 0..h_n {
-            let qb = (n * h_n + h) * d;
-            let mut dot = 0.0f32;
-            for c in 0..d {
-                dot += f32::cast_from(q[qb + c]) * f32::cast_from(pooled[kb + c]);
+    let row = b * p_n;
+    // pools past the end read the last pool (discarded below)
+    let k0 = (row + min(p0, p_n - 1)) * d;
+    let k1 = (row + min(p0 + 1, p_n - 1)) * d;
+    let k2 = (row + min(p0 + 2, p_n - 1)) * d;
+    let k3 = (row + min(p0 + 3, p_n - 1)) * d;
+    let mut acc0 = 0.0f32;
+    let mut acc1 = 0.0f32;
+    let mut acc2 = 0.0f32;
+    let mut acc3 = 0.0f32;
+    for h in 0..h_n {
+        let qb = h * d * n_q + n; // q_t[h, c, n] at qb + c·N
+        let mut dot0 = 0.0f32;
+        let mut dot1 = 0.0f32;
+        let mut dot2 = 0.0f32;
+        let mut dot3 = 0.0f32;
+        for c in 0..d {
+            let qv = f32::cast_from(q_t[qb + c * n_q]);
+            dot0 += qv * f32::cast_from(pooled[k0 + c]);
+            dot1 += qv * f32::cast_from(pooled[k1 + c]);
+            dot2 += qv * f32::cast_from(pooled[k2 + c]);
+            dot3 += qv * f32::cast_from(pooled[k3 + c]);
+        }
+        let wh = f32::cast_from(w[n * h_n + h]);
+        acc0 += wh * max(dot0 * scale, 0.0f32);
+        acc1 += wh * max(dot1 * scale, 0.0f32);
+        acc2 += wh * max(dot2 * scale, 0.0f32);
+        acc3 += wh * max(dot3 * scale, 0.0f32);
+    }
+    let t = query_pos[n];
+    let mut accs = Array::<f32>::new(POOLS_PER_UNIT);
+    accs[0] = acc0;
+    accs[1] = acc1;
+    accs[2] = acc2;
+    accs[3] = acc3;
+    #[unroll]
+    for i in 0..POOLS_PER_UNIT {
+        let p = p0 + i;
+        if p < p_n {
+            let l = last[row + p];
+            let mut v = 0.0f32;
+            if l >= 0i32 && l <= t {
+                v = accs[i];
             }
-            acc += f32::cast_from(w[n * h_n + h]) * max(dot * scale, 0.0f32);
+            scores_t[p * n_q + n] = v;
         }
     }
-    scores[pos] = acc;
 }
 
 /// Order-preserving u32 key of an f32 (larger score ⇒ larger key; −0 < +0 does not matter
@@ -94,7 +144,7 @@ fn from_key(key: u32) -> f32 {
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn select_kernel(
-    scores: &Tensor<f32>,
+    scores_t: &Tensor<f32>,
     query_row: &Tensor<i32>,
     query_pos: &Tensor<i32>,
     query_vis: &Tensor<i32>,
@@ -111,13 +161,13 @@ fn select_kernel(
     if n >= margin.len() {
         terminate!();
     }
-    let p_n = scores.shape(1);
+    let p_n = scores_t.shape(0);
+    let n_q = scores_t.shape(1);
     let width = out.shape(1);
     let seq = valid.shape(1);
     let kp = usize::cast_from(kpool);
     let b = usize::cast_from(query_row[n]);
     let t = query_pos[n];
-    let row = n * p_n;
     let mut written = 0usize;
     let mut gap = 3.0e38f32;
     if valid[b * seq + usize::cast_from(t)] != 0i32 {
@@ -129,28 +179,51 @@ fn select_kernel(
             }
         }
         let take = min(budget, n_cand);
-        // radix select: the largest key K with #{key ≥ K} ≥ take
+        // radix select, one 4-bit digit per pass from the top: the largest key K with
+        // #{key ≥ K} ≥ take. `need` = how many of the keys matching K's digits so far are
+        // still to be kept; each pass histograms the next digit of those keys.
         let mut thresh = 0u32;
         let mut n_above = 0u32; // #{key > K}
         let mut eq_take = 0u32; // how many of the keys == K to keep (lowest pools first)
         let mut rejects = n_cand > take;
         if take > 0u32 {
-            for i in 0..32u32 {
-                let trial = thresh | (1u32 << (31u32 - i));
-                let mut count = 0u32;
+            let mut need = take;
+            let mut hist = Array::<u32>::new(16usize);
+            for pass in 0..8u32 {
+                let shift = 28u32 - pass * 4u32;
+                for i in 0..16usize {
+                    hist[i] = 0u32;
+                }
                 for p in 0..p_n {
                     let l = last[b * p_n + p];
-                    if l >= 0i32 && l <= t && order_key(scores[row + p]) >= trial {
-                        count += 1u32;
+                    if l >= 0i32 && l <= t {
+                        let key = order_key(scores_t[p * n_q + n]);
+                        // the digits above this one equal K's (two shifts: never by 32)
+                        if ((key ^ thresh) >> shift) >> 4u32 == 0u32 {
+                            let digit = usize::cast_from((key >> shift) & 15u32);
+                            hist[digit] += 1u32;
+                        }
                     }
                 }
-                if count >= take {
-                    thresh = trial;
+                let mut above = 0u32;
+                let mut found = false;
+                for i in 0..16u32 {
+                    let digit = 15u32 - i;
+                    let h = hist[usize::cast_from(digit)];
+                    if !found {
+                        if above + h >= need {
+                            thresh |= digit << shift;
+                            found = true;
+                        } else {
+                            above += h;
+                        }
+                    }
                 }
+                need -= above;
             }
             for p in 0..p_n {
                 let l = last[b * p_n + p];
-                if l >= 0i32 && l <= t && order_key(scores[row + p]) > thresh {
+                if l >= 0i32 && l <= t && order_key(scores_t[p * n_q + n]) > thresh {
                     n_above += 1u32;
                 }
             }
@@ -166,7 +239,7 @@ fn select_kernel(
         for p in 0..p_n {
             let l = last[b * p_n + p];
             if l >= 0i32 && l <= t {
-                let key = order_key(scores[row + p]);
+                let key = order_key(scores_t[p * n_q + n]);
                 let mut keep = key > thresh;
                 if key == thresh && take > 0u32 {
                     keep = eq_seen < eq_take;
@@ -263,13 +336,15 @@ pub fn select<R: CubeRuntime>(
     }
     let dtype = q.dtype;
     let client = q.client.clone();
-    let scores = empty_like(&q, [n, p], DType::F32);
-    let (count, dim) = elementwise(&client, n * p);
+    // queries innermost: [N, H, d] → [H, d, N], scores [P, N] (one copy of the tile's queries)
+    let q_t = contiguous(burn_cubecl::ops::permute(q, &[1, 2, 0]));
+    let scores = empty_like(&q_t, [p, n], DType::F32);
+    let (count, dim) = elementwise(&client, n * p.div_ceil(POOLS_PER_UNIT));
     scores_kernel::launch::<R>(
         &client,
         count,
         dim,
-        q.clone().into_tensor_arg(),
+        q_t.clone().into_tensor_arg(),
         pooled.into_tensor_arg(),
         w.into_tensor_arg(),
         queries.row.clone().into_tensor_arg(),
@@ -279,8 +354,8 @@ pub fn select<R: CubeRuntime>(
         params.scale,
         dtype.into(),
     );
-    let out = empty_like(&q, [n, params.width], DType::I32);
-    let margin = empty_like(&q, [n], DType::F32);
+    let out = empty_like(&q_t, [n, params.width], DType::I32);
+    let margin = empty_like(&q_t, [n], DType::F32);
     let (count, dim) = elementwise(&client, n);
     select_kernel::launch::<R>(
         &client,
