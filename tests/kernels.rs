@@ -25,15 +25,20 @@ type V = Vulkan;
 
 /// KDA inputs `[x, C, d]`: k, q, and Γ = in-chunk cumsum of g ∈ (−5, 0] with exact zeros.
 fn kda_inputs(x: usize, c: usize, d: usize, seed: u64) -> [Vec<f32>; 3] {
+    kda_inputs_with(x, c, d, seed, 0.3, |r, s, j| if (s + j) % 7 == 0 { 0.0 } else { -2.5 * (r.next() + 1.0) })
+}
+
+/// k, q ~ `scale`·U(−1, 1) and Γ = in-chunk cumsum of `gate(rng, s, j)` (position, channel).
+fn kda_inputs_with(x: usize, c: usize, d: usize, seed: u64, scale: f32, gate: impl Fn(&mut Rng, usize, usize) -> f32) -> [Vec<f32>; 3] {
     let mut r = Rng(seed);
-    let k = r.vec(x * c * d, 0.3);
-    let q = r.vec(x * c * d, 0.3);
+    let k = r.vec(x * c * d, scale);
+    let q = r.vec(x * c * d, scale);
     let mut gam = vec![0f32; x * c * d];
     for xi in 0..x {
         for j in 0..d {
             let mut acc = 0f32;
             for s in 0..c {
-                acc += if (s + j) % 7 == 0 { 0.0 } else { -2.5 * (r.next() + 1.0) };
+                acc += gate(&mut r, s, j);
                 gam[(xi * c + s) * d + j] = acc;
             }
         }
@@ -499,19 +504,7 @@ fn kda_forms_agree_with_flex_on_vulkan() {
 fn kda_pair_sums_match_float64() {
     let (x, c, d) = (8, 64, 16);
     let dims = [x, c, d];
-    let mut r = Rng(7);
-    let k = r.vec(x * c * d, 0.25);
-    let q = r.vec(x * c * d, 0.25);
-    let mut g = vec![0f32; x * c * d];
-    for xi in 0..x {
-        for j in 0..d {
-            let mut acc = 0f32;
-            for s in 0..c {
-                acc += -0.02 * (r.next() + 1.0);
-                g[(xi * c + s) * d + j] = acc;
-            }
-        }
-    }
+    let [k, q, g] = kda_inputs_with(x, c, d, 7, 0.25, |r, _, _| -0.02 * (r.next() + 1.0));
     let grad = Rng(9).vec(x * c * 2 * c, 1.0);
     let gd = [x, c, 2 * c];
     // the module-doc formulas, pair by pair, in f64
