@@ -608,3 +608,68 @@ fn kpool_compress_matches_reference() {
     println!("kpool compress {half:?}: vs fp32 reference on the rounded inputs {e:.2e}");
     assert!(e <= 1e-5, "{half:?}: {e:e}");
 }
+
+/// KDA's UT transform: the solve kernel, `(I + L)^{-1} B` and `(I + L)^{-T} B`, against the
+/// product-form reference on Vulkan and on Flex and against float64 substitution, with `L`
+/// built as the scan builds it (`β_r Σ_d k_rd k_sd e^{Γ_rd−Γ_sd}`, unit-norm keys, decays near
+/// 1: the regime where `T` has its largest entries) — full, partial and one-token chunks.
+#[test]
+fn kda_unit_lower_solve_matches_reference() {
+    use glm5_burn::ops::kda_scan::unit_lower_inverse;
+    for (x, c, d, n, seed) in [(4, 64, 16, 48, 1), (3, 37, 8, 5, 2), (2, 1, 4, 3, 3), (64, 64, 32, 16, 4)] {
+        let [mut k, _, g] = kda_inputs_with(x, c, d, seed, 1.0, |r, _, _| -0.02 * (r.next() + 1.0));
+        for row in k.chunks_mut(d) {
+            let norm = row.iter().map(|v| v * v).sum::<f32>().sqrt();
+            row.iter_mut().for_each(|v| *v /= norm);
+        }
+        let mut rng = Rng(seed + 50);
+        let beta: Vec<f32> = (0..x * c).map(|_| 0.5 + 0.5 * rng.next()).collect();
+        let mut l = vec![0f32; x * c * c];
+        for xi in 0..x {
+            for r in 0..c {
+                for s in 0..r {
+                    let at = |t: usize, j: usize| (xi * c + t) * d + j;
+                    let sum: f64 = (0..d).map(|j| k[at(r, j)] as f64 * k[at(s, j)] as f64 * ((g[at(r, j)] - g[at(s, j)]) as f64).exp()).sum();
+                    l[(xi * c + r) * c + s] = (beta[xi * c + r] as f64 * sum) as f32;
+                }
+            }
+        }
+        let rhs = rng.vec(x * c * n, 1.0);
+        for transposed in [false, true] {
+            // float64 substitution on the same f32 L
+            let mut truth = vec![0f64; x * c * n];
+            for xi in 0..x {
+                for col in 0..n {
+                    let at = |r: usize| (xi * c + r) * n + col;
+                    let rows: Vec<usize> = if transposed { (0..c).rev().collect() } else { (0..c).collect() };
+                    for &r in &rows {
+                        let mut acc = rhs[at(r)] as f64;
+                        let others: Vec<usize> = if transposed { (r + 1..c).collect() } else { (0..r).collect() };
+                        for s in others {
+                            let lv = if transposed { l[(xi * c + s) * c + r] } else { l[(xi * c + r) * c + s] };
+                            acc -= lv as f64 * truth[at(s)];
+                        }
+                        truth[at(r)] = acc;
+                    }
+                }
+            }
+            let truth: Vec<f32> = truth.iter().map(|v| *v as f32).collect();
+            let kern = host(Tensor::<V, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(V::kda_unit_lower_solve(
+                t::<V, 3>(&l, [x, c, c]).into_primitive().tensor(),
+                t::<V, 3>(&rhs, [x, c, n]).into_primitive().tensor(),
+                transposed,
+            ))));
+            let product = |tm: Tensor<V, 3>| if transposed { tm.swap_dims(1, 2) } else { tm };
+            let refv = host(product(unit_lower_inverse(t::<V, 3>(&l, [x, c, c]))).matmul(t(&rhs, [x, c, n])));
+            let reff = host(Tensor::<Flex, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(Flex::kda_unit_lower_solve(
+                t::<Flex, 3>(&l, [x, c, c]).into_primitive().tensor(),
+                t::<Flex, 3>(&rhs, [x, c, n]).into_primitive().tensor(),
+                transposed,
+            ))));
+            let (ev, ef, et, er) = (rel(&kern, &refv), rel(&kern, &reff), rel(&kern, &truth), rel(&refv, &truth));
+            let tmax = truth.iter().fold(0f32, |m, v| m.max(v.abs()));
+            println!("kda solve [{x}, {c}, {c}] × [{x}, {c}, {n}] transposed={transposed} (max |X| {tmax:.1}): vs reference {ev:.2e} (vulkan) {ef:.2e} (flex); vs float64 {et:.2e} (reference {er:.2e})");
+            assert!(ev <= 1e-5 && ef <= 1e-5 && et <= 1e-5, "{ev:e} {ef:e} {et:e}");
+        }
+    }
+}

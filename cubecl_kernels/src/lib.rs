@@ -15,6 +15,8 @@
 //! Kernels:
 //! * [`kda_pairs`]: KDA's in-chunk pair sums `Σ_d a_rd k_sd e^{min(Γ_rd−Γ_sd,0)}` and their
 //!   backward (the `L`/`P` terms of the chunked scan, `glm5_burn::ops::kda`).
+//! * [`kda_solve`]: KDA's in-chunk UT transform as triangular solves with `I + L` (forward
+//!   substitution for `W | U`, back substitution with the transpose in the backward).
 //! * [`kda_states`]: KDA's inter-chunk state recurrence and its backward (one unit per head
 //!   row and value column, looping over chunks), the sequential part of the chunked scan.
 //! * [`kpool_compress`]: the KPool indexer's pooled keys (softmax-gated compression of each
@@ -26,6 +28,7 @@
 //!   the backward.
 
 pub mod kda_pairs;
+pub mod kda_solve;
 pub mod kda_states;
 pub mod kpool;
 pub mod kpool_compress;

@@ -11,6 +11,7 @@
 //! | `kda_pair_sums` (+ backward) | gathered tensor ops | fused host loops | kernels | hand-written backward |
 //! | `kda_chunk_scan` (+ backward) | `ops::kda_scan` (batched ops + the two below) | token recurrence, host loops (`ops::kda_host`) | reference body on the kernels | hand-written backward |
 //! | `kda_states_forward` / `_backward` | loops of tensor ops | reference | kernels | (inside the scan op) |
+//! | `kda_unit_lower_solve` (the UT transform, both directions) | product-form inverse × B | reference | kernel (substitution) | (inside the scan op) |
 //! | `sparse_latent_attention` (+ backward) | gather + masked softmax | reference | kernels (online softmax) | hand-written backward |
 //! | `kpool_compress` | gather + softmax + sum | reference | kernel | no gradient |
 //! | `kpool_select` | dense scores + host top-k | reference | kernels (tiled scores, radix select) | no gradient |
@@ -153,6 +154,16 @@ pub trait Glm5Backend: Backend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (s, v, f) = kda_scan::states_forward::<Self>(f4(w), f4(u), f4(kd), f4(a), f3(h0));
         (s.into_primitive().tensor(), v.into_primitive().tensor(), f.into_primitive().tensor())
+    }
+
+    /// KDA's in-chunk UT transform (`ops::kda_scan` module docs): `(I + L)^{-1} B`, or with
+    /// `transposed` `(I + L)^{-T} B`, for strictly lower `L` `[x, C, C]` and `B` `[x, C, n]`
+    /// → `[x, C, n]`. Default: the product-form inverse ([`kda_scan::unit_lower_inverse`])
+    /// times `B`.
+    fn kda_unit_lower_solve(l: FloatTensor<Self>, rhs: FloatTensor<Self>, transposed: bool) -> FloatTensor<Self> {
+        let t = kda_scan::unit_lower_inverse(f3::<Self>(l));
+        let t = if transposed { t.swap_dims(1, 2) } else { t };
+        t.matmul(f3(rhs)).into_primitive().tensor()
     }
 
     /// Its backward recurrence (`ops::kda_scan::states_backward`) → (`∂S_{i+1}` per chunk,
@@ -827,6 +838,10 @@ mod cube {
             h0: FloatTensor<Self>,
         ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
             glm5_cubecl_kernels::kda_states::forward(w, u, kd, a, h0)
+        }
+
+        fn kda_unit_lower_solve(l: FloatTensor<Self>, rhs: FloatTensor<Self>, transposed: bool) -> FloatTensor<Self> {
+            glm5_cubecl_kernels::kda_solve::solve(l, rhs, transposed)
         }
 
         fn kda_states_backward(

@@ -20,10 +20,13 @@
 //! ∂S_i = a_i ⊙ ∂S_{i+1} + Qg_iᵀ ∂O_i − W_iᵀ ∂V'                       (∂h0 = ∂S_0)
 //! ```
 //!
-//! then, batched over all chunks: `∂T = ∂W (β⊙E⊙K)ᵀ + ∂U (β⊙V)ᵀ`, `∂L = −Tᵀ ∂T Tᵀ` (strictly
-//! lower), the pair terms' backward ([`crate::ops::backend::Glm5Backend::kda_pair_sums_backward`]),
-//! the elementwise factors, and `∂g` = the reverse in-chunk cumulative sum of `∂Γ`.
-//! Only non-positive exponents are formed, as in the forward.
+//! then, batched over all chunks: `Y = Tᵀ [∂W | ∂U]` = `[∂(β⊙E⊙K) | ∂(β⊙V)]`,
+//! `∂L = −Y [W | U]ᵀ` (strictly lower; this is `−Tᵀ ∂T Tᵀ` with `∂T = ∂W (β⊙E⊙K)ᵀ + ∂U (β⊙V)ᵀ`),
+//! the pair terms' backward ([`Glm5Backend::kda_pair_sums_backward`]), the elementwise
+//! factors, and `∂g` = the reverse in-chunk cumulative sum of `∂Γ`. Only non-positive
+//! exponents are formed, as in the forward. `T·B` and `Tᵀ·G` are one op,
+//! [`Glm5Backend::kda_unit_lower_solve`]: CubeCL backends run forward / back substitution and
+//! never form `T`; the default body forms it by the product form and multiplies.
 
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 
@@ -37,7 +40,7 @@ fn mask<B: Backend>(n: usize, f: impl Fn(usize, usize) -> bool, device: &B::Devi
 }
 
 /// `(I + L)^{-1}` for strictly lower `L` `[x, C, C]`: `Π_j (I + M^{2^j})`, `M = −L`.
-fn unit_lower_inverse<B: Backend>(l: Tensor<B, 3>) -> Tensor<B, 3> {
+pub fn unit_lower_inverse<B: Backend>(l: Tensor<B, 3>) -> Tensor<B, 3> {
     let c = l.dims()[1];
     let eye = Tensor::<B, 2>::eye(c, &l.device()).cast(DType::F32).reshape([1, c, c]);
     let steps = (usize::BITS - (c.max(1) - 1).leading_zeros()) as usize;
@@ -48,6 +51,11 @@ fn unit_lower_inverse<B: Backend>(l: Tensor<B, 3>) -> Tensor<B, 3> {
         t = t.matmul(eye.clone() + m_pow.clone());
     }
     t
+}
+
+/// [`Glm5Backend::kda_unit_lower_solve`] on tensors.
+fn solve<B: Glm5Backend>(l: Tensor<B, 3>, rhs: Tensor<B, 3>, transposed: bool) -> Tensor<B, 3> {
+    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(B::kda_unit_lower_solve(l.into_primitive().tensor(), rhs.into_primitive().tensor(), transposed)))
 }
 
 /// Chunk `i` of `[bh, n, r, d]` as `[bh, r, d]`.
@@ -148,7 +156,10 @@ pub struct ScanSaved<B: Backend> {
     pub beta: Tensor<B, 3>,
     pub gam: Tensor<B, 3>,
     pub sums: Tensor<B, 3>,
-    pub t: Tensor<B, 3>,
+    /// `L` (strictly lower, β applied) `[bh·n, C, C]`.
+    pub l: Tensor<B, 3>,
+    /// `W | U` `[bh·n, C, dk + dv]`.
+    pub wu: Tensor<B, 3>,
     pub w: Tensor<B, 4>,
     pub qg: Tensor<B, 4>,
     pub kd: Tensor<B, 4>,
@@ -200,10 +211,12 @@ pub fn forward<B: Glm5Backend>(
     let strict = mask::<B>(c, |r, s| s < r, &device);
     let l = sums.clone().slice([0..x, 0..c, 0..c]) * strict * beta.clone();
     let p = sums.clone().slice([0..x, 0..c, c..2 * c]);
-    let tm = unit_lower_inverse(l);
     let e = gam.clone().exp();
-    let w = tm.clone().matmul(k.clone() * e.clone() * beta.clone());
-    let u = tm.clone().matmul(v.clone() * beta.clone());
+    // W | U = (I + L)^{-1} [β⊙E⊙K | β⊙V], one solve for both
+    let rhs = Tensor::cat(vec![k.clone() * e.clone() * beta.clone(), v.clone() * beta.clone()], 2);
+    let wu = solve::<B>(l.clone(), rhs, false);
+    let w = wu.clone().slice([0..x, 0..c, 0..dk]);
+    let u = wu.clone().slice([0..x, 0..c, dk..dk + dv]);
     let qg = q.clone() * e;
     let g_last = last_in_chunk(&gam); // [x, 1, dk]
     let mut kd = k.clone() * (g_last.clone() - gam.clone()).exp();
@@ -227,7 +240,8 @@ pub fn forward<B: Glm5Backend>(
         beta,
         gam,
         sums,
-        t: tm,
+        l,
+        wu,
         w,
         qg,
         kd,
@@ -249,7 +263,7 @@ pub fn backward<B: Glm5Backend>(
     d_o: Tensor<B, 3>,
     d_final: Tensor<B, 3>,
 ) -> (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 2>, Tensor<B, 3>) {
-    let ScanSaved { q, k, v, beta, gam, sums, t: tm, w, qg, kd, a, p, states, v_new, chunk: c, keep } = saved;
+    let ScanSaved { q, k, v, beta, gam, sums, l, wu, w, qg, kd, a, p, states, v_new, chunk: c, keep } = saved;
     let [bh, n, _, dk] = w.dims();
     let dv = v.dims()[2];
     let x = bh * n;
@@ -272,14 +286,13 @@ pub fn backward<B: Glm5Backend>(
 
     let e = gam.clone().exp();
     let kg = k.clone() * e.clone() * beta.clone();
-    let vb = v.clone() * beta.clone();
-    let dt = dw.clone().matmul(kg.clone().swap_dims(1, 2)) + du.clone().matmul(vb.clone().swap_dims(1, 2));
-    let tt = tm.swap_dims(1, 2);
-    let dkg = tt.clone().matmul(dw);
-    let dvb = tt.clone().matmul(du);
+    // [∂(β⊙E⊙K) | ∂(β⊙V)] = (I + L)^{-T} [∂W | ∂U],  ∂L = −that · [W | U]ᵀ (strictly lower)
+    let y = solve::<B>(l, Tensor::cat(vec![dw, du], 2), true);
+    let dkg = y.clone().slice([0..x, 0..c, 0..dk]);
+    let dvb = y.clone().slice([0..x, 0..c, dk..dk + dv]);
     let strict = mask::<B>(c, |r, s| s < r, &device);
     let lower = mask::<B>(c, |r, s| s <= r, &device);
-    let dl = tt.clone().matmul(dt).matmul(tt).neg() * strict.clone();
+    let dl = y.matmul(wu.swap_dims(1, 2)).neg() * strict.clone();
     let l_sums = sums.slice([0..x, 0..c, 0..c]) * strict.clone();
     let dbeta = (dl.clone() * l_sums).sum_dim(2) + (dvb.clone() * v).sum_dim(2) + (dkg.clone() * k.clone() * e.clone()).sum_dim(2);
     let dsums = Tensor::cat(vec![dl * strict * beta.clone(), dp * lower], 2);
