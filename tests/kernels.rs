@@ -350,11 +350,11 @@ fn worst_grad(a: &Grads, b: &Grads, above: f32) -> (f32, String, usize) {
 /// largest logit) and the gradient of every parameter — and its gradients against the HF
 /// reference's float64 autograd with `tests/grads.rs`'s bar. For scale, the reference paths
 /// on Vulkan are also compared with the reference paths on Flex: two fp32 backends running
-/// the same tensor ops differ by as much as the kernels do. Measured on this case: the KDA pair
+/// the same tensor ops differ by more than the kernels do. Measured on this case: the KDA pair
 /// sums kernel and its reference agree to one ulp on the model's own inputs (forward ≤ 1.8e-7
-/// absolute at magnitude 1), and exchanging just that one op moves layer 0's KDA gradients by
+/// absolute at magnitude 1), yet exchanging just that one op moved layer 0's KDA gradients by
 /// up to 6.7e-5 — the model's amplification of fp32 rounding, which is also why HF's fp32
-/// gradients sit 1.0e-4 from its float64 ones.
+/// gradients sit 1.0e-4 from its float64 ones (README, "Custom kernels").
 #[test]
 fn tiny_model_kernel_paths_match_reference_paths() {
     use glm5_burn::PathKind;
