@@ -18,7 +18,8 @@
 //! FLOP counts (multiply-add = 2):
 //! * KDA (`ops::kda::kda_chunked`, chunk C = 64, per token and head, nominal): pair terms
 //!   `2·C·d` (L and P over the causal half), `2·C·2d` (W, U), `2·C·d` (P V'), `8·d²` (W S,
-//!   Q S, state update); the in-chunk inverse (`⌈log₂C⌉` C×C products) is not counted.
+//!   Q S, state update); the reference path's in-chunk inverse (`⌈log₂C⌉` C×C products; the
+//!   kernel path solves instead) is not counted.
 //! * KPool indexer: `2·S·P·H_I·d_I` with `P = S / kpool` (scoring; selection is integer work).
 //! * KPool pooled keys (`kpool_compress`): memory-bound, reported in bytes moved (`gbyte_per_s`):
 //!   `4·(2·S·d_I + P·d_I)` (keys and gate logits read once, pooled keys written).
