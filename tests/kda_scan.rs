@@ -195,8 +195,8 @@ fn packed_documents_restart_the_state() {
     let (or, sr, gr) = op_run::<Flex>(&x, dims, 1, chunk, true, &resets);
     let (oh, sh, gh) = op_run::<Flex>(&x, dims, 1, chunk, false, &resets);
     let ga = op_autodiff(&x, dims, chunk, &resets);
-    let (or, oh) = (host(or), host(oh));
-    let (eo, es) = (rel(&or, &oh), rel(&host(sr), &host(sh)));
+    let (or, oh, sr, sh) = (host(or), host(oh), host(sr), host(sh));
+    let (eo, es) = (rel(&or, &oh), rel(&sr, &sh));
     println!("packed: o {eo:.2e}, S_T {es:.2e} (reference body vs host recurrence)");
     assert!(eo <= 1e-5 && es <= 1e-5, "packed forward {eo:e} / {es:e}");
     for (i, name) in ["∂q", "∂k", "∂v", "∂g", "∂β", "∂h0"].iter().enumerate() {
@@ -219,4 +219,13 @@ fn packed_documents_restart_the_state() {
     }
     println!("packed vs one scan per document: {worst:.2e}");
     assert!(worst <= 1e-5, "packed vs per-document {worst:e}");
+    // an empty document (`cu_seqlens` with a repeated offset) changes nothing, in either body
+    let empty = [32usize, 48, 48, 80];
+    for (reference, o_ref) in [(true, &or), (false, &oh)] {
+        let (o, s, g) = op_run::<Flex>(&x, dims, 1, chunk, reference, &empty);
+        let (s_ref, g_ref) = if reference { (&sr, &gr) } else { (&sh, &gh) };
+        assert_eq!(&host(o), o_ref, "empty document, reference body = {reference}: outputs");
+        assert_eq!(&host(s), s_ref, "empty document, reference body = {reference}: final state");
+        assert_eq!(&g, g_ref, "empty document, reference body = {reference}: gradients");
+    }
 }
