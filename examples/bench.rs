@@ -3,11 +3,13 @@
 //!
 //! ```text
 //! cargo run --release --example bench -- --config configs/bench_small.json --seq 512 \
-//!     [--batch 1] [--mode forward|train|both] [--steps 5] [--threads 2] [--profile]
+//!     [--batch 1] [--mode forward|train|both] [--warmup 10] [--steps 5] [--threads 2] [--profile]
 //! ```
 //!
-//! Prints one JSON line per mode: `{"impl", "mode", "tokens", "median_s", "tokens_per_s",
-//! "peak_rss_mb"}` (peak RSS: Linux `VmHWM` after the mode ran; forward runs first), the same
+//! Steady state: `--warmup` untimed iterations first (default 10), then the median of the
+//! `--steps` timed ones. Prints one JSON line per mode: `{"impl", "mode", "tokens", "median_s",
+//! "min_s", "max_s", "tokens_per_s", "peak_rss_mb"}` (peak RSS: Linux `VmHWM` after the mode
+//! ran; forward runs first), the same
 //! shape as `tests/reference/bench_reference.py`, which runs the HF reference on the same config.
 //! A train step is forward, cross-entropy over all tokens, backward and the AdamW update
 //! (the library's `Trainer` with fp32 weights, no clipping). `--profile` adds the time per
@@ -15,7 +17,7 @@
 
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
@@ -51,16 +53,20 @@ struct Args {
     /// HF config.json (nested or flat).
     #[arg(long)]
     config: std::path::PathBuf,
+    /// Tokens per row (≥ 1).
     #[arg(long)]
     seq: usize,
+    /// Rows (≥ 1).
     #[arg(long, default_value_t = 1)]
     batch: usize,
     #[arg(long, value_enum, default_value = "both")]
     mode: Mode,
-    /// Timed iterations (after one warm-up).
+    /// Timed iterations after the warm-up (≥ 1); the median is reported.
     #[arg(long, default_value_t = 5)]
     steps: usize,
-    #[arg(long, default_value_t = 1)]
+    /// Untimed iterations first, so the timed ones are steady state (allocator pools filled,
+    /// caches warm).
+    #[arg(long, default_value_t = 10)]
     warmup: usize,
     /// Worker threads (rayon pool used by Flex).
     #[arg(long)]
@@ -129,6 +135,11 @@ fn main() -> Result<()> {
         println!("{}", json!({"gflops": {"512x256x768": matmul_gflops(512, 256, 768), "2048x2048x2048": matmul_gflops(2048, 2048, 2048)}}));
         return Ok(());
     }
+    for (name, v) in [("--seq", a.seq), ("--batch", a.batch), ("--steps", a.steps)] {
+        if v == 0 {
+            bail!("{name} 0: must be at least 1");
+        }
+    }
     let config = Glm5Config::from_file(&a.config).with_context(|| a.config.display().to_string())?;
     // active parameters per token without the input embedding (a lookup, no FLOPs); the LM
     // head is a matmul and counts
@@ -140,10 +151,12 @@ fn main() -> Result<()> {
     let ids: Vec<i64> = (0..tokens).map(|_| 1 + (rng.next_u64() % (vocab as u64 - 1)) as i64).collect();
     let threads = a.threads.unwrap_or_else(rayon::current_num_threads);
     let report = |mode: &str, times: Vec<f64>| {
+        let (min, max) = (times.iter().copied().fold(f64::INFINITY, f64::min), times.iter().copied().fold(0.0, f64::max));
         let med = median(times);
         println!(
             "{}",
-            json!({"impl": "glm5-burn-flex", "mode": mode, "tokens": tokens, "median_s": med, "tokens_per_s": tokens as f64 / med,
+            json!({"impl": "glm5-burn-flex", "mode": mode, "tokens": tokens, "median_s": med, "min_s": min, "max_s": max,
+                   "warmup": a.warmup, "tokens_per_s": tokens as f64 / med,
                    "peak_rss_mb": peak_rss_mb(), "threads": threads, "active_non_embedding": active_non_embedding})
         );
     };

@@ -155,12 +155,17 @@ fn say(bar: &ProgressBar, msg: String) {
     }
 }
 
-/// Peak resident set size of this process (Linux `VmHWM`), MB.
-fn peak_rss_mb() -> Option<f64> {
+/// A memory figure of this process from `/proc/self/status` (Linux), MB: `VmHWM` is the peak
+/// resident set, `VmRSS` the current one.
+fn status_mb(key: &str) -> Option<f64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
     let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb / 1024.0)
+}
+
+fn peak_rss_mb() -> Option<f64> {
+    status_mb("VmHWM:")
 }
 
 /// Keep the metrics lines up to `step` (a resumed run recomputes the later ones).
@@ -280,7 +285,7 @@ where
         let outcome = trainer.step(&micro)?;
         let secs = t0.elapsed().as_secs_f64();
         let step = trainer.step;
-        let mut line = json!({"step": step, "epoch": sampler.epoch, "seconds": secs, "peak_rss_mb": peak_rss_mb()});
+        let mut line = json!({"step": step, "epoch": sampler.epoch, "seconds": secs, "peak_rss_mb": peak_rss_mb(), "rss_mb": status_mb("VmRSS:")});
         match outcome {
             StepOutcome::Applied(m) => {
                 line["loss"] = json!(m.loss);

@@ -11,7 +11,8 @@
 //!
 //! then [`crate::ops::kpool::KpoolSelect`] picks pools and expands them to token indices.
 //! HF: `Glm5NextTextIndexer.forward` / `get_pooled_states`. No gradient flows through it
-//! (the reference runs it under `no_grad`): inputs are detached.
+//! (the reference runs it under `no_grad`): inputs are detached and the parameters are used
+//! untracked ([`Indexer::untracked`]).
 
 use burn::module::{Initializer, Module, Param};
 use burn::nn::Linear;
@@ -60,6 +61,18 @@ impl<B: Backend> Indexer<B> {
         }
     }
 
+    /// This indexer with untracked parameters, for computing with them. The indexer's result
+    /// is read on the host only (selected indices), so no gradient can reach its parameters;
+    /// computing with the tracked parameters would still register autodiff graph nodes that
+    /// no backward ever consumes. Burn 0.21 keeps such nodes — with the tensors they saved for
+    /// a backward — for as long as their parameter leaves live, and every later backward scans
+    /// them (`GraphCleaner::cleanup_orphaned_entries`): a fine-tune slowed ~10× in 40 steps and
+    /// grew ~0.55 MiB per step on the tiny VLM (`tests/long_run.rs`). Untracked tensors
+    /// register nothing. Cloning a module clones parameter handles, not their data.
+    pub fn untracked(&self) -> Self {
+        self.clone().no_grad()
+    }
+
     pub fn selector(&self) -> KpoolSelect {
         KpoolSelect {
             kpool: self.kpool,
@@ -77,15 +90,16 @@ impl<B: Backend> Indexer<B> {
     where
         B: Glm5Backend,
     {
+        let this = self.untracked();
         let x = x.detach();
         let q_resid = q_resid.detach();
         let [b, s, _] = x.dims();
         let (h, d) = (self.n_heads, self.head_dim);
 
-        let q = self.wq_b.forward(q_resid).cast(DType::F32).reshape([b, s, h, d]);
-        let k = self.k_norm.forward(self.wk.forward(x.clone())); // [B,S,d]
-        let gate = x.clone().matmul(self.index_kpool_compress_gate.val().transpose().unsqueeze::<3>()); // [B,S,d]
-        let ape = self.index_kpool_compress_ape.val();
+        let q = this.wq_b.forward(q_resid).cast(DType::F32).reshape([b, s, h, d]);
+        let k = this.k_norm.forward(this.wk.forward(x.clone())); // [B,S,d]
+        let gate = x.clone().matmul(this.index_kpool_compress_gate.val().transpose().unsqueeze::<3>()); // [B,S,d]
+        let ape = this.index_kpool_compress_ape.val();
         let first: Vec<usize> = pool_layouts(&mask.host, b, s, self.kpool).iter().map(|l| l.first).collect();
         let pooled = if kernel {
             let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
@@ -93,7 +107,7 @@ impl<B: Backend> Indexer<B> {
         } else {
             reference_compress(k, gate, ape, &first)
         };
-        let w = self.weights_proj.forward(x).cast(DType::F32) * (h as f64).powf(-0.5); // [B,S,H]
+        let w = this.weights_proj.forward(x).cast(DType::F32) * (h as f64).powf(-0.5); // [B,S,H]
         (q, w, pooled)
     }
 

@@ -137,8 +137,11 @@ pub fn forward_micro<B: Glm5Backend>(
     Ok(model.forward_multimodal(&m.ids, m.batch, m.seq, mask, Some((images, grid)), opts, false)?)
 }
 
-/// Summed cross-entropy and label tokens of one micro-batch (no gradient needed; use on the
-/// inner backend for validation).
+/// Summed cross-entropy and label tokens of one micro-batch, for validation: run it on a
+/// plain backend (`model.valid()` of a training model), not on `Autodiff`. On `Autodiff`, a
+/// forward that no backward consumes keeps its whole graph — the saved activations included —
+/// alive in Burn 0.21's autodiff state for as long as the parameters live (12.6 MiB per
+/// forward of the tiny VLM; `tests/long_run.rs`).
 pub fn micro_loss_sum<B: Glm5Backend>(
     model: &Glm5ForCausalLM<B>,
     m: &MicroBatch,

@@ -1,16 +1,21 @@
-"""One command, one machine, one run: our `bench` example and the HF reference on the same
-config, side by side, with the ratios and model FLOP utilisation.
+"""One command, one machine: our `bench` example and the HF reference on the same config, side
+by side, at steady state, with the ratios and model FLOP utilisation.
 
-    /opt/refenv/bin/python tests/reference/bench_compare.py [--config configs/bench_small.json] \
-        [--seqs 512,2048,8192] [--threads 2] [--steps 3] [--ref-max-seq 2048] [--matmul]
+    python tests/reference/bench_compare.py [--config configs/bench_small.json] \
+        [--seqs 512,2048,8192] [--threads 2] [--warmup 10] [--steps 5] [--rounds 3] \
+        [--ref-max-seq 2048] [--matmul]
 
-For every sequence length it runs `target/release/examples/bench` (built first with
-`cargo build --release --example bench`) and `bench_reference.py`, each in its own process
-(so peak RSS is per implementation and mode), and prints a Markdown table: tokens/s, median
-step time and peak RSS of both, the ratio, and MFU — 6 × (active non-embedding parameters)
-× tokens/s for a train step, 2 × for a forward, over the backend's own f32 matmul rate at the
-model's shapes (`--matmul` measures it: ours with `bench --matmul`, PyTorch with torch.mm).
-`--ref-max-seq` skips the reference above that length (its dense S×S masks make 8192 slow).
+For every (sequence length, mode) it runs `target/release/examples/bench` (built first with
+`cargo build --release --example bench`) and `bench_reference.py`, each in its own process (so
+peak RSS is per implementation and mode), `--rounds` times, alternating which goes first, so
+slow drift of the machine (thermal, other load) falls on both. Each process runs `--warmup`
+untimed iterations, then `--steps` timed ones, and reports their median. Per (seq, mode) the
+table gives the median over rounds of each side's tokens/s, the median of the per-round ratios
+and their spread (min–max), peak RSS (max over rounds), and MFU — 6 × (active non-embedding
+parameters) × tokens/s for a train step, 2 × for a forward, over the backend's own f32 matmul
+rate at the model's shapes (`--matmul` measures it: ours with `bench --matmul`, PyTorch with
+torch.mm). `--ref-max-seq` skips the reference above that length (its dense S×S masks make
+8192 slow); `--json FILE` also writes every run's raw line.
 """
 
 import argparse
@@ -46,18 +51,29 @@ def torch_matmul_gflops(threads, shapes):
     return rates
 
 
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/bench_small.json")
     ap.add_argument("--seqs", default="512,2048,8192")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default="forward,train")
     ap.add_argument("--ref-max-seq", type=int, default=2048)
     ap.add_argument("--matmul", action="store_true")
+    ap.add_argument("--json", help="also write every run's JSON line here")
     a = ap.parse_args()
+    if a.rounds < 1 or a.steps < 1 or a.warmup < 0:
+        raise SystemExit("--rounds and --steps must be at least 1, --warmup at least 0")
     subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "bench"], cwd=ROOT, check=True)
     n_active = run_json(["target/release/examples/bench", "--config", a.config, "--seq", "8", "--mode", "forward",
-                         "--steps", "1", "--threads", str(a.threads)])[0]["active_non_embedding"]
+                         "--warmup", "0", "--steps", "1", "--threads", str(a.threads)])[0]["active_non_embedding"]
     ours_mm = ref_mm = None
     if a.matmul:
         shapes = [(512, 256, 768), (2048, 2048, 2048)]
@@ -65,24 +81,48 @@ def main():
                             "--threads", str(a.threads)])[0]["gflops"]
         ref_mm = torch_matmul_gflops(a.threads, shapes)
         print(f"f32 matmul GFLOP/s ({a.threads} threads): ours {ours_mm}, PyTorch {ref_mm}")
-    print(f"active non-embedding parameters: {n_active / 1e6:.2f} M")
-    print("| seq | mode | ours tok/s | HF tok/s | ratio | ours s/step | HF s/step | ours peak RSS MB | HF peak RSS MB | ours MFU |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"active non-embedding parameters: {n_active / 1e6:.2f} M; warm-up {a.warmup}, {a.steps} timed steps, "
+          f"{a.rounds} alternating rounds")
+    print("| seq | mode | ours tok/s | HF tok/s | ratio (median) | ratio spread | ours s/step | HF s/step "
+          "| ours peak RSS MB | HF peak RSS MB | ours MFU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    raw = []
+    common = ["--config", a.config, "--warmup", str(a.warmup), "--steps", str(a.steps), "--threads", str(a.threads)]
     for seq in [int(s) for s in a.seqs.split(",")]:
-        for mode in ["forward", "train"]:
-            ours = run_json(["target/release/examples/bench", "--config", a.config, "--seq", str(seq), "--mode", mode,
-                             "--steps", str(a.steps), "--threads", str(a.threads)])[0]
-            ref = None
+        for mode in a.modes.split(","):
+            ours_cmd = ["target/release/examples/bench", "--seq", str(seq), "--mode", mode] + common
+            ref_cmd = None
             if seq <= a.ref_max_seq:
-                ref = run_json([sys.executable, "tests/reference/bench_reference.py", "--config", a.config, "--seq", str(seq),
-                                "--mode", mode, "--steps", str(a.steps), "--threads", str(a.threads)])[0]
-            flops = (6 if mode == "train" else 2) * n_active * ours["tokens_per_s"] / 1e9
+                ref_cmd = [sys.executable, "tests/reference/bench_reference.py", "--seq", str(seq), "--mode", mode] + common
+            ours, ref = [], []
+            for r in range(a.rounds):
+                order = [("ours", ours_cmd), ("ref", ref_cmd)]
+                if r % 2:
+                    order.reverse()
+                for side, cmd in order:
+                    if cmd is None:
+                        continue
+                    line = run_json(cmd)[0]
+                    line.update({"seq": seq, "round": r})
+                    raw.append(line)
+                    (ours if side == "ours" else ref).append(line)
+            o_tps = median([x["tokens_per_s"] for x in ours])
+            o_s = median([x["median_s"] for x in ours])
+            o_rss = max(x["peak_rss_mb"] for x in ours)
+            flops = (6 if mode == "train" else 2) * n_active * o_tps / 1e9
             mfu = f"{flops:.1f} GFLOP/s" + (f" ({100 * flops / ours_mm['512x256x768']:.0f}% of 512x256x768)" if ours_mm else "")
-            ratio = f"{ours['tokens_per_s'] / ref['tokens_per_s']:.1f}x" if ref else "-"
-            print(f"| {seq} | {mode} | {ours['tokens_per_s']:.0f} | {ref['tokens_per_s']:.0f} | {ratio} | {ours['median_s']:.3f} | "
-                  f"{ref['median_s']:.3f} | {ours['peak_rss_mb']:.0f} | {ref['peak_rss_mb']:.0f} | {mfu} |" if ref else
-                  f"| {seq} | {mode} | {ours['tokens_per_s']:.0f} | - | - | {ours['median_s']:.3f} | - | {ours['peak_rss_mb']:.0f} | - | {mfu} |",
-                  flush=True)
+            if ref:
+                ratios = [o["tokens_per_s"] / h["tokens_per_s"] for o, h in zip(ours, ref)]
+                r_tps = median([x["tokens_per_s"] for x in ref])
+                print(f"| {seq} | {mode} | {o_tps:.0f} | {r_tps:.0f} | {median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x "
+                      f"| {o_s:.3f} | {median([x['median_s'] for x in ref]):.3f} | {o_rss:.0f} "
+                      f"| {max(x['peak_rss_mb'] for x in ref):.0f} | {mfu} |", flush=True)
+            else:
+                print(f"| {seq} | {mode} | {o_tps:.0f} | - | - | - | {o_s:.3f} | - | {o_rss:.0f} | - | {mfu} |", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            for line in raw:
+                f.write(json.dumps(line) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The HF reference on the same benchmark as our `bench` example, printing the same JSON lines.
 
     /opt/refenv/bin/python tests/reference/bench_reference.py --config configs/bench_small.json --seq 512 \
-        [--batch 1] [--mode forward|train|both] [--steps 5] [--threads 2]
+        [--batch 1] [--mode forward|train|both] [--warmup 10] [--steps 5] [--threads 2]
 
 Builds `Glm5NextForConditionalGeneration` from the config with seeded weights (PyTorch eager,
 its default SDPA attention, fp32), runs warm-up plus N timed iterations of a forward pass
@@ -29,7 +29,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--mode", choices=["forward", "train", "both"], default="both")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -65,6 +65,7 @@ def main():
         med = statistics.median(times)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps({"impl": "hf-pytorch", "mode": mode, "tokens": tokens, "median_s": med,
+                          "min_s": min(times), "max_s": max(times), "warmup": a.warmup,
                           "tokens_per_s": tokens / med, "peak_rss_mb": peak}), flush=True)
 
 
