@@ -63,6 +63,11 @@ fn run(args: Args) -> Result<()> {
         return inspect(dir);
     }
     let (input, output) = (args.input.expect("clap requires it"), args.output.expect("clap requires it"));
+    if let (Ok(i), Ok(o)) = (input.canonicalize(), output.canonicalize()) {
+        if i == o {
+            bail!("--output {} is the --input checkpoint: converting in place would destroy it; name another directory", output.display());
+        }
+    }
     let opts = ConvertOptions {
         dtype: if args.dtype == "f32" { Dtype::F32 } else { Dtype::BF16 },
         max_shard_bytes: parse_size(&args.max_shard_size)?,

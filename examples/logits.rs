@@ -12,7 +12,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use burn::backend::Flex;
 use burn::tensor::{DType, Tensor, TensorData};
 use clap::{Parser, ValueEnum};
@@ -110,6 +110,9 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
         return run_prompt::<B>(args, prompt, device);
     }
     let (input, output) = (args.input.clone().expect("clap requires it"), args.output.clone().expect("clap requires it"));
+    if same_file(&input, &output) {
+        bail!("--output {} is the --input file: writing the logits would replace the inputs; name another file", output.display());
+    }
     let inputs = TokenInputs::read(&input)?;
     let (b, s) = (inputs.batch, inputs.seq);
     let dtype = match args.dtype {
@@ -167,7 +170,8 @@ fn run_prompt<B: Glm5Backend>(args: &Args, prompt: &str, device: &B::Device) -> 
     use glm5_burn::data::chat::ChatFormat;
     use glm5_burn::data::image_processor::{ImageProcessor, RgbImage};
     let tok = args.tokenizer.as_ref().expect("clap requires it");
-    let dir = tok.parent().unwrap_or(std::path::Path::new("."));
+    // `--tokenizer` may name tokenizer.json or the directory holding it
+    let dir = if tok.is_dir() { tok.as_path() } else { tok.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new(".")) };
     let chat = ChatFormat::from_dir(dir).with_context(|| format!("loading the tokenizer and chat template from {}", dir.display()))?;
     let images = args.images.iter().map(|p| RgbImage::open(p)).collect::<Result<Vec<_>, _>>()?;
     let p = glm5_burn::data::user_prompt(&chat, &ImageProcessor::default(), &images, prompt)?;
@@ -199,4 +203,12 @@ fn run_prompt<B: Glm5Backend>(args: &Args, prompt: &str, device: &B::Device) -> 
         println!("  {i:>7}  p={:.4}  {text:?}", (last[i] - m).exp() / z);
     }
     Ok(())
+}
+
+/// Whether two paths name the same existing file (or the same path when they do not exist).
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
+    }
 }

@@ -516,6 +516,13 @@ impl TextConfig {
                 return err(field, "must be positive".into());
             }
         }
+        // a zero or negative ε divides by zero (or takes the root of a negative number) in
+        // every norm of the model: all-NaN logits with no other symptom
+        for (field, v) in [("rms_norm_eps", self.rms_norm_eps), ("hc_eps", self.hc_eps)] {
+            if !(v.is_finite() && v > 0.0) {
+                return err(field, format!("must be a positive finite number, got {v}"));
+            }
+        }
         if self.mlp_layer_types[..n].contains(&MlpType::Sparse) {
             if self.n_routed_experts == 0 || self.n_group == 0 || self.n_routed_experts % self.n_group != 0 {
                 return err(
@@ -706,6 +713,9 @@ impl VisionConfig {
                 f.name("num_heads"),
                 format!("hidden_size ({}) must be a multiple of num_heads ({})", cfg.hidden_size, cfg.num_heads),
             ));
+        }
+        if !(cfg.rms_norm_eps.is_finite() && cfg.rms_norm_eps > 0.0) {
+            return Err(ConfigError::invalid(f.name("rms_norm_eps"), format!("must be a positive finite number, got {}", cfg.rms_norm_eps)));
         }
         Ok(cfg)
     }

@@ -52,6 +52,17 @@ pub enum CheckpointError {
     },
     #[error("checkpoint {dir} does not match the model:\n{report}")]
     Mismatch { dir: PathBuf, report: String },
+    #[error(
+        "tensor `{name}` in {path}: {count} non-finite value(s), the first {value} at flat index {index}; the model would \
+         compute NaN (load with `LoadOptions::allow_non_finite` to inspect such a checkpoint anyway)"
+    )]
+    NonFinite {
+        name: String,
+        path: PathBuf,
+        count: usize,
+        index: usize,
+        value: f32,
+    },
     #[error("{0}")]
     Other(String),
 }

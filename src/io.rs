@@ -87,8 +87,11 @@ impl TokenInputs {
                 if p.dtype() != Dtype::F32 || p.shape().len() != 2 {
                     return Err(input_err(path, format!("`pixel_values` must be F32 [N_patches, 1176], found {:?} {:?}", p.dtype(), p.shape())));
                 }
-                if gshape[1] != 3 || g.iter().any(|&x| x <= 0) {
-                    return Err(input_err(path, format!("`image_grid_thw` must be positive I64 [N_images, 3], found shape {gshape:?}")));
+                if gshape[1] != 3 {
+                    return Err(input_err(path, format!("`image_grid_thw` must be I64 [N_images, 3], found shape {gshape:?}")));
+                }
+                if let Some((i, row)) = g.chunks(3).enumerate().find(|(_, r)| r.iter().any(|&x| x <= 0)) {
+                    return Err(input_err(path, format!("`image_grid_thw` row {i} is {row:?}: t, h and w must all be positive")));
                 }
                 let pixel_values = p.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
                 Some(ImageInputs {

@@ -236,3 +236,45 @@ fn duplicate_tensor_across_shards_is_rejected() {
     };
     assert!(e.to_string().contains("lm_head.weight"), "{e}");
 }
+
+/// A NaN or infinity in any BF16/F32 weight is an error naming the tensor and its shard
+/// (FP8 NaN codes already are); `allow_non_finite` loads it anyway. A non-positive norm ε in
+/// config.json is refused by the config validator, naming the field.
+#[test]
+fn non_finite_weights_and_bad_epsilons_are_refused() {
+    let name = "model.language_model.layers.1.mlp.experts.2.up_proj.weight";
+    for (bad, label) in [(f32::NAN, "NaN"), (f32::INFINITY, "inf"), (f32::NEG_INFINITY, "-inf")] {
+        let dir = edited("base_k4", |t| {
+            let w = t.get_mut(name).unwrap();
+            let mut v = glm5_burn::checkpoint::safetensors_io::decode_f32(w.dtype, &w.data).unwrap();
+            v[3] = bad;
+            v[7] = bad;
+            w.data = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            w.dtype = Dtype::F32;
+        });
+        let e = load_err(dir.path());
+        assert!(e.contains(name) && e.contains("model.safetensors") && e.contains("2 non-finite") && e.contains("index 3"), "{label}: {e}");
+        let opts = LoadOptions { allow_non_finite: true, ..LoadOptions::default() };
+        load_causal_lm::<B>(dir.path(), &Default::default(), &opts).unwrap();
+    }
+    // bf16 too
+    let dir = edited("base_k4", |t| {
+        let w = t.get_mut(name).unwrap();
+        let v = glm5_burn::checkpoint::safetensors_io::decode_f32(w.dtype, &w.data).unwrap();
+        let mut b: Vec<u8> = v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect();
+        b[0..2].copy_from_slice(&half::bf16::NAN.to_le_bytes());
+        w.data = b;
+        w.dtype = Dtype::BF16;
+    });
+    assert!(load_err(dir.path()).contains(name));
+
+    for (section, field, v) in [("text_config", "rms_norm_eps", -1e-5), ("text_config", "rms_norm_eps", 0.0), ("text_config", "hc_eps", -1.0)] {
+        let dir = edited("base_k4", |_| {});
+        let cfg_path = dir.path().join("config.json");
+        let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+        cfg[section][field] = v.into();
+        std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+        let e = load_err(dir.path());
+        assert!(e.contains(field) && e.contains("positive"), "{field} = {v}: {e}");
+    }
+}

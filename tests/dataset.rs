@@ -104,3 +104,32 @@ fn packs_hold_whole_conversations() {
         .to_string();
     assert!(e.contains("every sample is longer than packed_sequence_size 16"), "{e}");
 }
+
+/// A question or answer holding a special-token string (`<|image|>` would become a second
+/// image placeholder) is skipped and counted like other malformed records, not a reason to
+/// abort the split.
+#[test]
+fn special_token_text_is_skipped_and_counted() {
+    let src = root().join("tests/fixtures/medpix_jsonl");
+    let dir = tempfile::tempdir().unwrap();
+    let lines: Vec<String> = std::fs::read_to_string(src.join("train.jsonl"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| l.replace("\"images/", &format!("\"{}/images/", src.display())))
+        .collect();
+    let mut edited = lines.clone();
+    edited[0] = edited[0].replace("Is the kidney lesion", "Is the <|image|> kidney lesion");
+    edited[1] = edited[1].replace("\"answer\": \"", "\"answer\": \"<|endoftext|> ");
+    std::fs::write(dir.path().join("train.jsonl"), edited.join("\n") + "\n").unwrap();
+    let chat = ChatFormat::from_dir(&bundle()).unwrap();
+    let image_token = chat.tokenizer.token_to_id("<|image|>").unwrap() as i64;
+    let opts = PackingOptions { max_length: 256, drop_long_samples: true, seed: 3 };
+    let ds = PackedDataset::build(dir.path(), DatasetFormat::Jsonl, "train", None, &chat, ImageProcessor::default(), image_token, &opts).unwrap();
+    let special = ds.read_report.skipped.get("special token in text").copied().unwrap_or(0);
+    let expected = if chat.special_tokens().iter().any(|t| t == "<|endoftext|>") { 2 } else { 1 };
+    assert_eq!(special, expected, "{:?}", ds.read_report.skipped);
+    assert!(ds.read_report.examples.iter().any(|e| e.contains("contains <|image|>")), "{:?}", ds.read_report.examples);
+    let clean = PackedDataset::build(&src, DatasetFormat::Jsonl, "train", None, &chat, ImageProcessor::default(), image_token, &opts).unwrap();
+    assert_eq!(ds.read_report.usable + expected, clean.read_report.usable);
+}

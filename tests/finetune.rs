@@ -1,6 +1,8 @@
 //! The `finetune` example end to end (the binary `cargo test` builds in `target/*/examples/`):
 //! a run killed with SIGKILL after a checkpoint and then resumed produces the same loss trace,
-//! bit for bit, as an uninterrupted run; its checkpoint loads in the `logits` example.
+//! bit for bit, as an uninterrupted run; its checkpoint loads in the `logits` example; one run
+//! per checkpoint directory; resume refuses changed data; a damaged newest checkpoint falls
+//! back to the previous one. Also the other CLIs' refusals of bad sizes and paths.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -14,7 +16,7 @@ fn example(name: &str) -> PathBuf {
     static BUILD: std::sync::Once = std::sync::Once::new();
     BUILD.call_once(|| {
         let status = Command::new(env!("CARGO"))
-            .args(["build", "--example", "finetune", "--example", "logits"])
+            .args(["build", "--example", "finetune", "--example", "logits", "--example", "bench", "--example", "convert"])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status()
             .expect("run cargo");
@@ -122,4 +124,160 @@ fn refuses_to_overwrite_checkpoints_without_resume() {
     let out = Command::new(example("finetune")).arg("--optimizer.momentum=0.9").output().unwrap();
     let text = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!out.status.success() && text.contains("optimizer.momentum"), "{text}");
+}
+
+/// Two runs on one checkpoint directory: the second is refused at start, naming the
+/// directory and the process that holds it, and touches nothing; the first finishes and its
+/// checkpoints and metrics are whole. After the first ends, a new run may take the directory.
+#[test]
+fn a_second_run_on_the_same_directory_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("shared");
+    let mut first = Command::new(example("finetune")).args(overrides(&dir)).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let t0 = Instant::now();
+    while !dir.join(".lock").exists() || std::fs::read_to_string(dir.join(".lock")).unwrap_or_default().is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(300), "the first run never took the lock");
+        assert!(first.try_wait().unwrap().is_none(), "the first run ended early");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut second_args = overrides(&dir);
+    second_args.push("--optimizer.lr=1e-3".into());
+    let out = Command::new(example("finetune")).args(second_args).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "the second run was not refused:\n{text}");
+    assert!(text.contains(&dir.display().to_string()) && text.contains("in use by another run") && text.contains(&format!("pid {}", first.id())), "{text}");
+    let status = first.wait().unwrap();
+    assert!(status.success(), "the first run failed");
+    let steps: Vec<u64> = trace(&dir).iter().map(|t| t.0).collect();
+    assert_eq!(steps, (1..=8).collect::<Vec<_>>(), "metrics.jsonl holds the first run's 8 steps only");
+    for step in ["step_000006", "step_000008"] {
+        let d = dir.join(step);
+        assert!(d.join("trainer_state.json").is_file() && d.join("optimizer.mpk").is_file() && d.join("model/model.safetensors").is_file(), "{step} whole");
+        glm5_burn::checkpoint::load_causal_lm::<burn::backend::Flex>(d.join("model"), &Default::default(), &Default::default()).unwrap();
+    }
+    let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".partial")).collect();
+    assert!(leftovers.is_empty(), "staging directories left: {leftovers:?}");
+    // released with the process: the directory can be resumed (nothing left to train)
+    let out = Command::new(example("finetune")).args(overrides(&dir)).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Resuming on data that would change the order: refused, listing what changed; with
+/// `--reset-data-position` the run continues from the checkpoint's step on the new data.
+#[test]
+fn resume_with_changed_data_is_refused_unless_reset() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("r");
+    let mut args = overrides(&dir);
+    args[1] = "--step_scheduler.max_steps=4".into();
+    run_with(&args);
+    let mut changed = overrides(&dir);
+    changed.push("--packed_sequence.packed_sequence_size=512".into());
+    let out = Command::new(example("finetune")).args(&changed).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "resumed on other packing:\n{text}");
+    assert!(text.contains("the data differ from the checkpoint's") && text.contains("packed_sequence.packed_sequence_size: 160 → 512"), "{text}");
+    assert!(text.contains("--reset-data-position"), "{text}");
+    assert_eq!(trace(&dir).len(), 4, "a refused resume leaves the metrics alone");
+    // another split of the same files (a different dataset) is named as well
+    let mut other = overrides(&dir);
+    other.push("--dataset.split=validation".into());
+    let out = Command::new(example("finetune")).args(&other).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success() && text.contains("dataset.split: train → validation"), "{text}");
+    // the deliberate change
+    changed.push("--reset-data-position".into());
+    let log = run_with(&changed);
+    assert!(log.contains("--reset-data-position: the new data from its first pack"), "{log}");
+    let steps: Vec<u64> = trace(&dir).iter().map(|t| t.0).collect();
+    assert_eq!(steps, (1..=8).collect::<Vec<_>>());
+    // the new checkpoints record the new data: a plain resume with it is accepted
+    let mut more = changed.clone();
+    more.retain(|a| a != "--reset-data-position");
+    more[1] = "--step_scheduler.max_steps=9".into();
+    let log = run_with(&more);
+    assert!(log.contains("resumed from"), "{log}");
+}
+
+fn run_with(args: &[String]) -> String {
+    let out = Command::new(example("finetune")).args(args).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "finetune failed:\n{text}");
+    text
+}
+
+/// The newest checkpoint damaged (its optimizer state truncated, as a crash mid-copy leaves
+/// it): resume warns, names it, and continues from the one before.
+#[test]
+fn a_damaged_newest_checkpoint_falls_back_to_the_previous_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("d");
+    let mut args = overrides(&dir);
+    args[1] = "--step_scheduler.max_steps=4".into();
+    run_with(&args);
+    let opt = dir.join("step_000004/optimizer.mpk");
+    let len = std::fs::metadata(&opt).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&opt).unwrap().set_len(len / 2).unwrap();
+    args[1] = "--step_scheduler.max_steps=5".into();
+    let log = run_with(&args);
+    assert!(log.contains("step_000004 does not load") && log.contains("newest intact checkpoint") && log.contains("step_000002"), "{log}");
+    let steps: Vec<u64> = trace(&dir).iter().map(|t| t.0).collect();
+    assert_eq!(steps, (1..=5).collect::<Vec<_>>());
+}
+
+/// `bench` with zero sizes, `logits`/`convert` writing over their input, `logits` given the
+/// tokenizer's directory, and a truncated optimizer state: clear errors, no panic.
+#[test]
+fn clis_refuse_bad_sizes_and_paths() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for (flag, value) in [("--seq", "0"), ("--batch", "0"), ("--steps", "0")] {
+        let mut args = vec!["--config", "configs/bench_small.json", "--mode", "forward"];
+        for (f, v) in [("--seq", "8"), ("--batch", "1"), ("--steps", "1")] {
+            args.extend(if f == flag { [f, value] } else { [f, v] });
+        }
+        let out = Command::new(example("bench")).args(&args).current_dir(root).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success() && text.contains(&format!("{flag} 0: must be at least 1")) && !text.contains("panicked"), "{flag}: {text}");
+    }
+    let input = root.join("tests/fixtures/base_k4/io.safetensors");
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = tmp.path().join("io.safetensors");
+    std::fs::copy(&input, &copy).unwrap();
+    let before = std::fs::read(&copy).unwrap();
+    let ckpt = root.join("tests/fixtures/base_k4");
+    let out = Command::new(example("logits")).args(["--checkpoint", ckpt.to_str().unwrap(), "--input", copy.to_str().unwrap(), "--output", copy.to_str().unwrap()]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success() && text.contains("is the --input file"), "{text}");
+    assert_eq!(std::fs::read(&copy).unwrap(), before, "the input is untouched");
+    let out = Command::new(example("convert")).args(["--input", ckpt.to_str().unwrap(), "--output", ckpt.to_str().unwrap()]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success() && text.contains("is the --input checkpoint"), "{text}");
+    // --tokenizer may be the directory
+    let chat = root.join("tests/fixtures/chat");
+    let out = Command::new(example("logits"))
+        .args(["--checkpoint", chat.join("model").to_str().unwrap(), "--tokenizer", chat.join("tokenizer.json").parent().unwrap().to_str().unwrap(), "--prompt", "x"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.contains("next token:"), "{text}");
+}
+
+/// A truncated optimizer state is reported as truncated or corrupt, naming the file and its
+/// size (the decoder's own text blames a format change).
+#[test]
+fn a_truncated_optimizer_state_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("t");
+    let mut args = overrides(&dir);
+    args[1] = "--step_scheduler.max_steps=2".into();
+    args.push("--checkpoint.keep_last=1".into());
+    run_with(&args);
+    let opt = dir.join("step_000002/optimizer.mpk");
+    let len = std::fs::metadata(&opt).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&opt).unwrap().set_len(len / 3).unwrap();
+    args[1] = "--step_scheduler.max_steps=3".into();
+    let out = Command::new(example("finetune")).args(&args).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("optimizer.mpk") && text.contains(&format!("({} bytes) is truncated or corrupt", len / 3)) && !text.contains("0.14.0"), "{text}");
 }

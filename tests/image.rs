@@ -102,3 +102,42 @@ fn bad_images_are_clear_errors() {
     let e = ImageProcessor::default().process(&RgbImage { width: 0, height: 5, data: vec![] }).unwrap_err().to_string();
     assert!(e.contains("zero-size"), "{e}");
 }
+
+/// Images in other modes than 8-bit RGB decode as HF's processor converts them
+/// (`convert_to_rgb`: transparency composited onto white; `make_fixtures.py image_modes`), and
+/// the processed pixels then match the torchvision processor's sum.
+#[test]
+fn image_modes_convert_as_the_reference_does() {
+    let dir = fixtures().join("image_modes");
+    let io = Io::open(&dir.join("reference.safetensors"));
+    let proc = ImageProcessor::default();
+    for (file, exact) in [
+        ("rgba_semi.png", true),
+        ("la.png", true),
+        ("palette_trns.png", true),
+        ("transparent.png", true),
+        ("gray16.png", true),
+        ("rgb16.png", true),
+        // JPEG decoders differ in IDCT and upsampling (see jpeg_decodes_close_to_pil)
+        ("cmyk.jpg", false),
+    ] {
+        let name = file.replace('.', "_");
+        let ours = RgbImage::open(&dir.join(file)).unwrap();
+        let reference = io.f32(&format!("{name}.rgb"));
+        assert_eq!(ours.data.len(), reference.len(), "{file}: size");
+        let diffs: Vec<f64> = ours.data.iter().zip(&reference).map(|(a, b)| (*a as f64 - *b as f64).abs()).collect();
+        let (mean, max) = (diffs.iter().sum::<f64>() / diffs.len() as f64, diffs.iter().fold(0f64, |m, d| m.max(*d)));
+        let out = proc.process(&ours).unwrap();
+        let grid: Vec<usize> = io.i64(&format!("{name}.grid")).iter().map(|&x| x as usize).collect();
+        let total: f64 = out.pixel_values.iter().map(|&v| v as f64).sum();
+        let ref_total = io.f64(&format!("{name}.sum"))[0];
+        println!("{file:18} vs convert_to_rgb: mean |Δ| {mean:.3} levels, max {max}; pixel sum {total:.3} vs {ref_total:.3}");
+        assert_eq!(out.grid_thw.to_vec(), grid, "{file}: grid");
+        if exact {
+            assert_eq!(max, 0.0, "{file}: decoded RGB differs from the reference conversion (mean {mean}, max {max})");
+            assert!((total - ref_total).abs() <= 1e-3 * ref_total.abs().max(1.0) + 1e-2, "{file}: sum {total} vs {ref_total}");
+        } else {
+            assert!(mean < 1.5 && max <= 32.0, "{file}: mean |Δ| {mean}, max {max} levels from PIL's decode");
+        }
+    }
+}

@@ -55,3 +55,51 @@ fn packed_sequence_size_defaults_to_2048() {
     let r = Recipe::from_yaml(&text, "tiny_medpix.yaml (edited)", &[]).unwrap();
     assert_eq!(r.packed_sequence.packed_sequence_size, 2048);
 }
+
+/// Values torch.optim.AdamW refuses (and a negative clipping norm, which would reverse the
+/// update) are errors naming the key.
+#[test]
+fn out_of_range_optimizer_values_are_refused() {
+    let path = shipped("tiny_medpix.yaml");
+    let cases = [
+        ("optimizer.betas=[1.5, 0.95]", "optimizer.betas"),
+        ("optimizer.betas=[0.9, 1.0]", "optimizer.betas"),
+        ("optimizer.betas=[-0.1, 0.95]", "optimizer.betas"),
+        ("optimizer.weight_decay=-0.01", "optimizer.weight_decay"),
+        ("optimizer.lr=.inf", "optimizer.lr"),
+        ("optimizer.lr=.nan", "optimizer.lr"),
+        ("optimizer.lr=0", "optimizer.lr"),
+        ("optimizer.max_grad_norm=-1.0", "optimizer.max_grad_norm"),
+        ("optimizer.max_grad_norm=0", "optimizer.max_grad_norm"),
+        ("optimizer.eps=-1e-8", "optimizer.eps"),
+        ("lr_scheduler.min_lr=-1e-5", "lr_scheduler.min_lr"),
+        ("moe.aux_loss_coef=-0.1", "moe.aux_loss_coef"),
+    ];
+    for (o, key) in cases {
+        let e = Recipe::from_file(&path, &[format!("--{o}")]).unwrap_err().to_string();
+        assert!(e.contains(key), "{o}: {e}");
+    }
+    // the limits themselves are fine
+    Recipe::from_file(&path, &["--optimizer.betas=[0.0, 0.999]".into(), "--optimizer.weight_decay=0".into(), "--optimizer.max_grad_norm=null".into()]).unwrap();
+}
+
+/// Messages that name the right culprit: an override's bad value names the override, not the
+/// recipe file; an empty recipe says so.
+#[test]
+fn messages_name_the_override_and_the_empty_recipe() {
+    let path = shipped("tiny_medpix.yaml");
+    let e = Recipe::from_file(&path, &["--optimizer.lr=-1".into()]).unwrap_err().to_string();
+    assert!(e.contains("override --optimizer.lr=-1") && e.contains("optimizer.lr"), "{e}");
+    let e = Recipe::from_file(&path, &["--optimizer.momentum=0.9".into()]).unwrap_err().to_string();
+    assert!(e.contains("override --optimizer.momentum=0.9"), "{e}");
+    let e = Recipe::from_file(&path, &["--step_scheduler.max_steps=lots".into()]).unwrap_err().to_string();
+    assert!(e.contains("override --step_scheduler.max_steps=lots"), "{e}");
+    // a problem in the file itself still names the file
+    let text = std::fs::read_to_string(&path).unwrap().replace("lr: 3.0e-3", "lr: -3.0e-3");
+    let e = Recipe::from_yaml(&text, "edited.yaml", &["--step_scheduler.max_steps=5".into()]).unwrap_err().to_string();
+    assert!(e.starts_with("edited.yaml") && e.contains("optimizer.lr"), "{e}");
+    let e = Recipe::from_yaml("", "empty.yaml", &[]).unwrap_err().to_string();
+    assert!(e.contains("empty.yaml") && e.contains("the recipe is empty"), "{e}");
+    let e = Recipe::from_yaml("", "empty.yaml", &["--rng.seed=1".into()]).unwrap_err().to_string();
+    assert!(e.contains("the recipe is empty"), "{e}");
+}

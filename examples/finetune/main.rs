@@ -11,7 +11,11 @@
 //! every `val_every_steps`, checkpoints every `ckpt_every_steps` and at the end, and
 //! `CHECKPOINT_DIR/loss_curve.png`. A run whose checkpoint directory already holds checkpoints
 //! continues from the newest one (data position, optimizer and step included); `--no-resume`
-//! refuses to start over such a directory instead of overwriting it.
+//! refuses to start over such a directory instead of overwriting it. One run per checkpoint
+//! directory (an advisory lock on `CHECKPOINT_DIR/.lock`). Resuming on data that differ from
+//! the checkpoint's (dataset files, split, packing, batch sizes, seed) is refused, listing what
+//! changed; `--reset-data-position` continues from the checkpoint's step with the new data from
+//! its first pack instead.
 
 mod plot;
 
@@ -26,6 +30,7 @@ use burn::tensor::backend::AutodiffBackend;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::config::Glm5Config;
 use glm5_burn::data::chat::ChatFormat;
+use glm5_burn::data::fingerprint::DataFingerprint;
 use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions, Sampler};
 use glm5_burn::train::checkpoint as ckpt;
@@ -43,20 +48,24 @@ struct Args {
     recipe: Option<PathBuf>,
     overrides: Vec<String>,
     no_resume: bool,
+    reset_data_position: bool,
     backend: String,
 }
 
 fn parse_args() -> Result<Args> {
-    let mut a = Args { recipe: None, overrides: Vec::new(), no_resume: false, backend: "flex".into() };
+    let mut a = Args { recipe: None, overrides: Vec::new(), no_resume: false, reset_data_position: false, backend: "flex".into() };
     for arg in std::env::args().skip(1) {
         if arg == "--no-resume" {
             a.no_resume = true;
+        } else if arg == "--reset-data-position" {
+            a.reset_data_position = true;
         } else if let Some(b) = arg.strip_prefix("--backend=") {
             a.backend = b.to_string();
         } else if arg == "-h" || arg == "--help" {
             println!(
-                "usage: finetune [RECIPE.yaml] [--section.key=value ...] [--no-resume] [--backend=flex|cuda|vulkan]\n\
-                 (no recipe: the embedded tiny MedPix default; cuda/vulkan need the cargo feature of that name)"
+                "usage: finetune [RECIPE.yaml] [--section.key=value ...] [--no-resume] [--reset-data-position] [--backend=flex|cuda|vulkan]\n\
+                 (no recipe: the embedded tiny MedPix default; cuda/vulkan need the cargo feature of that name;\n\
+                 --reset-data-position: resume a checkpoint on changed data, from the first pack of the new data)"
             );
             std::process::exit(0);
         } else if arg.starts_with("--") {
@@ -101,9 +110,9 @@ fn main() -> Result<()> {
     macro_rules! dispatch {
         ($b:ty) => {
             if recipe.distributed.activation_checkpointing {
-                run::<Autodiff<$b, BalancedCheckpointing>>(&recipe, args.no_resume)
+                run::<Autodiff<$b, BalancedCheckpointing>>(&recipe, &args)
             } else {
-                run::<Autodiff<$b, NoCheckpointing>>(&recipe, args.no_resume)
+                run::<Autodiff<$b, NoCheckpointing>>(&recipe, &args)
             }
         };
     }
@@ -117,12 +126,45 @@ fn main() -> Result<()> {
     }
 }
 
-fn build_dataset(s: &DatasetSection, recipe: &Recipe, chat: &ChatFormat, image_token: i64, label: &str) -> Result<PackedDataset> {
-    let packing = PackingOptions {
+fn packing_options(recipe: &Recipe) -> PackingOptions {
+    PackingOptions {
         max_length: recipe.packed_sequence.packed_sequence_size,
         drop_long_samples: recipe.packed_sequence.drop_long_samples,
         seed: recipe.rng.seed,
-    };
+    }
+}
+
+/// Resume from the newest checkpoint that loads. A newer one that does not (a crash
+/// mid-write on a filesystem without atomic renames, a truncated copy) is skipped with a
+/// warning naming it and why; if none loads, the newest one's error is returned.
+fn resume_newest_intact<B: AutodiffBackend + Glm5Backend>(
+    checkpoints: &[(usize, PathBuf)],
+    options: &TrainOptions,
+    device: &B::Device,
+) -> Result<(Trainer<B>, ckpt::TrainerState, PathBuf)>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    let mut newest_error = None;
+    for (_, dir) in checkpoints.iter().rev() {
+        match Trainer::<B>::resume(dir, options.clone(), true, device) {
+            Ok((t, state)) => {
+                if newest_error.is_some() {
+                    println!("resuming from the newest intact checkpoint, {}", dir.display());
+                }
+                return Ok((t, state, dir.clone()));
+            }
+            Err(e) => {
+                println!("warning: checkpoint {} does not load: {e}", dir.display());
+                newest_error.get_or_insert(e);
+            }
+        }
+    }
+    Err(newest_error.map(anyhow::Error::from).unwrap_or_else(|| anyhow::anyhow!("no checkpoint to resume from")))
+}
+
+fn build_dataset(s: &DatasetSection, recipe: &Recipe, chat: &ChatFormat, image_token: i64, label: &str) -> Result<PackedDataset> {
+    let packing = packing_options(recipe);
     let ds = PackedDataset::build(&s.path, s.format, &s.split, s.max_samples, chat, ImageProcessor::default(), image_token, &packing)
         .with_context(|| format!("{label} dataset"))?;
     let r = &ds.read_report;
@@ -181,7 +223,7 @@ fn truncate_metrics(path: &Path, step: usize) -> Result<()> {
     Ok(())
 }
 
-fn run<B: AutodiffBackend + Glm5Backend>(recipe: &Recipe, no_resume: bool) -> Result<()>
+fn run<B: AutodiffBackend + Glm5Backend>(recipe: &Recipe, args: &Args) -> Result<()>
 where
     B::InnerBackend: Glm5Backend,
 {
@@ -223,17 +265,57 @@ where
     };
 
     let root = recipe.checkpoint.checkpoint_dir.clone();
+    // one run per directory, before anything in it is read or written
+    let _lock = ckpt::RunLock::acquire(&root)?;
+    let fingerprint = DataFingerprint::of(
+        &train,
+        &recipe.dataset.path,
+        &format!("{:?}", recipe.dataset.format).to_lowercase(),
+        &recipe.dataset.split,
+        recipe.dataset.max_samples,
+        &packing_options(recipe),
+        recipe.step_scheduler.global_batch_size,
+        recipe.step_scheduler.local_batch_size,
+    );
     let options = TrainOptions::from_recipe(recipe);
-    let latest = if recipe.checkpoint.enabled { ckpt::latest(&root) } else { None };
+    let checkpoints = if recipe.checkpoint.enabled { ckpt::list(&root) } else { Vec::new() };
+    let latest = checkpoints.last().map(|(_, p)| p.clone());
     let (mut trainer, mut sampler) = match latest {
-        Some(dir) if !no_resume => {
-            let (t, state) = Trainer::<B>::resume(&dir, options, true, &device)?;
-            if state.seed != seed {
-                bail!("{}: saved with rng.seed {} but the recipe has {seed}; the data order would differ", dir.display(), state.seed);
-            }
-            println!("resumed from {} (step {}, epoch {}, pack {})", dir.display(), state.step, state.epoch, state.cursor);
+        Some(_) if !args.no_resume => {
+            let (mut t, state, dir) = resume_newest_intact::<B>(&checkpoints, &options, &device)?;
+            let changed = match &state.data {
+                Some(saved) => fingerprint.differences(saved),
+                // written before checkpoints carried a fingerprint: the seed is all we know
+                None if state.seed != seed => vec![format!("rng.seed: {} → {seed}", state.seed)],
+                None if state.cursor > train.packs.len() => vec![format!("packs: more than {} → {}", state.cursor, train.packs.len())],
+                None => Vec::new(),
+            };
+            let sampler = if changed.is_empty() {
+                println!("resumed from {} (step {}, epoch {}, pack {})", dir.display(), state.step, state.epoch, state.cursor);
+                Sampler::at(train.packs.len(), seed, state.epoch, state.cursor)
+            } else if args.reset_data_position {
+                println!(
+                    "resumed from {} (step {}) on changed data ({}); --reset-data-position: the new data from its first pack",
+                    dir.display(),
+                    state.step,
+                    changed.join("; ")
+                );
+                Sampler::new(train.packs.len(), seed)
+            } else {
+                bail!(
+                    "{}: the data differ from the checkpoint's, so its data position (epoch {}, pack {}) would point into a \
+                     different pack list:\n  {}\nrestore those recipe values, or pass --reset-data-position to continue from \
+                     step {} with the new data from its first pack",
+                    dir.display(),
+                    state.epoch,
+                    state.cursor,
+                    changed.join("\n  "),
+                    state.step
+                );
+            };
+            t.data_fingerprint = Some(fingerprint.clone());
             truncate_metrics(&root.join("metrics.jsonl"), state.step)?;
-            (t, Sampler::at(train.packs.len(), seed, state.epoch, state.cursor))
+            (t, sampler)
         }
         Some(dir) => bail!("{} holds checkpoints (newest {}); with --no-resume pick an empty checkpoint.checkpoint_dir", root.display(), dir.display()),
         None => {
@@ -244,7 +326,9 @@ where
             if root.join("metrics.jsonl").exists() {
                 truncate_metrics(&root.join("metrics.jsonl"), 0)?;
             }
-            (Trainer::new(model, options, &device), Sampler::new(train.packs.len(), seed))
+            let mut t = Trainer::new(model, options, &device);
+            t.data_fingerprint = Some(fingerprint.clone());
+            (t, Sampler::new(train.packs.len(), seed))
         }
     };
     let (trainable, frozen) = trainable_counts(trainer.model());

@@ -43,11 +43,15 @@ pub struct LoadOptions {
     pub vision: bool,
     /// Override of the vision RMSNorm ε (MODEL_SPEC §12; `None` = `vision_config.rms_norm_eps`).
     pub vision_rms_eps: Option<f64>,
+    /// Load weights holding NaN or ±inf. Off by default: such a weight is an error naming
+    /// the tensor and its shard, since the model would only compute NaN; turn it on to
+    /// inspect or repair a damaged checkpoint.
+    pub allow_non_finite: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { dtype: DType::F32, strict: true, vision: false, vision_rms_eps: None }
+        Self { dtype: DType::F32, strict: true, vision: false, vision_rms_eps: None, allow_non_finite: false }
     }
 }
 
@@ -233,8 +237,9 @@ pub fn load_causal_lm<B: Backend>(
             let transform = p.resolved.rule.transform;
             let sources = p.sources.clone();
             let first_error = first_error.clone();
+            let allow_non_finite = opts.allow_non_finite;
             let data_fn = Rc::new(move || {
-                let read = |s: &str| files.read_f32(s);
+                let read = |s: &str| files.read_f32_finite(s, allow_non_finite);
                 match to_module_layout(transform, &sources, &shape, read) {
                     Ok(values) => Ok(TensorData::new(values, shape.clone()).convert_dtype(dtype)),
                     Err(e) => {

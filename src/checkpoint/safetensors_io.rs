@@ -258,6 +258,28 @@ impl SafetensorsFiles {
         self.read_rows_f32(name, 0..rows)
     }
 
+    /// [`Self::read_f32`], refusing non-finite values ([`CheckpointError::NonFinite`], naming
+    /// the tensor and its shard) unless `allow_non_finite`.
+    pub fn read_f32_finite(&self, name: &str, allow_non_finite: bool) -> Result<Vec<f32>, CheckpointError> {
+        let values = self.read_f32(name)?;
+        if !allow_non_finite {
+            self.check_finite(name, &values)?;
+        }
+        Ok(values)
+    }
+
+    /// Error naming `name` and its shard if `values` (read from it) hold a NaN or infinity.
+    pub fn check_finite(&self, name: &str, values: &[f32]) -> Result<(), CheckpointError> {
+        let Some(index) = values.iter().position(|v| !v.is_finite()) else { return Ok(()) };
+        Err(CheckpointError::NonFinite {
+            name: name.to_string(),
+            path: self.shard_path(name).map(Path::to_path_buf).unwrap_or_default(),
+            count: values.iter().filter(|v| !v.is_finite()).count(),
+            index,
+            value: values[index],
+        })
+    }
+
     /// Rows `rows` (dim 0) of a tensor as f32, reading only those rows (and, for FP8, the
     /// scale grid).
     pub fn read_rows_f32(&self, name: &str, rows: Range<usize>) -> Result<Vec<f32>, CheckpointError> {
@@ -345,8 +367,9 @@ fn validate_header(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
         }
         let need = shape.iter().try_fold(dtype.bitsize(), |a, &d| a.checked_mul(d)).map(|bits| bits.div_ceil(8));
         if need != Some(offs[1] - offs[0]) {
+            let need = need.map(|n| format!("{n} bytes")).unwrap_or_else(|| "more bytes than this machine can address".into());
             return Err(t(format!(
-                "header lies about its size: data_offsets {offs:?} span {} bytes, but {dtype:?} {shape:?} needs {need:?}",
+                "header lies about its size: data_offsets {offs:?} span {} bytes, but {dtype:?} {shape:?} needs {need}",
                 offs[1] - offs[0]
             )));
         }

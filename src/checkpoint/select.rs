@@ -105,7 +105,7 @@ pub fn load_selected(
             Transform::SqueezeConv => vec![hf_shape[0], hf_shape[2]],
             Transform::ExpertSlice => vec![sources.len(), hf_shape[1], hf_shape[0]],
         };
-        let values = to_module_layout(r.rule.transform, &sources, &shape, |s| files.read_f32(s))?;
+        let values = to_module_layout(r.rule.transform, &sources, &shape, |s| files.read_f32_finite(s, false))?;
         let target = if r.rule.keep_f32 { DType::F32 } else { dtype };
         let experts = (r.rule.transform == Transform::ExpertSlice)
             .then(|| owned.clone().unwrap_or(0..c.n_routed_experts));
@@ -139,6 +139,7 @@ pub fn read_dim0_shard(
         .to_vec();
     let rows = dim0_shard(shape.first().copied().unwrap_or(1), rank, world);
     let values = files.read_rows_f32(name, rows.clone())?;
+    files.check_finite(name, &values)?;
     let mut local = shape.clone();
     if let Some(r) = local.first_mut() {
         *r = rows.len();

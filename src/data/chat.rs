@@ -68,6 +68,15 @@ impl ChatFormat {
         Self::new(&tok, template)
     }
 
+    /// The tokenizer's special tokens (`added_tokens` marked `special`), longest first: text
+    /// that contains one would be tokenised as that control token, not as text.
+    pub fn special_tokens(&self) -> Vec<String> {
+        let mut v: Vec<String> =
+            self.tokenizer.get_added_tokens_decoder().values().filter(|t| t.special && !t.content.is_empty()).map(|t| t.content.clone()).collect();
+        v.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        v
+    }
+
     pub fn new(tokenizer_json: &Path, template: String) -> Result<Self, ChatError> {
         let tokenizer = Tokenizer::from_file(tokenizer_json)
             .map_err(|e| ChatError::File { path: tokenizer_json.display().to_string(), message: e.to_string() })?;

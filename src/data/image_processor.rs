@@ -36,16 +36,38 @@ pub struct RgbImage {
 }
 
 impl RgbImage {
-    /// Decode PNG or JPEG bytes; grayscale, palette and RGBA convert to RGB (alpha dropped, as
-    /// PIL's `convert("RGB")` does).
+    /// Decode PNG or JPEG bytes to 8-bit RGB as HF's processor does (`convert_to_rgb` in
+    /// `transformers/image_transforms.py`, on the PIL image): transparency — an alpha channel,
+    /// a palette or gray key with `tRNS` — is composited onto white,
+    /// `round((c·a + 255·(255 − a)) / 255)` (PIL's `alpha_composite`, exact); grayscale is
+    /// replicated; 16-bit grayscale is clipped to 255 (PIL's `I;16` → `RGB`), 16-bit colour
+    /// keeps the high byte (PIL reads it as `RGB;16B`). CMYK JPEGs come out of the decoder as
+    /// RGB (`(255−c)(255−k)/255`, as PIL converts).
     pub fn decode(bytes: &[u8], what: &str) -> Result<Self, ImageError> {
+        use image::DynamicImage as D;
         let img = image::load_from_memory(bytes).map_err(|e| ImageError::Decode { path: what.into(), message: e.to_string() })?;
-        let rgb = img.to_rgb8();
-        let (w, h) = (rgb.width() as usize, rgb.height() as usize);
+        let (w, h) = (img.width() as usize, img.height() as usize);
         if w == 0 || h == 0 {
             return Err(ImageError::Empty { what: what.into(), width: w, height: h });
         }
-        Ok(Self { width: w, height: h, data: rgb.into_raw() })
+        let over_white = |c: u16, a: u16| -> u8 { ((c as u32 * a as u32 + 255 * (255 - a as u32) + 127) / 255) as u8 };
+        let hi = |v: u16| (v >> 8) as u8;
+        let data: Vec<u8> = match &img {
+            D::ImageRgb8(i) => i.as_raw().clone(),
+            D::ImageLuma8(i) => i.as_raw().iter().flat_map(|&g| [g; 3]).collect(),
+            D::ImageLumaA8(i) => i.as_raw().chunks_exact(2).flat_map(|p| [over_white(p[0] as u16, p[1] as u16); 3]).collect(),
+            D::ImageRgba8(i) => i.as_raw().chunks_exact(4).flat_map(|p| [0, 1, 2].map(|c| over_white(p[c] as u16, p[3] as u16))).collect(),
+            D::ImageLuma16(i) => i.as_raw().iter().flat_map(|&g| [g.min(255) as u8; 3]).collect(),
+            D::ImageLumaA16(i) => i.as_raw().chunks_exact(2).flat_map(|p| [over_white(hi(p[0]) as u16, hi(p[1]) as u16); 3]).collect(),
+            D::ImageRgb16(i) => i.as_raw().iter().map(|&v| hi(v)).collect(),
+            D::ImageRgba16(i) => i
+                .as_raw()
+                .chunks_exact(4)
+                .flat_map(|p| [0, 1, 2].map(|c| over_white(hi(p[c]) as u16, hi(p[3]) as u16)))
+                .collect(),
+            other => other.to_rgb8().into_raw(),
+        };
+        Ok(Self { width: w, height: h, data })
     }
 
     /// Read and decode a file.

@@ -83,7 +83,29 @@ impl PackedDataset {
         image_token_id: i64,
         packing: &PackingOptions,
     ) -> Result<Self, DataError> {
-        let (records, read_report) = read_split(dir, format, split, max_samples)?;
+        let (mut records, mut read_report) = read_split(dir, format, split, max_samples)?;
+        // A special-token string in a question or answer (e.g. `<|image|>`) would be
+        // tokenised as that control token — an extra image placeholder, a turn end — so such
+        // a record is skipped and counted like any other malformed record, not escaped:
+        // escaping would train on text the model never sees at inference.
+        let specials = chat.special_tokens();
+        records.retain(|r| match specials.iter().find(|t| r.question.contains(t.as_str()) || r.answer.contains(t.as_str())) {
+            Some(t) => {
+                read_report.skip(&r.origin, "special token in text", format!("contains {t}"));
+                false
+            }
+            None => true,
+        });
+        read_report.usable = records.len();
+        if records.is_empty() {
+            return Err(DataError::Dataset(DatasetError::Empty {
+                path: dir.display().to_string(),
+                split: split.to_string(),
+                read: read_report.read,
+                skipped: read_report.skipped_total(),
+                reasons: read_report.skipped.iter().map(|(k, v)| format!("{v}× {k}")).collect::<Vec<_>>().join(", "),
+            }));
+        }
         let mut samples: Vec<SftSample> =
             records.iter().enumerate().map(|(i, r)| encode_record(chat, &processor, r, i)).collect::<Result<_, _>>()?;
         if !samples.iter().any(|s| s.ids.contains(&image_token_id)) {
@@ -98,10 +120,15 @@ impl PackedDataset {
         let (packs, pack_report) = pack_greedy(samples, packing.max_length, packing.drop_long_samples, image_token_id);
         if packs.is_empty() {
             return Err(DataError::Other(format!(
-                "{}: split `{split}`: every sample is longer than packed_sequence_size {} ({} dropped); raise it or set drop_long_samples: false",
+                "{}: split `{split}`: every sample is longer than packed_sequence_size {} ({} dropped); {}",
                 dir.display(),
                 packing.max_length,
-                pack_report.dropped_long
+                pack_report.dropped_long,
+                if packing.drop_long_samples {
+                    "raise it, or set drop_long_samples: false to truncate long samples"
+                } else {
+                    "raise it (a sample is not truncated through its image placeholders, so one whose image alone is longer cannot fit)"
+                }
             )));
         }
         Ok(Self { records, packs, read_report, pack_report, processor, image_token_id })
@@ -176,7 +203,9 @@ impl Sampler {
     pub fn take(&mut self, k: usize) -> Vec<usize> {
         let mut out = Vec::with_capacity(k);
         while out.len() < k {
-            if self.cursor == self.n {
+            // `>=`: a cursor saved against a longer pack list starts the next epoch instead of
+            // indexing past the end (resume checks the data fingerprint before it gets here)
+            if self.cursor >= self.n {
                 self.epoch += 1;
                 self.cursor = 0;
                 self.order = Self::order(self.n, self.seed, self.epoch);

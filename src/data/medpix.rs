@@ -57,7 +57,7 @@ impl ReadReport {
         self.skipped.values().sum()
     }
 
-    fn skip(&mut self, origin: &str, reason: &str, detail: String) {
+    pub(crate) fn skip(&mut self, origin: &str, reason: &str, detail: String) {
         *self.skipped.entry(reason.to_string()).or_default() += 1;
         if self.examples.len() < 8 {
             self.examples.push(format!("{origin}: {reason}: {detail}"));

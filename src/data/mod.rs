@@ -1,6 +1,7 @@
 //! Data: the image processor, the chat format, the MedPix-VQA reader and THD packing.
 
 pub mod chat;
+pub mod fingerprint;
 pub mod image_processor;
 pub mod loader;
 pub mod medpix;

@@ -19,6 +19,7 @@
 //! | `rms_norm` (+ backward) | `ops::rms` | fused host loops | reference | hand-written backward |
 //! | `hc_collapse`, `hc_post` (+ backwards) | `ops::hc_streams` | fused host loops | reference | hand-written backward |
 //! | `hc_sinkhorn` (+ backward) | `ops::sinkhorn` | fused host loops | reference | hand-written backward |
+//! | `block_attention` (+ backward; the vision tower's) | `ops::block_attn`: blocked online softmax | reference | reference | hand-written backward (recomputes blocks) |
 //!
 //! The last four exist for the CPU path: as tensor ops they are chains of small broadcasting
 //! ops whose autodiff backward dominated Flex's train step; Flex runs each as one pass (fp32
@@ -68,6 +69,7 @@ use super::hc_streams;
 use super::rms;
 use super::sinkhorn;
 use super::sparse_attn;
+use super::block_attn;
 
 /// The library's backend requirements: Burn's `Backend` plus the model's custom ops.
 pub trait Glm5Backend: Backend {
@@ -322,6 +324,29 @@ pub trait Glm5Backend: Backend {
     }
 
     /// KDA pair sums (module docs). Default: the reference gather path.
+    /// Unmasked attention per head, `q`, `k`, `v` `[H, N, d]` → (`softmax(scale·q kᵀ) v`
+    /// `[H, N, d]`, row log-sum-exp `[H, N]` fp32), in blocks with an online softmax: memory
+    /// linear in `N` ([`block_attn::forward`]).
+    fn block_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>, scale: f32) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (o, lse) = block_attn::forward(f3::<Self>(q), f3::<Self>(k), f3::<Self>(v), scale);
+        (o.into_primitive().tensor(), lse.into_primitive().tensor())
+    }
+
+    /// Gradients `(dq, dk, dv)` of [`Self::block_attention`] ([`block_attn::backward`]).
+    #[allow(clippy::too_many_arguments)]
+    fn block_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dq, dk, dv) = block_attn::backward(f3::<Self>(q), f3::<Self>(k), f3::<Self>(v), f3::<Self>(o), f2::<Self>(lse), f3::<Self>(d_o), scale);
+        (dq.into_primitive().tensor(), dk.into_primitive().tensor(), dv.into_primitive().tensor())
+    }
+
     fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
         let f = |t| Tensor::<Self, 3>::from_primitive(TensorPrimitive::Float(t));
         reference::kda_pair_sums(f(k), f(q), f(gam)).into_primitive().tensor()
@@ -407,6 +432,12 @@ pub fn causal_conv1d<B: Glm5Backend>(x: Tensor<B, 3>, w: Tensor<B, 2>) -> Tensor
 }
 
 /// [`Glm5Backend::rms_norm`] on tensors.
+/// [`Glm5Backend::block_attention`] on tensors `[H, N, d]` (the output only).
+pub fn block_attention<B: Glm5Backend>(q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>, scale: f32) -> Tensor<B, 3> {
+    let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
+    f3::<B>(B::block_attention(p(q), p(k), p(v), scale).0)
+}
+
 pub fn rms_norm<B: Glm5Backend>(x: Tensor<B, 2>, w: Option<Tensor<B, 1>>, eps: f64) -> Tensor<B, 2> {
     f2(B::rms_norm(x.into_primitive().tensor(), w.map(|w| w.into_primitive().tensor()), eps))
 }
@@ -1175,6 +1206,36 @@ impl<B: Glm5Backend> Backward<B, 2> for SparseLatentBackward {
     }
 }
 
+/// What the blocked attention backward needs: inputs, output and row log-sum-exp, all linear
+/// in the sequence (the probabilities are recomputed block by block).
+#[derive(Debug, Clone)]
+struct BlockAttentionState<B: Backend> {
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    o: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    scale: f32,
+}
+
+#[derive(Debug)]
+struct BlockAttentionBackward;
+
+impl<B: Glm5Backend> Backward<B, 3> for BlockAttentionBackward {
+    type State = BlockAttentionState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let d_o = grads.consume::<B>(&ops.node);
+        let BlockAttentionState { q, k, v, o, lse, scale } = ops.state;
+        let (dq, dk, dv) = B::block_attention_backward(q, k, v, o, lse, d_o, scale);
+        for (node, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
     fn has_kda_kernel() -> bool {
         B::has_kda_kernel()
@@ -1236,6 +1297,20 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
     fn kpool_compress(k: FloatTensor<Self>, gate: FloatTensor<Self>, ape: FloatTensor<Self>, first: &[usize]) -> FloatTensor<Self> {
         use burn::tensor::backend::AutodiffBackend;
         <Self as AutodiffBackend>::from_inner(B::kpool_compress(k.primitive, gate.primitive, ape.primitive, first))
+    }
+
+    fn block_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>, scale: f32) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        use burn::tensor::backend::AutodiffBackend;
+        let (o, lse) = B::block_attention(q.primitive.clone(), k.primitive.clone(), v.primitive.clone(), scale);
+        let lse_out = <Self as AutodiffBackend>::from_inner(lse.clone());
+        let o = match BlockAttentionBackward.prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let state = BlockAttentionState { q: q.primitive, k: k.primitive, v: v.primitive, o: o.clone(), lse, scale };
+                prep.finish(state, o)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(o),
+        };
+        (o, lse_out)
     }
 
     fn sparse_latent_attention(

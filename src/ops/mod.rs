@@ -19,6 +19,7 @@
 //!   `glm5-cubecl-kernels` kernels), with hand-written backwards under `Autodiff`. [`PathKind`] selects, per forward pass, the op or the reference.
 
 pub mod backend;
+pub mod block_attn;
 pub mod conv;
 pub mod kda;
 mod kda_host;

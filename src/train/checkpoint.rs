@@ -9,15 +9,83 @@
 //!                                              skipped steps, parameter ids by module path
 //! ```
 //!
-//! A checkpoint is written into `ROOT/.step_000020.partial/` and renamed into place once
+//! A checkpoint is written into `ROOT/.step_000020.<pid>.partial/` and renamed into place once
 //! complete, so a kill at any moment leaves either the previous set of checkpoints or the new
 //! one — never a half-written directory under a `step_*` name. Only the newest `keep_last`
-//! are kept; stale `.partial` directories from a killed run are removed on the next save.
+//! are kept; a save removes stale `.partial` directories of its own process and of processes
+//! that no longer run, never another live process's staging directory.
+//!
+//! One run per directory: [`RunLock::acquire`] takes an OS advisory lock (`flock`) on
+//! `ROOT/.lock` for the run's life; the kernel releases it when the process ends, however it
+//! ends, so a crashed run never leaves a stale lock behind.
 
 use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+
+use crate::data::fingerprint::DataFingerprint;
+
+/// An exclusive lock on a checkpoint directory, held until dropped (or the process ends).
+#[derive(Debug)]
+pub struct RunLock {
+    _file: std::fs::File,
+    path: PathBuf,
+}
+
+impl RunLock {
+    /// Lock `root` (created if missing) for this process, or fail naming the process that
+    /// holds it. Two runs on one directory would delete each other's staging directories,
+    /// interleave `metrics.jsonl` and publish each other's weights.
+    pub fn acquire(root: &Path) -> Result<Self, CheckpointIoError> {
+        std::fs::create_dir_all(root).map_err(|e| io_err(root, e))?;
+        let path = root.join(".lock");
+        let mut file = std::fs::OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&path).map_err(|e| io_err(&path, e))?;
+        // SAFETY: flock on a file descriptor this function owns; no memory is shared.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                let holder = std::fs::read_to_string(&path).unwrap_or_default();
+                let holder = holder.trim();
+                return Err(CheckpointIoError::Locked {
+                    dir: root.display().to_string(),
+                    holder: if holder.is_empty() { "another process".into() } else { holder.to_string() },
+                });
+            }
+            return Err(io_err(&path, format!("cannot lock: {err}")));
+        }
+        let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let me = format!("pid {} on {} (locked at unix time {since})", std::process::id(), hostname());
+        // the holder's description, for the error another run gets
+        let _ = file.set_len(0).and_then(|_| file.write_all(me.as_bytes())).and_then(|_| file.sync_all());
+        Ok(Self { _file: file, path })
+    }
+
+    /// The lock file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "this host".into())
+}
+
+/// Whether process `pid` still runs (on this host).
+fn process_alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// The writer's pid of a staging directory name `.step_000020.<pid>.partial` (`None` for the
+/// older `.step_000020.partial`, written before staging names carried the pid).
+fn partial_owner(name: &str) -> Option<u32> {
+    name.strip_suffix(".partial")?.rsplit('.').next()?.parse().ok()
+}
 
 /// What the training loop needs besides weights and optimizer moments to continue exactly.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -33,6 +101,10 @@ pub struct TrainerState {
     /// Parameter id (`ParamId::val`) of every float parameter by module path: the optimizer
     /// record is keyed by these ids.
     pub param_ids: BTreeMap<String, u64>,
+    /// What determined the data order of the run (dataset files, split, packing, batch sizes,
+    /// seed, the packed token content); `None` in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<DataFingerprint>,
 }
 
 /// Checkpoint errors, naming the path.
@@ -40,6 +112,11 @@ pub struct TrainerState {
 pub enum CheckpointIoError {
     #[error("{path}: {message}")]
     Io { path: String, message: String },
+    #[error(
+        "checkpoint directory {dir} is in use by another run ({holder}); two runs on one directory destroy each other's \
+         checkpoints — wait for it to finish, or pick another checkpoint.checkpoint_dir"
+    )]
+    Locked { dir: String, holder: String },
 }
 
 pub(crate) fn io_err(path: &Path, e: impl std::fmt::Display) -> CheckpointIoError {
@@ -88,16 +165,26 @@ pub fn write<E: From<CheckpointIoError>>(
     fill: impl FnOnce(&Path) -> Result<(), E>,
 ) -> Result<PathBuf, E> {
     std::fs::create_dir_all(root).map_err(|e| io_err(root, e))?;
-    // leftovers of a killed save
+    // leftovers of a killed save: ours, or of a process that no longer runs — never the
+    // staging directory of another live process
+    let me = std::process::id();
     if let Ok(entries) = std::fs::read_dir(root) {
         for e in entries.flatten() {
-            if e.file_name().to_string_lossy().ends_with(".partial") {
+            let name = e.file_name().to_string_lossy().to_string();
+            if !name.ends_with(".partial") {
+                continue;
+            }
+            let stale = match partial_owner(&name) {
+                Some(pid) => pid == me || !process_alive(pid),
+                None => true,
+            };
+            if stale {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }
     }
     let fin = step_dir(root, state.step);
-    let staging = root.join(format!(".step_{:06}.partial", state.step));
+    let staging = root.join(format!(".step_{:06}.{me}.partial", state.step));
     std::fs::create_dir_all(&staging).map_err(|e| io_err(&staging, e))?;
     fill(&staging)?;
     let json = serde_json::to_vec_pretty(state).map_err(|e| io_err(&staging, e))?;

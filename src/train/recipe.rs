@@ -287,6 +287,13 @@ impl Recipe {
     pub fn from_yaml(text: &str, source: &str, overrides: &[String]) -> Result<Self, RecipeError> {
         let mut value: Value =
             serde_yaml::from_str(text).map_err(|e| RecipeError::File { path: source.into(), message: e.to_string() })?;
+        if value.is_null() {
+            return Err(RecipeError::File { path: source.into(), message: "the recipe is empty (expected the sections step_scheduler, model, dataset, …)".into() });
+        }
+        if !value.is_mapping() {
+            return Err(RecipeError::File { path: source.into(), message: "a recipe is a YAML mapping of sections (step_scheduler:, model:, …)".into() });
+        }
+        let mut given: Vec<(String, String)> = Vec::new();
         for o in overrides {
             let o = o.trim_start_matches("--");
             let (k, v) = o.split_once('=').ok_or_else(|| RecipeError::Override(o.to_string()))?;
@@ -294,14 +301,23 @@ impl Recipe {
                 return Err(RecipeError::Override(o.to_string()));
             }
             let v: Value = serde_yaml::from_str(v).map_err(|_| RecipeError::Override(o.to_string()))?;
-            set_path(&mut value, k, v, source)?;
+            set_path(&mut value, k, v, &format!("override --{o}"))?;
+            given.push((k.to_string(), o.to_string()));
         }
-        let recipe: Recipe = serde_path_to_error::deserialize(value).map_err(|e| RecipeError::Key {
-            source_name: source.into(),
-            key: e.path().to_string(),
-            message: e.inner().to_string(),
-        })?;
-        recipe.validate(source)?;
+        // an error about a key the command line set names the override, not the file
+        let attribute = |e: RecipeError| match e {
+            RecipeError::Key { key, message, source_name } => {
+                // (an unknown key is reported at its section, naming the key in the message)
+                let unknown_here = |k: &str| k.starts_with(&format!("{key}.")) && message.contains(&format!("`{}`", k.rsplit('.').next().unwrap_or(k)));
+                let from = given.iter().rev().find(|(k, _)| key == *k || key.starts_with(&format!("{k}.")) || unknown_here(k));
+                RecipeError::Key { source_name: from.map(|(_, o)| format!("override --{o} (on {source})")).unwrap_or(source_name), key, message }
+            }
+            other => other,
+        };
+        let recipe: Recipe = serde_path_to_error::deserialize(value)
+            .map_err(|e| RecipeError::Key { source_name: source.into(), key: e.path().to_string(), message: e.inner().to_string() })
+            .map_err(attribute)?;
+        recipe.validate(source).map_err(attribute)?;
         Ok(recipe)
     }
 
@@ -338,8 +354,34 @@ impl Recipe {
         if self.optimizer.name != "adamw" {
             return bad("optimizer.name", format!("{:?} is not supported (only \"adamw\")", self.optimizer.name));
         }
-        if self.optimizer.lr.is_nan() || self.optimizer.lr <= 0.0 {
-            return bad("optimizer.lr", "must be positive".into());
+        // the ranges torch.optim.AdamW enforces, and the ones it would not but that make no
+        // sense (a negative clipping norm reverses the update)
+        let o = &self.optimizer;
+        if !(o.lr.is_finite() && o.lr > 0.0) {
+            return bad("optimizer.lr", format!("must be a positive finite number, got {}", o.lr));
+        }
+        for (i, b) in o.betas.iter().enumerate() {
+            if !(0.0..1.0).contains(b) {
+                return bad("optimizer.betas", format!("beta {} is {b}; each beta must be in [0, 1)", i + 1));
+            }
+        }
+        if !(o.eps.is_finite() && o.eps >= 0.0) {
+            return bad("optimizer.eps", format!("must be a finite number ≥ 0, got {}", o.eps));
+        }
+        if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+            return bad("optimizer.weight_decay", format!("must be a finite number ≥ 0, got {}", o.weight_decay));
+        }
+        if let Some(m) = o.max_grad_norm {
+            if !(m.is_finite() && m > 0.0) {
+                return bad("optimizer.max_grad_norm", format!("must be a positive finite number (or null: no clipping), got {m}"));
+            }
+        }
+        let l = &self.lr_scheduler;
+        if !(l.min_lr.is_finite() && l.min_lr >= 0.0) {
+            return bad("lr_scheduler.min_lr", format!("must be a finite number ≥ 0, got {}", l.min_lr));
+        }
+        if !(self.moe.aux_loss_coef.is_finite() && self.moe.aux_loss_coef >= 0.0) {
+            return bad("moe.aux_loss_coef", format!("must be a finite number ≥ 0, got {}", self.moe.aux_loss_coef));
         }
         if self.model.checkpoint.is_none() && self.model.config.is_none() {
             return bad("model", "needs `checkpoint` (an HF checkpoint directory) or `config` (a config.json for seeded weights)".into());

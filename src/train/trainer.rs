@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use burn::module::{AutodiffModule, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, Optimizer};
-use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
 use serde_json::Value;
@@ -39,6 +39,7 @@ use super::recipe::{FreezeConfig, NonFinitePolicy, Precision, Recipe};
 use super::schedule::LrSchedule;
 use super::step::{accumulate, micro_loss_sum, non_finite, MicroBatch, StepMetrics, TrainError};
 use crate::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
+use crate::data::fingerprint::DataFingerprint;
 use crate::model::Glm5ForCausalLM;
 use crate::ops::backend::Glm5Backend;
 use crate::text::decoder::Ffn;
@@ -110,6 +111,9 @@ pub struct Trainer<B: AutodiffBackend> {
     /// Optimizer steps taken (applied or skipped).
     pub step: usize,
     pub skipped_steps: usize,
+    /// The data order's fingerprint, written into every checkpoint (set by the caller that
+    /// built the data; see [`crate::data::fingerprint`]).
+    pub data_fingerprint: Option<DataFingerprint>,
     device: B::Device,
 }
 
@@ -129,7 +133,7 @@ where
     /// Start training `model` (fp32 master weights): applies the freeze configuration.
     pub fn new(model: Glm5ForCausalLM<B>, options: TrainOptions, device: &B::Device) -> Self {
         let model = freeze(model, &options.freeze);
-        Self { model: Some(model), optim: adamw::<B>(&options), options, step: 0, skipped_steps: 0, device: device.clone() }
+        Self { model: Some(model), optim: adamw::<B>(&options), options, step: 0, skipped_steps: 0, data_fingerprint: None, device: device.clone() }
     }
 
     /// The current (master) model.
@@ -246,6 +250,7 @@ where
             seed,
             skipped_steps: self.skipped_steps,
             param_ids: ids,
+            data: self.data_fingerprint.clone(),
         };
         let cerr = |e: String| TrainError::Checkpoint(e);
         ckpt::write(root, &state, keep_last, |dir: &Path| -> Result<(), TrainError> {
@@ -255,9 +260,13 @@ where
                 let name = f.file_name().ok_or_else(|| cerr(format!("{}: not a file name", f.display())))?;
                 std::fs::copy(f, model_dir.join(name)).map_err(|e| cerr(format!("{}: {e}", f.display())))?;
             }
-            NamedMpkFileRecorder::<FullPrecisionSettings>::new()
-                .record(self.optim.to_record(), dir.join("optimizer"))
-                .map_err(|e| cerr(format!("{}: {e}", dir.join("optimizer.mpk").display())))?;
+            // encoded in memory, written by us: a full disk then reads as the I/O error it is
+            // (the file recorder reported it as a MessagePack encoding error)
+            let path = dir.join("optimizer.mpk");
+            let bytes = NamedMpkBytesRecorder::<FullPrecisionSettings>::new()
+                .record(self.optim.to_record(), ())
+                .map_err(|e| cerr(format!("{}: encoding the optimizer state: {e}", path.display())))?;
+            std::fs::write(&path, bytes).map_err(|e| cerr(format!("{}: {e}", path.display())))?;
             Ok(())
         })
         .map_err(|e| match e {
@@ -283,13 +292,21 @@ where
                 missing[0]
             )));
         }
-        let record: OptimRecord<B> = NamedMpkFileRecorder::<FullPrecisionSettings>::new()
-            .load(dir.join("optimizer"), device)
-            .map_err(|e| cerr(format!("optimizer.mpk: {e}")))?;
+        let path = dir.join("optimizer.mpk");
+        let bytes = std::fs::read(&path).map_err(|e| cerr(format!("optimizer.mpk: {e}")))?;
+        let n = bytes.len();
+        let record: OptimRecord<B> = NamedMpkBytesRecorder::<FullPrecisionSettings>::new().load(bytes, device).map_err(|e| {
+            // the decoder's own text blames a format change; say what it almost always is
+            let detail = e.to_string();
+            let first = detail.split("\\n").next().and_then(|l| l.lines().next()).unwrap_or_default();
+            let first = first.trim_start_matches("Unknown(\"").trim_end_matches("\")");
+            cerr(format!("optimizer.mpk ({n} bytes) is truncated or corrupt and cannot be decoded (decoder: {first})"))
+        })?;
         let mut trainer = Self::new(model, options, device);
         trainer.optim = trainer.optim.load_record(record);
         trainer.step = state.step;
         trainer.skipped_steps = state.skipped_steps;
+        trainer.data_fingerprint = state.data.clone();
         Ok((trainer, state))
     }
 }

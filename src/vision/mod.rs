@@ -19,11 +19,12 @@ pub mod rope;
 
 use burn::module::{Initializer, Module, Param};
 use burn::nn::Linear;
-use burn::tensor::activation::{gelu, softmax};
-use burn::tensor::{backend::Backend, DType, Tensor};
+use burn::tensor::activation::gelu;
+use burn::tensor::{backend::Backend, Tensor};
 
 use crate::config::{Activation, VisionConfig};
 use crate::error::ModelError;
+use crate::ops::backend::block_attention;
 use crate::text::mlp::{clamped_swiglu, linear, Mlp};
 use crate::text::norm::{LayerNorm, RmsNorm};
 
@@ -210,7 +211,7 @@ impl<B: Backend> VisionAttention<B> {
         let v = qkv.slice([0..n, 2..3, 0..heads, 0..hd]).reshape([n, heads, hd]);
         let q = rope::apply(q, cos, sin).cast(dtype);
         let k = rope::apply(k, cos, sin).cast(dtype);
-        let scale = (hd as f64).powf(-0.5);
+        let scale = (hd as f64).powf(-0.5) as f32;
         let mut outs = Vec::with_capacity(segments.len());
         let mut start = 0;
         for &len in segments {
@@ -218,8 +219,9 @@ impl<B: Backend> VisionAttention<B> {
             let qs = q.clone().slice([r.clone(), 0..heads, 0..hd]).swap_dims(0, 1); // [heads, len, hd]
             let ks = k.clone().slice([r.clone(), 0..heads, 0..hd]).swap_dims(0, 1);
             let vs = v.clone().slice([r, 0..heads, 0..hd]).swap_dims(0, 1);
-            let p = softmax(qs.matmul(ks.swap_dims(1, 2)).cast(DType::F32) * scale, 2).cast(dtype);
-            outs.push(p.matmul(vs).swap_dims(0, 1)); // [len, heads, hd]
+            // blocked with an online softmax: an 8,000-token image would need 4 GiB of scores
+            // per head as one matrix (and again for its backward)
+            outs.push(block_attention(qs, ks, vs, scale).swap_dims(0, 1)); // [len, heads, hd]
             start += len;
         }
         self.proj.forward(Tensor::cat(outs, 0).reshape([n, h]))

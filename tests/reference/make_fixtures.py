@@ -592,6 +592,54 @@ def image_fixture():
     save_file(out, d / "reference.safetensors")
 
 
+def image_modes_fixture():
+    """Image files in the modes a dataset holds besides 8-bit RGB, and what HF's processor
+    makes of them: `convert_to_rgb` (image_transforms.py: transparency composited onto white,
+    other modes through PIL's `convert("RGB")`) as an RGB array, plus the torchvision
+    processor's grid and pixel sum. Modes: semi-transparent RGBA, LA, a palette with a
+    transparent entry, 16-bit grayscale and 16-bit RGB PNG, a CMYK JPEG."""
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+    from transformers.models.glm5_next.image_processing_glm5_next import Glm5NextImageProcessor
+    tv = Glm5NextImageProcessor()
+    d = OUT / "image_modes"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    w, h = 60, 40
+    base = pattern_image(w, h, 11)
+    y, x = np.mgrid[0:h, 0:w]
+    alpha = ((x * 255) // (w - 1)).astype(np.uint8)  # 0 (transparent) to 255 across the image
+    Image.fromarray(np.concatenate([base, alpha[..., None]], -1), "RGBA").save(d / "rgba_semi.png")
+    Image.fromarray(np.stack([base[..., 1], alpha], -1), "LA").save(d / "la.png")
+    pal = Image.fromarray(base).quantize(colors=16)
+    pal.info["transparency"] = 3
+    pal.save(d / "palette_trns.png", transparency=3)
+    Image.fromarray(np.zeros((h, w, 4), np.uint8), "RGBA").save(d / "transparent.png")
+    gray16 = ((x * 65535) // (w - 1) ^ (y * 977)).astype(np.uint16)
+    Image.fromarray(gray16).save(d / "gray16.png")
+    # 16-bit RGB: PIL cannot write it, so the PNG is assembled here (filter 0 rows, zlib)
+    import struct
+    import zlib
+    rgb16 = np.stack([gray16, (gray16 * 3) & 0xFFFF, 65535 - gray16], -1).astype(">u2")
+    raw = b"".join(b"\x00" + rgb16[r].tobytes() for r in range(h))
+    def chunk(tag, data):
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+    (d / "rgb16.png").write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+                                  + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    Image.fromarray(base).convert("CMYK").save(d / "cmyk.jpg", quality=95)
+    out = {}
+    for f in ["rgba_semi.png", "la.png", "palette_trns.png", "transparent.png", "gray16.png", "rgb16.png", "cmyk.jpg"]:
+        im = Image.open(d / f)
+        rgb = convert_to_rgb(im, return_numpy=True)
+        name = f.replace(".", "_")
+        out[f"{name}.rgb"] = torch.from_numpy(rgb.astype(np.float32))
+        res = tv(images=[im], return_tensors="pt")
+        out[f"{name}.grid"] = res["image_grid_thw"][0].to(torch.int64)
+        out[f"{name}.sum"] = res["pixel_values"].double().sum().reshape(1)
+        print(f"image_modes {f}: mode {im.mode}, rgb mean {rgb.mean():.2f}")
+    save_file(out, d / "reference.safetensors")
+
+
 # A GLM-5-style chat template (the release format: [gMASK]<sop>, role tokens, <think></think>,
 # images as <|begin_of_image|><|image|><|end_of_image|>); `{% generation %}` marks what SFT
 # labels cover: the assistant content and the <|endoftext|> that ends the turn.
@@ -939,6 +987,8 @@ def main():
         vlm_fixture()
     if not only or "images" in only:
         image_fixture()
+    if not only or "image_modes" in only:
+        image_modes_fixture()
     if not only or "chat" in only:
         chat_fixture()
     if not only or "loss_curve" in only:
