@@ -6,54 +6,15 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::activation::softmax;
 use burn::tensor::Tensor;
+use common::counting::{peak_during, Counting};
 use common::random::{rel, tensor, to_host, Rng};
 use glm5_burn::ops::backend::block_attention;
 use glm5_burn::ops::block_attn::BLOCK;
-
-struct Counting;
-
-static LIVE: AtomicI64 = AtomicI64::new(0);
-static PEAK: AtomicI64 = AtomicI64::new(0);
-
-fn add(n: i64) {
-    let now = LIVE.fetch_add(n, Ordering::Relaxed) + n;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let p = System.alloc(l);
-        if !p.is_null() {
-            add(l.size() as i64);
-        }
-        p
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        let p = System.alloc_zeroed(l);
-        if !p.is_null() {
-            add(l.size() as i64);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        System.dealloc(p, l);
-        add(-(l.size() as i64));
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        let q = System.realloc(p, l, new);
-        if !q.is_null() {
-            add(new as i64 - l.size() as i64);
-        }
-        q
-    }
-}
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
@@ -96,14 +57,6 @@ fn blocked_equals_unblocked_forward_and_backward() {
             assert!(e <= 2e-6, "N = {n}: {what} differs by {e:e} (relative to its max)");
         }
     }
-}
-
-/// Peak live heap of `f` above what was live before it.
-fn peak_during(f: impl FnOnce()) -> i64 {
-    let before = LIVE.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
-    f();
-    PEAK.load(Ordering::Relaxed) - before
 }
 
 #[test]

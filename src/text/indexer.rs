@@ -14,7 +14,7 @@
 //! (the reference runs it under `no_grad`): inputs are detached and the parameters are used
 //! untracked ([`Indexer::untracked`]).
 
-use burn::module::{Initializer, Module, Param};
+use burn::module::{Initializer, Module, ModuleVisitor, Param};
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, DType, Tensor, TensorPrimitive};
 
@@ -68,8 +68,17 @@ impl<B: Backend> Indexer<B> {
     /// a backward — for as long as their parameter leaves live, and every later backward scans
     /// them (`GraphCleaner::cleanup_orphaned_entries`): a fine-tune slowed ~10× in 40 steps and
     /// grew ~0.55 MiB per step on the tiny VLM (`tests/long_run.rs`). Untracked tensors
-    /// register nothing. Cloning a module clones parameter handles, not their data.
+    /// register nothing. Cloning a module clones parameter handles, not their data — once the
+    /// parameters exist: a clone of a still-lazy parameter would draw its own values, so they
+    /// are materialised in `self` first.
     pub fn untracked(&self) -> Self {
+        struct Materialise;
+        impl<B: Backend> ModuleVisitor<B> for Materialise {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let _ = param.val();
+            }
+        }
+        self.visit(&mut Materialise);
         self.clone().no_grad()
     }
 

@@ -1,6 +1,7 @@
 //! Shared helpers of the integration tests: fixture I/O and parity metrics.
 #![allow(dead_code)]
 
+pub mod counting;
 pub mod random;
 
 use std::path::{Path, PathBuf};

@@ -575,8 +575,11 @@ def image_fixture():
     Image.fromarray(rgba, "RGBA").save(d / "rgba.png")
     Image.fromarray(pattern_image(40, 30, 7)).save(d / "photo.jpg", quality=90)
     cases = [(f"pattern_{w}x{h}", pattern_image(w, h, i)) for i, (w, h) in enumerate(IMAGE_SIZES)]
-    cases += [("gray_png", np.array(Image.open(d / "gray.png").convert("RGB"))),
-              ("rgba_png", np.array(Image.open(d / "rgba.png").convert("RGB")))]
+    # the files as HF's processor sees them: `convert_to_rgb` composites transparency onto
+    # white (a plain `convert("RGB")` would drop the alpha instead)
+    from transformers.image_transforms import convert_to_rgb
+    cases += [("gray_png", convert_to_rgb(Image.open(d / "gray.png"), return_numpy=True)),
+              ("rgba_png", convert_to_rgb(Image.open(d / "rgba.png"), return_numpy=True))]
     for name, arr in cases:
         for tag, proc in (("tv", tv), ("pil", pil)):
             res = proc(images=[Image.fromarray(arr)], return_tensors="pt")
