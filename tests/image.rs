@@ -137,7 +137,8 @@ fn image_modes_convert_as_the_reference_does() {
             assert_eq!(max, 0.0, "{file}: decoded RGB differs from the reference conversion (mean {mean}, max {max})");
             assert!((total - ref_total).abs() <= 1e-3 * ref_total.abs().max(1.0) + 1e-2, "{file}: sum {total} vs {ref_total}");
         } else {
-            assert!(mean < 1.5 && max <= 32.0, "{file}: mean |Δ| {mean}, max {max} levels from PIL's decode");
+            // measured: mean 0.012 levels, max 1 (the decoders' IDCT rounding)
+            assert!(mean < 0.1 && max <= 2.0, "{file}: mean |Δ| {mean}, max {max} levels from PIL's decode");
         }
     }
 }

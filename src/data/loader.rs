@@ -98,13 +98,7 @@ impl PackedDataset {
         });
         read_report.usable = records.len();
         if records.is_empty() {
-            return Err(DataError::Dataset(DatasetError::Empty {
-                path: dir.display().to_string(),
-                split: split.to_string(),
-                read: read_report.read,
-                skipped: read_report.skipped_total(),
-                reasons: read_report.skipped.iter().map(|(k, v)| format!("{v}× {k}")).collect::<Vec<_>>().join(", "),
-            }));
+            return Err(read_report.no_usable_records(dir, split).into());
         }
         let mut samples: Vec<SftSample> =
             records.iter().enumerate().map(|(i, r)| encode_record(chat, &processor, r, i)).collect::<Result<_, _>>()?;

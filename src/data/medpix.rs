@@ -57,6 +57,16 @@ impl ReadReport {
         self.skipped.values().sum()
     }
 
+    /// The error for a split left without a usable record, with the skip counts by reason.
+    pub(crate) fn no_usable_records(&self, dir: &Path, split: &str) -> DatasetError {
+        let reasons = if self.skipped.is_empty() {
+            "the split is empty".to_string()
+        } else {
+            self.skipped.iter().map(|(r, n)| format!("{n}× {r}")).collect::<Vec<_>>().join(", ")
+        };
+        DatasetError::Empty { path: dir.display().to_string(), split: split.into(), read: self.read, skipped: self.skipped_total(), reasons }
+    }
+
     pub(crate) fn skip(&mut self, origin: &str, reason: &str, detail: String) {
         *self.skipped.entry(reason.to_string()).or_default() += 1;
         if self.examples.len() < 8 {
@@ -112,18 +122,7 @@ pub fn read_split(
     }
     report.usable = out.len();
     if out.is_empty() {
-        let reasons = if report.skipped.is_empty() {
-            "the split is empty".to_string()
-        } else {
-            report.skipped.iter().map(|(r, n)| format!("{n}× {r}")).collect::<Vec<_>>().join(", ")
-        };
-        return Err(DatasetError::Empty {
-            path: dir.display().to_string(),
-            split: split.into(),
-            read: report.read,
-            skipped: report.skipped_total(),
-            reasons,
-        });
+        return Err(report.no_usable_records(dir, split));
     }
     Ok((out, report))
 }
