@@ -9,14 +9,17 @@
 //! * `hc_collapse` / `hc_post` (`ops::hc_streams`) at n = 4 and n = 1;
 //! * `causal_conv1d` (`ops::conv`): 4 taps, several batches, sequences shorter than the taps,
 //!   lengths that do not fill the last parallel block.
+//! * `swiglu` (`ops::swiglu`): values on both sides of the limit (clamped elements take no
+//!   gradient), an infinite limit, lengths that do not fill the last parallel block, NaN kept;
+//!   `silu` likewise. Both also bit for bit against the tensor ops they replace.
 //!
 //! Bar: 1e-5 relative (fp32, different association orders of the same sums).
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Tensor, TensorPrimitive};
-use glm5_burn::ops::backend::{causal_conv1d, hc_collapse, hc_post, hc_sinkhorn, rms_norm, Glm5Backend};
+use glm5_burn::ops::backend::{causal_conv1d, hc_collapse, hc_post, hc_sinkhorn, rms_norm, silu, swiglu, Glm5Backend};
 use glm5_burn::ops::sinkhorn::{reference_backward, reference_forward};
-use glm5_burn::ops::{conv, hc_streams, rms};
+use glm5_burn::ops::{conv, hc_streams, rms, swiglu as swiglu_ops};
 
 mod common;
 use common::random::{rel, tensor as t, to_host as host, Rng};
@@ -219,5 +222,79 @@ fn fused_causal_conv_matches_reference_ops_and_autodiff() {
                 check(&format!("conv [{b}, {tt}, {c}] W {taps}: {wrt} {name}"), &gs[i], &oracle[i]);
             }
         }
+    }
+}
+
+#[test]
+fn fused_swiglu_matches_reference_ops_and_autodiff() {
+    // (elements, value scale, limit): scale 15 against limit 10 puts about a third of the
+    // elements outside the clamp
+    for (n, scale, limit, seed) in [(37, 15.0, 10.0, 1), (3 * 16384 + 5, 15.0, 10.0, 2), (1000, 4.0, f64::INFINITY, 3), (1, 0.5, 7.0, 4)] {
+        let mut r = Rng(seed);
+        let (g, u, up) = (r.vec(n, scale), r.vec(n, scale), r.vec(n, 1.0));
+        // the oracle: the model's former expression, silu(min(g, L)) ⊙ clamp(u, −L, L), as
+        // Burn's own ops (their autodiff gives the gradient)
+        let direct = |g: Tensor<A, 1>, u: Tensor<A, 1>| burn::tensor::activation::silu(g.clamp_max(limit)) * u.clamp(-limit, limit);
+        let (ga, ua) = (t::<A, 1>(&g, [n]).require_grad(), t::<A, 1>(&u, [n]).require_grad());
+        let want = host(direct(ga.clone(), ua.clone()));
+        let gr = (direct(ga.clone(), ua.clone()) * t::<A, 1>(&up, [n])).sum().backward();
+        let (og, ou) = (host(ga.grad(&gr).unwrap()), host(ua.grad(&gr).unwrap()));
+
+        check(&format!("swiglu n {n} L {limit}: reference forward"), &host(swiglu_ops::reference_forward(t::<Flex, 1>(&g, [n]), t::<Flex, 1>(&u, [n]), limit)), &want);
+        check(&format!("swiglu n {n} L {limit}: fused forward"), &host(swiglu(t::<Flex, 1>(&g, [n]), t::<Flex, 1>(&u, [n]), limit)), &want);
+
+        let (rg, ru) = swiglu_ops::reference_backward(t::<Flex, 1>(&g, [n]), t::<Flex, 1>(&u, [n]), t::<Flex, 1>(&up, [n]), limit);
+        let (fg, fu) = Flex::swiglu_backward(prim(&g, [n]), prim(&u, [n]), prim(&up, [n]), limit);
+        let (go, uo) = (t::<A, 1>(&g, [n]).require_grad(), t::<A, 1>(&u, [n]).require_grad());
+        let gr = (swiglu(go.clone(), uo.clone(), limit) * t::<A, 1>(&up, [n])).sum().backward();
+        for (name, got_g, got_u) in [
+            ("reference", host(rg), host(ru)),
+            ("fused", from_prim::<1>(fg), from_prim::<1>(fu)),
+            ("Autodiff op", host(go.grad(&gr).unwrap()), host(uo.grad(&gr).unwrap())),
+        ] {
+            check(&format!("swiglu n {n} L {limit}: ∂gate {name}"), &got_g, &og);
+            check(&format!("swiglu n {n} L {limit}: ∂up {name}"), &got_u, &ou);
+        }
+        // the fused body repeats the composition's operations in its order: the same bits
+        // (so switching to the op moves no routing decision of a trained model)
+        let fwd = host(swiglu(t::<Flex, 1>(&g, [n]), t::<Flex, 1>(&u, [n]), limit));
+        let (fg, fu) = Flex::swiglu_backward(prim(&g, [n]), prim(&u, [n]), prim(&up, [n]), limit);
+        let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+        assert_eq!(bits(&fwd, &want), 0, "forward bits");
+        assert_eq!(bits(&from_prim::<1>(fg), &og), 0, "∂gate bits");
+        assert_eq!(bits(&from_prim::<1>(fu), &ou), 0, "∂up bits");
+        if limit.is_finite() && n > 100 {
+            let clamped = g.iter().filter(|&&v| v as f64 > limit).count();
+            assert!(clamped > n / 10, "the case must exercise the clamp ({clamped} of {n})");
+            let fused_g = from_prim::<1>(Flex::swiglu_backward(prim(&g, [n]), prim(&u, [n]), prim(&up, [n]), limit).0);
+            assert!(g.iter().zip(&fused_g).all(|(&x, &d)| x as f64 <= limit || d == 0.0), "a clamped gate passes no gradient");
+        }
+    }
+    // a NaN stays a NaN (f32::min would have replaced it by the limit), as torch.clamp keeps it
+    let out = host(swiglu(t::<Flex, 1>(&[f32::NAN, 1.0], [2]), t::<Flex, 1>(&[1.0, f32::NAN], [2]), 10.0));
+    assert!(out[0].is_nan() && out[1].is_nan(), "{out:?}");
+}
+
+#[test]
+fn fused_silu_matches_reference_ops_and_autodiff() {
+    for (n, scale, seed) in [(37, 12.0, 1), (3 * 16384 + 5, 30.0, 2), (1, 0.5, 3)] {
+        let mut r = Rng(seed);
+        let (x, up) = (r.vec(n, scale), r.vec(n, 1.0));
+        let xa = t::<A, 1>(&x, [n]).require_grad();
+        let want = host(burn::tensor::activation::silu(xa.clone()));
+        let gr = (burn::tensor::activation::silu(xa.clone()) * t::<A, 1>(&up, [n])).sum().backward();
+        let oracle = host(xa.grad(&gr).unwrap());
+        check(&format!("silu n {n}: fused forward"), &host(silu(t::<Flex, 1>(&x, [n]))), &want);
+        let reference = host(swiglu_ops::reference_silu_backward(t::<Flex, 1>(&x, [n]), t::<Flex, 1>(&up, [n])));
+        let fused = from_prim::<1>(Flex::silu_backward(prim(&x, [n]), prim(&up, [n])));
+        let xo = t::<A, 2>(&x, [1, n]).require_grad();
+        let gr = (silu(xo.clone()) * t::<A, 2>(&up, [1, n])).sum().backward();
+        let through_op = host(xo.grad(&gr).unwrap());
+        for (name, got) in [("reference", &reference), ("fused", &fused), ("Autodiff op", &through_op)] {
+            check(&format!("silu n {n}: ∂x {name}"), got, &oracle);
+        }
+        let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+        assert_eq!(bits(&host(silu(t::<Flex, 1>(&x, [n]))), &want), 0, "forward bits");
+        assert_eq!(bits(&fused, &oracle), 0, "∂x bits");
     }
 }

@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
-use burn::optim::AdamWConfig;
+use glm5_burn::train::adamw::FusedAdamW;
 use burn::tensor::backend::Backend;
 use glm5_burn::config::Glm5Config;
 use glm5_burn::data::chat::ChatFormat;
@@ -175,7 +175,7 @@ fn train_step_stays_flat() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = setup(Precision::F32, false);
     let device = Default::default();
-    let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
+    let mut optim = FusedAdamW { beta_1: 0.9, beta_2: 0.999, epsilon: 1e-8, weight_decay: 0.01 }.init();
     let mut model = Some(model(&s.config));
     assert_flat("train_step f32", |i| {
         timed(|| {

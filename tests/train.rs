@@ -12,7 +12,7 @@
 mod common;
 
 use burn::backend::{Autodiff, Flex};
-use burn::optim::AdamWConfig;
+use glm5_burn::train::adamw::FusedAdamW;
 use common::*;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::train::recipe::DecayStyle;
@@ -36,7 +36,8 @@ fn loss_curve_tracks_the_reference() {
             MicroBatch::text(ids[r * s..(r + 1) * s].to_vec(), labels[r * s..(r + 1) * s].to_vec(), 1, s, Some(valid))
         })
         .collect();
-    let mut optim = AdamWConfig::new().with_beta_1(0.9).with_beta_2(0.999).with_epsilon(1e-8).with_weight_decay(0.01).init();
+    // the library's optimizer (the Trainer's), against torch.optim.AdamW
+    let mut optim = FusedAdamW { beta_1: 0.9, beta_2: 0.999, epsilon: 1e-8, weight_decay: 0.01 }.init();
     let schedule = LrSchedule { style: DecayStyle::Cosine, lr: 1e-4, min_lr: 1e-5, warmup_steps: 3, total_steps: 20 };
     let reference = Io::open(&fixtures().join("loss_curve.safetensors"));
     let (ref_loss, ref_norm) = (reference.f64("loss"), reference.f64("grad_norm"));
@@ -68,7 +69,8 @@ fn packed_loss_curve_tracks_the_reference_run_unpacked() {
     let lengths: Vec<usize> = reference.i64("doc_lengths").iter().map(|&l| l as usize).collect();
     let mut packed = MicroBatch::text(ids.clone(), labels, 1, ids.len(), None);
     packed.documents = Some(lengths);
-    let mut optim = AdamWConfig::new().with_beta_1(0.9).with_beta_2(0.999).with_epsilon(1e-8).with_weight_decay(0.01).init();
+    // the library's optimizer (the Trainer's), against torch.optim.AdamW
+    let mut optim = FusedAdamW { beta_1: 0.9, beta_2: 0.999, epsilon: 1e-8, weight_decay: 0.01 }.init();
     let schedule = LrSchedule { style: DecayStyle::Cosine, lr: 1e-4, min_lr: 1e-5, warmup_steps: 3, total_steps: 20 };
     let (ref_loss, ref_norm) = (reference.f64("loss"), reference.f64("grad_norm"));
     let mut worst = 0f64;

@@ -17,6 +17,9 @@
 //! | `kpool_select` | dense scores + host top-k | reference | kernels (tiled scores, radix select) | no gradient |
 //! | `causal_conv1d` (+ backward) | `ops::conv`: shifted slices | fused host loops | reference | hand-written backward |
 //! | `rms_norm` (+ backward) | `ops::rms` | fused host loops | reference | hand-written backward |
+//! | `swiglu` (+ backward; the MLPs' clamped SiLU gate) | `ops::swiglu` | fused host loops | reference | hand-written backward |
+//! | `silu` (+ backward; KDA's activation after the short conv) | `ops::swiglu` | fused host loops | reference | hand-written backward |
+//! | `adamw_step` (the optimizer's update) | `ops::adamw` | fused host loop | reference | the inner backend's (no gradient) |
 //! | `hc_collapse`, `hc_post` (+ backwards) | `ops::hc_streams` | fused host loops | reference | hand-written backward |
 //! | `hc_sinkhorn` (+ backward) | `ops::sinkhorn` | fused host loops | reference | hand-written backward |
 //! | `block_attention` (+ backward; the vision tower's) | `ops::block_attn`: blocked online softmax | reference | reference | hand-written backward (recomputes blocks) |
@@ -67,7 +70,9 @@ use super::kpool::{self, KpoolSelect};
 use super::conv;
 use super::hc_streams;
 use super::rms;
+use super::adamw::{self, AdamWScalars};
 use super::sinkhorn;
+use super::swiglu;
 use super::sparse_attn;
 use super::block_attn;
 
@@ -280,6 +285,42 @@ pub trait Glm5Backend: Backend {
         (dx.into_primitive().tensor(), dw.map(|t| t.into_primitive().tensor()))
     }
 
+    /// The clamped SiLU-gated product `silu(min(gate, L)) ⊙ clamp(up, −L, L)` of the SwiGLU
+    /// MLPs (`ops::swiglu`) on flat `[N]` tensors. Default: the reference tensor ops.
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, limit: f64) -> FloatTensor<Self> {
+        swiglu::reference_forward(f1::<Self>(gate), f1::<Self>(up), limit).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::swiglu`]: `(∂gate, ∂up)`. Default: the reference tensor ops.
+    fn swiglu_backward(gate: FloatTensor<Self>, up: FloatTensor<Self>, grad: FloatTensor<Self>, limit: f64) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dg, du) = swiglu::reference_backward(f1::<Self>(gate), f1::<Self>(up), f1::<Self>(grad), limit);
+        (dg.into_primitive().tensor(), du.into_primitive().tensor())
+    }
+
+    /// SiLU `x·σ(x)` on a flat `[N]` tensor (`ops::swiglu`; KDA's activation after the short
+    /// conv). Default: the reference tensor ops.
+    fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        swiglu::reference_silu(f1::<Self>(x)).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::silu`]: `∂x`. Default: the reference tensor ops.
+    fn silu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        swiglu::reference_silu_backward(f1::<Self>(x), f1::<Self>(grad)).into_primitive().tensor()
+    }
+
+    /// One AdamW update of a flat parameter `p` `[N]` with its gradient and moments
+    /// (`ops::adamw`): `(p, m, v)` after the step. Default: the reference tensor ops.
+    fn adamw_step(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        s: AdamWScalars,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (p, m, v) = adamw::reference(f1::<Self>(p), f1::<Self>(g), f1::<Self>(m), f1::<Self>(v), s);
+        (p.into_primitive().tensor(), m.into_primitive().tensor(), v.into_primitive().tensor())
+    }
+
     /// mHC's collapse `h = Σ_i pre_i X_i` (`ops::hc_streams`): `x` `[X, n, d]`, `pre` `[X, n]`
     /// → `[X, d]`. Default: the reference tensor ops.
     fn hc_collapse(x: FloatTensor<Self>, pre: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -440,6 +481,19 @@ pub fn block_attention<B: Glm5Backend>(q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tens
 
 pub fn rms_norm<B: Glm5Backend>(x: Tensor<B, 2>, w: Option<Tensor<B, 1>>, eps: f64) -> Tensor<B, 2> {
     f2(B::rms_norm(x.into_primitive().tensor(), w.map(|w| w.into_primitive().tensor()), eps))
+}
+
+/// [`Glm5Backend::swiglu`] on tensors of any rank (flattened for the op; same shape out).
+pub fn swiglu<B: Glm5Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>, limit: f64) -> Tensor<B, D> {
+    let dims = gate.dims();
+    let flat = |t: Tensor<B, D>| t.reshape([dims.iter().product::<usize>()]).into_primitive().tensor();
+    f1::<B>(B::swiglu(flat(gate), flat(up), limit)).reshape(dims)
+}
+
+/// [`Glm5Backend::silu`] on tensors of any rank.
+pub fn silu<B: Glm5Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let dims = x.dims();
+    f1::<B>(B::silu(x.reshape([dims.iter().product::<usize>()]).into_primitive().tensor())).reshape(dims)
 }
 
 /// [`Glm5Backend::hc_collapse`] on tensors.
@@ -617,6 +671,18 @@ fn device_tensor(v: Vec<f32>, dims: [usize; 3]) -> FloatTensor<Flex> {
     flex_tensor(v, dims)
 }
 
+/// A flat fp32 tensor whose storage is exactly its elements, so `storage_mut` writes them in
+/// place (copy-on-write only where the buffer is shared or holds more than the view).
+fn owned_flat(t: FloatTensor<Flex>) -> FloatTensor<Flex> {
+    let n = t.layout().num_elements();
+    if t.layout().contiguous_offsets() == Some((0, n)) && t.bytes().len() == n * 4 {
+        t
+    } else {
+        let (h, _) = host_n::<1>(t);
+        flex_tensor(h.to_vec(), [n])
+    }
+}
+
 /// Whether every given tensor is fp32 (the fused host ops' domain; other dtypes take the
 /// reference ops, keeping their rounding).
 fn all_f32(ts: &[Option<&FloatTensor<Flex>>]) -> bool {
@@ -675,6 +741,56 @@ impl Glm5Backend for Flex {
         let w = w.map(|w| host_n::<1>(w).0);
         let (dx, dw) = rms::host_backward(&x, w.as_deref(), &g, d, eps as f32);
         (flex_tensor(dx, [r, d]), dw.map(|dw| flex_tensor(dw, [d])))
+    }
+
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, limit: f64) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&gate), Some(&up)]) {
+            return swiglu::reference_forward(f1::<Self>(gate), f1::<Self>(up), limit).into_primitive().tensor();
+        }
+        let ((g, [n]), (u, _)) = (host_n::<1>(gate), host_n::<1>(up));
+        flex_tensor(swiglu::host_forward(&g, &u, limit as f32), [n])
+    }
+
+    fn swiglu_backward(gate: FloatTensor<Self>, up: FloatTensor<Self>, grad: FloatTensor<Self>, limit: f64) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&gate), Some(&up), Some(&grad)]) {
+            let (dg, du) = swiglu::reference_backward(f1::<Self>(gate), f1::<Self>(up), f1::<Self>(grad), limit);
+            return (dg.into_primitive().tensor(), du.into_primitive().tensor());
+        }
+        let ((g, [n]), (u, _), (gr, _)) = (host_n::<1>(gate), host_n::<1>(up), host_n::<1>(grad));
+        let (dg, du) = swiglu::host_backward(&g, &u, &gr, limit as f32);
+        (flex_tensor(dg, [n]), flex_tensor(du, [n]))
+    }
+
+    fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&x)]) {
+            return swiglu::reference_silu(f1::<Self>(x)).into_primitive().tensor();
+        }
+        let (x, [n]) = host_n::<1>(x);
+        flex_tensor(swiglu::host_silu(&x), [n])
+    }
+
+    fn silu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&x), Some(&grad)]) {
+            return swiglu::reference_silu_backward(f1::<Self>(x), f1::<Self>(grad)).into_primitive().tensor();
+        }
+        let ((x, [n]), (g, _)) = (host_n::<1>(x), host_n::<1>(grad));
+        flex_tensor(swiglu::host_silu_backward(&x, &g), [n])
+    }
+
+    fn adamw_step(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        s: AdamWScalars,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&p), Some(&g), Some(&m), Some(&v)]) {
+            let (p, m, v) = adamw::reference(f1::<Self>(p), f1::<Self>(g), f1::<Self>(m), f1::<Self>(v), s);
+            return (p.into_primitive().tensor(), m.into_primitive().tensor(), v.into_primitive().tensor());
+        }
+        let (mut p, (g, _), mut m, mut v) = (owned_flat(p), host_n::<1>(g), owned_flat(m), owned_flat(v));
+        adamw::host(p.storage_mut::<f32>(), &g, m.storage_mut::<f32>(), v.storage_mut::<f32>(), s);
+        (p, m, v)
     }
 
     fn hc_collapse(x: FloatTensor<Self>, pre: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -1046,6 +1162,43 @@ impl<B: Glm5Backend> Backward<B, 2> for RmsNormWeightedBackward {
     }
 }
 
+/// Clamped SiLU-gated product; holds `gate` and `up` (the backward recomputes the sigmoid).
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl<B: Glm5Backend> Backward<B, 2> for SwigluBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>, f64);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_g, node_u] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (gate, up, limit) = ops.state;
+        let (dg, du) = B::swiglu_backward(gate, up, grad, limit);
+        if let Some(node) = node_g {
+            grads.register::<B>(node.id, dg);
+        }
+        if let Some(node) = node_u {
+            grads.register::<B>(node.id, du);
+        }
+    }
+}
+
+/// SiLU; holds `x`.
+#[derive(Debug)]
+struct SiluBackward;
+
+impl<B: Glm5Backend> Backward<B, 1> for SiluBackward {
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node {
+            grads.register::<B>(node.id, B::silu_backward(ops.state, grad));
+        }
+    }
+}
+
 /// Causal depthwise conv; holds `x` and the taps.
 #[derive(Debug)]
 struct CausalConvBackward;
@@ -1359,6 +1512,39 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
             }
             OpsKind::UnTracked(prep) => prep.finish(B::causal_conv1d(x.primitive, w.primitive)),
         }
+    }
+
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, limit: f64) -> FloatTensor<Self> {
+        match SwigluBackward.prepare::<C>([gate.node.clone(), up.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let out = B::swiglu(gate.primitive.clone(), up.primitive.clone(), limit);
+                prep.finish((gate.primitive, up.primitive, limit), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::swiglu(gate.primitive, up.primitive, limit)),
+        }
+    }
+
+    fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        match SiluBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let out = B::silu(x.primitive.clone());
+                prep.finish(x.primitive, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::silu(x.primitive)),
+        }
+    }
+
+    /// Optimizer state is never differentiated: the inner backend's op on the primitives.
+    fn adamw_step(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        s: AdamWScalars,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        use burn::tensor::backend::AutodiffBackend;
+        let (p, m, v) = B::adamw_step(p.primitive, g.primitive, m.primitive, v.primitive, s);
+        (<Self as AutodiffBackend>::from_inner(p), <Self as AutodiffBackend>::from_inner(m), <Self as AutodiffBackend>::from_inner(v))
     }
 
     fn hc_collapse(x: FloatTensor<Self>, pre: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -10,14 +10,17 @@
 //!   deterministic ties).
 //! * [`sparse_attn`]: MLA over the selected indices, dense-masked and absorbed-latent sparse,
 //!   and the absorbed core as a flat op (`latent_reference`) with its closed-form backward.
-//! * [`conv`], [`rms`], [`hc_streams`], [`sinkhorn`]: KDA's short convolution, RMS
-//!   normalisation, mHC's stream collapse/update and its Sinkhorn mixing matrix, each a
+//! * [`conv`], [`rms`], [`hc_streams`], [`sinkhorn`], [`swiglu`]: KDA's short convolution, RMS
+//!   normalisation, mHC's stream collapse/update, its Sinkhorn mixing matrix and the MLPs'
+//!   clamped SiLU gate, each a
 //!   reference tensor-op form with a closed-form backward and a fused host form for Flex.
+//! * [`adamw`]: one AdamW update of a parameter tensor, the optimizer's fused step.
 //! * [`backend`]: [`backend::Glm5Backend`], the custom-op trait: ops whose default bodies are
 //!   reference paths and which a backend overrides (Flex: KDA's scan as a host recurrence,
 //!   its pair sums and the ops above as fused loops; CubeCL backends: the
 //!   `glm5-cubecl-kernels` kernels), with hand-written backwards under `Autodiff`. [`PathKind`] selects, per forward pass, the op or the reference.
 
+pub mod adamw;
 pub mod backend;
 pub mod block_attn;
 pub mod conv;
@@ -29,6 +32,7 @@ pub mod kpool;
 pub mod rms;
 pub mod sinkhorn;
 pub mod sparse_attn;
+pub mod swiglu;
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;

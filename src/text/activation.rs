@@ -4,8 +4,18 @@ use burn::tensor::activation::{gelu, relu, sigmoid, silu, tanh};
 use burn::tensor::{backend::Backend, Tensor};
 
 use crate::config::Activation;
+use crate::ops::backend::Glm5Backend;
 
 impl Activation {
+    /// As [`Self::apply`], with SiLU as the backend op [`Glm5Backend::silu`] (one fused pass on
+    /// Flex, the same bits as the tensor ops).
+    pub fn apply_op<B: Glm5Backend, const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        match self {
+            Activation::Silu => crate::ops::backend::silu(x),
+            _ => self.apply(x),
+        }
+    }
+
     pub fn apply<B: Backend, const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         match self {
             Activation::Silu => silu(x),

@@ -195,7 +195,7 @@ impl<B: Backend> KdaAttention<B> {
         let u_pad = Tensor::cat(vec![flat, Tensor::zeros([1, d], (&device, dtype))], 0).select(0, src).reshape([1, sp, d]);
         let branch = |proj: &Linear<B>, conv: &DepthwiseConv<B>| {
             let x = conv.forward(proj.forward(u_pad.clone()));
-            self.act.apply(x).cast(dtype).reshape([1, sp, h, hd])
+            self.act.apply_op(x).cast(dtype).reshape([1, sp, h, hd])
         };
         let q = branch(&self.q_proj, &self.q_conv1d);
         let k = branch(&self.k_proj, &self.k_conv1d);
@@ -231,7 +231,7 @@ impl<B: Backend> KdaAttention<B> {
         let dtype = u.dtype();
         let branch = |proj: &Linear<B>, conv: &DepthwiseConv<B>| {
             let x = conv.forward(proj.forward(u.clone()));
-            self.act.apply(x).cast(dtype).reshape([b, t, h, hd])
+            self.act.apply_op(x).cast(dtype).reshape([b, t, h, hd])
         };
         let t_in = crate::profile::scope("kda: projections, conv, gates");
         let q = branch(&self.q_proj, &self.q_conv1d);

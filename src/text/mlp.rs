@@ -9,6 +9,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{backend::Backend, Tensor};
 
 use crate::config::Activation;
+use crate::ops::backend::{swiglu, Glm5Backend};
 
 /// Dense clamped SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`, no biases).
 #[derive(Module, Debug)]
@@ -24,14 +25,19 @@ pub(crate) fn linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, device: 
     LinearConfig::new(d_in, d_out).with_bias(bias).init(device)
 }
 
-/// `act(min(gate, L)) ⊙ clamp(up, −L, L)`.
-pub fn clamped_swiglu<B: Backend, const D: usize>(
+/// `act(min(gate, L)) ⊙ clamp(up, −L, L)`: with `silu` (every GLM-5 config) the backend op
+/// [`Glm5Backend::swiglu`] (`ops::swiglu`; one fused pass on Flex), other activations as tensor
+/// ops.
+pub fn clamped_swiglu<B: Glm5Backend, const D: usize>(
     gate: Tensor<B, D>,
     up: Tensor<B, D>,
     limit: f64,
     act: Activation,
 ) -> Tensor<B, D> {
-    act.apply(gate.clamp_max(limit)) * up.clamp(-limit, limit)
+    match act {
+        Activation::Silu => swiglu(gate, up, limit),
+        _ => act.apply(gate.clamp_max(limit)) * up.clamp(-limit, limit),
+    }
 }
 
 impl<B: Backend> Mlp<B> {
@@ -50,7 +56,10 @@ impl<B: Backend> Mlp<B> {
         }
     }
 
-    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D>
+    where
+        B: Glm5Backend,
+    {
         let h = clamped_swiglu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x), self.limit, self.act);
         self.down_proj.forward(h)
     }

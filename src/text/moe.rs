@@ -119,7 +119,10 @@ pub struct Experts<B: Backend> {
 
 impl<B: Backend> Experts<B> {
     /// `x` `[N, D]`, routing of those rows → `[N, D]`.
-    pub fn forward(&self, x: Tensor<B, 2>, routing: &Routing<B>) -> Tensor<B, 2> {
+    pub fn forward(&self, x: Tensor<B, 2>, routing: &Routing<B>) -> Tensor<B, 2>
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
         let _t = crate::profile::scope("moe routed experts");
         let [n, d] = x.dims();
         let [e, _, i] = self.gate_proj.dims();
@@ -217,7 +220,10 @@ impl<B: Backend> Moe<B> {
     }
 
     /// `x` `[B, S, D]` → (`[B, S, D]`, router logits `[B·S, E]`).
-    pub fn forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    pub fn forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Tensor<B, 2>)
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
         let [b, s, d] = x.dims();
         let flat = x.clone().reshape([b * s, d]);
         let routing = self.gate.forward(flat.clone());

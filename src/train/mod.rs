@@ -2,6 +2,7 @@
 //! parameter tools (freezing, mixed precision), LR schedules, global-norm clipping and
 //! resumable checkpoints.
 
+pub mod adamw;
 pub mod alloc;
 pub mod checkpoint;
 pub mod clip;

@@ -26,7 +26,9 @@ use std::path::{Path, PathBuf};
 
 use burn::module::{AutodiffModule, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{AdamW, AdamWConfig, Optimizer};
+use burn::optim::Optimizer;
+
+use super::adamw::FusedAdamW;
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
@@ -100,11 +102,14 @@ pub enum StepOutcome {
     Skipped { loss: f64, grad_norm: f64, what: &'static str },
 }
 
-type Adam<B> = OptimizerAdaptor<AdamW, Glm5ForCausalLM<B>, B>;
+type Adam<B> = OptimizerAdaptor<FusedAdamW, Glm5ForCausalLM<B>, B>;
 type OptimRecord<B> = <Adam<B> as Optimizer<Glm5ForCausalLM<B>, B>>::Record;
 
 /// Model + AdamW + schedule + step counter.
-pub struct Trainer<B: AutodiffBackend> {
+pub struct Trainer<B: AutodiffBackend>
+where
+    B::InnerBackend: Glm5Backend,
+{
     model: Option<Glm5ForCausalLM<B>>,
     optim: Adam<B>,
     pub options: TrainOptions,
@@ -117,13 +122,11 @@ pub struct Trainer<B: AutodiffBackend> {
     device: B::Device,
 }
 
-fn adamw<B: AutodiffBackend>(o: &TrainOptions) -> Adam<B> {
-    AdamWConfig::new()
-        .with_beta_1(o.betas[0] as f32)
-        .with_beta_2(o.betas[1] as f32)
-        .with_epsilon(o.eps as f32)
-        .with_weight_decay(o.weight_decay as f32)
-        .init()
+fn adamw<B: AutodiffBackend>(o: &TrainOptions) -> Adam<B>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    FusedAdamW { beta_1: o.betas[0] as f32, beta_2: o.betas[1] as f32, epsilon: o.eps as f32, weight_decay: o.weight_decay as f32 }.init()
 }
 
 impl<B: AutodiffBackend + Glm5Backend> Trainer<B>
