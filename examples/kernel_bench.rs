@@ -28,7 +28,7 @@
 //!
 //! The reference paths run as the model runs them where their memory would otherwise exceed a
 //! device buffer: sparse attention in query blocks of 256, KDA's gathered pair terms in blocks
-//! of chunks (`ops::backend::reference`), and here the indexer's dense scores in query blocks.
+//! of chunks (`ops::kda_pairs`), and here the indexer's dense scores in query blocks.
 //!
 //! Each measurement is the median of `--reps` runs after one warm-up (which also compiles the
 //! shaders), with a device sync before the clock stops.

@@ -6,7 +6,8 @@
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::Tensor;
-use glm5_burn::ops::backend::{kda_pair_sums, reference, Glm5Backend};
+use glm5_burn::ops::backend::{kda_pair_sums, Glm5Backend};
+use glm5_burn::ops::kda_pairs as reference;
 
 mod common;
 use common::random::{rel, tensor as t, to_host as host, Rng};

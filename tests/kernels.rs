@@ -15,7 +15,8 @@
 use burn::backend::{Autodiff, Flex, Vulkan};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use glm5_burn::ops::backend::{kda_pair_sums, reference, sparse_latent_attention, Glm5Backend};
+use glm5_burn::ops::backend::{kda_pair_sums, sparse_latent_attention, Glm5Backend};
+use glm5_burn::ops::kda_pairs as reference;
 use glm5_burn::ops::sparse_attn::{latent_reference, latent_reference_backward};
 
 mod common;

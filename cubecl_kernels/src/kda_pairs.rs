@@ -16,7 +16,7 @@
 //! ∂Γ_jd = Σ_{s≤j} u_jsd k_sd E_jsd [Γ_jd ≤ Γ_sd] − Σ_{r≥j} u_rjd k_jd E_rjd [Γ_rd ≤ Γ_jd]
 //! ```
 //!
-//! Reference: `glm5_burn::ops::backend::reference::kda_pair_sums{,_backward}` (gathered
+//! Reference: `glm5_burn::ops::kda_pairs::kda_pair_sums{,_backward}` (gathered
 //! tensor ops); the chunk form follows HF `chunk_kimi_delta_attention` / FLA `naive_chunk_kda`.
 //! One unit per output element: the forward's unit loops over `d`, the backward's over `C`.
 

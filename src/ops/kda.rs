@@ -30,7 +30,8 @@
 
 use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 
-use super::backend::{kda_chunk_scan, kda_pair_sums, reference, Glm5Backend};
+use super::backend::{kda_chunk_scan, kda_pair_sums, Glm5Backend};
+use super::kda_pairs as reference;
 use super::PathKind;
 
 /// `x / sqrt(Σ x² + ε)` over the last dim (FLA `l2norm`, ε inside the sqrt).

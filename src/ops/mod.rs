@@ -25,6 +25,7 @@ pub mod backend;
 pub mod block_attn;
 pub mod conv;
 pub mod kda;
+pub mod kda_pairs;
 mod kda_host;
 pub mod kda_scan;
 pub mod hc_streams;

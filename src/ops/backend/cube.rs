@@ -1,0 +1,175 @@
+//! CubeCL backends (`Vulkan`/`Wgpu`, `Cuda`): the kernels of `glm5-cubecl-kernels`.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
+
+use super::prim::*;
+use super::Glm5Backend;
+use crate::ops::kpool::{self, KpoolSelect};
+use crate::ops::sparse_attn;
+
+use glm5_cubecl_kernels::{kda_pairs, sparse_attn as sa, BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> Glm5Backend for CubeBackend<R, F, I, BT> {
+    fn has_kda_kernel() -> bool {
+        true
+    }
+
+    fn has_sparse_attention_kernel() -> bool {
+        true
+    }
+
+    fn has_kpool_kernel() -> bool {
+        true
+    }
+
+    fn has_kda_scan_kernel() -> bool {
+        true
+    }
+
+    fn kda_states_forward(
+        w: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        kd: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        h0: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        glm5_cubecl_kernels::kda_states::forward(w, u, kd, a, h0)
+    }
+
+    fn kda_unit_lower_solve(l: FloatTensor<Self>, rhs: FloatTensor<Self>, transposed: bool) -> FloatTensor<Self> {
+        glm5_cubecl_kernels::kda_solve::solve(l, rhs, transposed)
+    }
+
+    fn kda_states_backward(
+        p: FloatTensor<Self>,
+        qg: FloatTensor<Self>,
+        kd: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        d_final: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        glm5_cubecl_kernels::kda_states::backward(p, qg, kd, w, a, d_o, d_final)
+    }
+
+    fn kpool_select(
+        q: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        pooled: FloatTensor<Self>,
+        mask: &[bool],
+        sel: KpoolSelect,
+        scale: f32,
+    ) -> (Vec<i64>, f32) {
+        kpool_on_cube::<R, F, I, BT>(q, w, pooled, mask, sel, scale)
+    }
+
+    fn kpool_compress(k: FloatTensor<Self>, gate: FloatTensor<Self>, ape: FloatTensor<Self>, first: &[usize]) -> FloatTensor<Self> {
+        let first: Vec<i32> = first.iter().map(|&f| i32::try_from(f).expect("sequence positions fit in i32")).collect();
+        let n = first.len();
+        let first = Tensor::<Self, 1, Int>::from_data(TensorData::new(first, [n]), &k.device).cast(burn::tensor::IntDType::I32);
+        glm5_cubecl_kernels::kpool_compress::compress(k, gate, ape, first.into_primitive())
+    }
+
+    fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
+        kda_pairs::pair_sums(k, q, gam)
+    }
+
+    fn kda_pair_sums_backward(
+        k: FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        gam: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        kda_pairs::pair_sums_backward(k, q, gam, grad)
+    }
+
+    fn sparse_latent_attention(
+        q: FloatTensor<Self>,
+        kv: FloatTensor<Self>,
+        idx: IntTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        sa::forward(q, kv, i32_indices::<Self>(idx), scale)
+    }
+
+    fn sparse_latent_attention_backward(
+        q: FloatTensor<Self>,
+        kv: FloatTensor<Self>,
+        idx: IntTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let kv_dtype = kv.dtype;
+        let [m, _] = f2::<Self>(kv.clone()).dims();
+        let rows = sparse_attn::entry_rows(Tensor::<Self, 2, Int>::from_primitive(idx.clone()), m);
+        let (dq, partial) = sa::backward(q, kv, i32_indices::<Self>(idx), o, lse, d_o, scale);
+        let dkv = sparse_attn::scatter_entries(f3::<Self>(partial), rows, m).cast(kv_dtype);
+        (dq, dkv.into_primitive().tensor())
+    }
+}
+
+/// Queries per indexer-kernel launch: bounds the `[tile, P]` score buffer to 16 M floats.
+const KPOOL_TILE_SCORES: usize = 1 << 24;
+
+fn kpool_on_cube<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    q: FloatTensor<CubeBackend<R, F, I, BT>>,
+    w: FloatTensor<CubeBackend<R, F, I, BT>>,
+    pooled: FloatTensor<CubeBackend<R, F, I, BT>>,
+    mask: &[bool],
+    sel: KpoolSelect,
+    scale: f32,
+) -> (Vec<i64>, f32) {
+    type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+    let q = Tensor::<Cb<R, F, I, BT>, 4>::from_primitive(TensorPrimitive::Float(q));
+    let w = f3::<Cb<R, F, I, BT>>(w);
+    let [b, s, h, d] = q.dims();
+    let n_pools = s.div_ceil(sel.kpool);
+    let device = q.device();
+    let ints = |v: Vec<i32>| {
+        let n = v.len();
+        Tensor::<Cb<R, F, I, BT>, 1, Int>::from_data(TensorData::new(v, [n]), &device).cast(burn::tensor::IntDType::I32)
+    };
+    let lay = kpool::KernelLayout::new(mask, b, s, sel.kpool);
+    let valid: Vec<i32> = mask.iter().map(|&m| m as i32).collect();
+    let layout = glm5_cubecl_kernels::kpool::KpoolLayout {
+        last: ints(lay.last).reshape([b, n_pools]).into_primitive(),
+        first: ints(lay.first).into_primitive(),
+        valid: ints(valid).reshape([b, s]).into_primitive(),
+    };
+    let params = glm5_cubecl_kernels::kpool::KpoolParams {
+        kpool: sel.kpool,
+        budget: sel.index_topk / sel.kpool,
+        tail: sel.always_select_tail,
+        width: sel.width(),
+        scale,
+    };
+    let (q, w) = (q.reshape([b * s, h, d]), w.reshape([b * s, h]));
+    let tile = (KPOOL_TILE_SCORES / n_pools.max(1)).clamp(1, (b * s).max(1));
+    let mut out = Vec::with_capacity(b * s * params.width);
+    let mut margin = f32::INFINITY;
+    for lo in (0..b * s).step_by(tile) {
+        let hi = (lo + tile).min(b * s);
+        let queries = glm5_cubecl_kernels::kpool::KpoolQueries {
+            row: ints((lo..hi).map(|i| (i / s) as i32).collect()).into_primitive(),
+            pos: ints((lo..hi).map(|i| (i % s) as i32).collect()).into_primitive(),
+            vis: ints(lay.visible[lo..hi].to_vec()).into_primitive(),
+        };
+        let qt = q.clone().slice([lo..hi, 0..h, 0..d]).into_primitive().tensor();
+        let wt = w.clone().slice([lo..hi, 0..h]).into_primitive().tensor();
+        let (idx, m) = glm5_cubecl_kernels::kpool::select(qt, wt, pooled.clone(), &layout, &queries, params);
+        let idx = Tensor::<Cb<R, F, I, BT>, 2, Int>::from_primitive(idx).into_data().convert::<i64>();
+        out.extend(idx.into_vec::<i64>().expect("indexer kernel output is integer"));
+        let m = Tensor::<Cb<R, F, I, BT>, 1>::from_primitive(TensorPrimitive::Float(m)).into_data().convert::<f32>();
+        margin = m.iter::<f32>().fold(margin, f32::min);
+    }
+    // the kernel reports 3e38 where nothing was rejected; the host path reports +∞
+    (out, if margin >= 3.0e38 { f32::INFINITY } else { margin })
+}
+
+fn i32_indices<B: Backend>(idx: IntTensor<B>) -> IntTensor<B> {
+    Tensor::<B, 2, Int>::from_primitive(idx).cast(burn::tensor::IntDType::I32).into_primitive()
+}

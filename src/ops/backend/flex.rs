@@ -1,0 +1,276 @@
+//! Flex's fused bodies: host loops over contiguous fp32 buffers, in parallel (rayon), for
+//! fp32 inputs; other dtypes take the reference ops, keeping their rounding.
+
+use burn::backend::Flex;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::DType;
+
+use super::prim::*;
+use super::Glm5Backend;
+use crate::ops::adamw::{self, AdamWScalars};
+use crate::ops::{conv, hc_streams, kda_host, kda_pairs, rms, sinkhorn, swiglu};
+
+/// A Flex tensor as contiguous fp32 host memory — the tensor's own buffer when it already
+/// is one (no copy), a converted copy otherwise.
+struct HostF32(burn_flex::FlexTensor);
+
+impl std::ops::Deref for HostF32 {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        self.0.as_slice::<f32>().expect("a contiguous fp32 tensor")
+    }
+}
+
+/// A rank-`D` Flex tensor as host fp32 data and its shape.
+fn host_n<const D: usize>(t: FloatTensor<Flex>) -> (HostF32, [usize; D]) {
+    use burn::tensor::ops::FloatTensorOps;
+    use burn::tensor::TensorMetadata;
+    let t = if t.dtype() == DType::F32 { t } else { Flex::float_cast(t, burn::tensor::FloatDType::F32) };
+    let t = t.to_contiguous();
+    let dims = t.shape().dims::<D>();
+    (HostF32(t), dims)
+}
+
+fn host(t: FloatTensor<Flex>) -> (HostF32, [usize; 3]) {
+    host_n::<3>(t)
+}
+
+/// A rank-`D` Flex tensor owning host fp32 data (no copy).
+fn flex_tensor<const D: usize>(v: Vec<f32>, dims: [usize; D]) -> FloatTensor<Flex> {
+    debug_assert_eq!(v.len(), dims.iter().product::<usize>());
+    burn_flex::FlexTensor::new(burn::tensor::Bytes::from_elems(v), burn_flex::Layout::contiguous(dims.into()), DType::F32)
+}
+
+/// A flat fp32 tensor whose storage is exactly its elements, so `storage_mut` writes them in
+/// place (copy-on-write only where the buffer is shared or holds more than the view).
+fn owned_flat(t: FloatTensor<Flex>) -> FloatTensor<Flex> {
+    let n = t.layout().num_elements();
+    if t.layout().contiguous_offsets() == Some((0, n)) && t.bytes().len() == n * 4 {
+        t
+    } else {
+        let (h, _) = host_n::<1>(t);
+        flex_tensor(h.to_vec(), [n])
+    }
+}
+
+/// Whether every given tensor is fp32 (the fused host ops' domain; other dtypes take the
+/// reference ops, keeping their rounding).
+fn all_f32(ts: &[Option<&FloatTensor<Flex>>]) -> bool {
+    ts.iter().flatten().all(|t| t.dtype() == DType::F32)
+}
+
+/// Flex: the pair sums as host loops over each chunk, in parallel over chunks — no `[pairs, d]`
+/// intermediates, one `exp` per pair and channel shared by both halves.
+impl Glm5Backend for Flex {
+    fn has_kda_kernel() -> bool {
+        true
+    }
+
+    fn has_kda_scan_kernel() -> bool {
+        true
+    }
+
+    fn causal_conv1d(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&x), Some(&w)]) {
+            return conv::reference_forward(f3::<Self>(x), f2::<Self>(w)).into_primitive().tensor();
+        }
+        let ((x, [b, t, c]), (w, [_, taps])) = (host(x), host_n::<2>(w));
+        flex_tensor(conv::host_forward(&x, &w, t, c, taps), [b, t, c])
+    }
+
+    fn causal_conv1d_backward(x: FloatTensor<Self>, w: FloatTensor<Self>, grad: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&x), Some(&w), Some(&grad)]) {
+            let (dx, dw) = conv::reference_backward(f3::<Self>(x), f2::<Self>(w), f3::<Self>(grad));
+            return (dx.into_primitive().tensor(), dw.into_primitive().tensor());
+        }
+        let ((x, [b, t, c]), (w, [_, taps]), (g, _)) = (host(x), host_n::<2>(w), host(grad));
+        let (dx, dw) = conv::host_backward(&x, &w, &g, t, c, taps);
+        (flex_tensor(dx, [b, t, c]), flex_tensor(dw, [c, taps]))
+    }
+
+    fn rms_norm(x: FloatTensor<Self>, w: Option<FloatTensor<Self>>, eps: f64) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&x), w.as_ref()]) {
+            return rms::reference_forward(f2::<Self>(x), w.map(f1::<Self>), eps).into_primitive().tensor();
+        }
+        let (x, [r, d]) = host_n::<2>(x);
+        let w = w.map(|w| host_n::<1>(w).0);
+        flex_tensor(rms::host_forward(&x, w.as_deref(), d, eps as f32), [r, d])
+    }
+
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        w: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        if !all_f32(&[Some(&x), w.as_ref(), Some(&grad)]) {
+            let (dx, dw) = rms::reference_backward(f2::<Self>(x), w.map(f1::<Self>), f2::<Self>(grad), eps);
+            return (dx.into_primitive().tensor(), dw.map(|t| t.into_primitive().tensor()));
+        }
+        let ((x, [r, d]), (g, _)) = (host_n::<2>(x), host_n::<2>(grad));
+        let w = w.map(|w| host_n::<1>(w).0);
+        let (dx, dw) = rms::host_backward(&x, w.as_deref(), &g, d, eps as f32);
+        (flex_tensor(dx, [r, d]), dw.map(|dw| flex_tensor(dw, [d])))
+    }
+
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, limit: f64) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&gate), Some(&up)]) {
+            return swiglu::reference_forward(f1::<Self>(gate), f1::<Self>(up), limit).into_primitive().tensor();
+        }
+        let ((g, [n]), (u, _)) = (host_n::<1>(gate), host_n::<1>(up));
+        flex_tensor(swiglu::host_forward(&g, &u, limit as f32), [n])
+    }
+
+    fn swiglu_backward(gate: FloatTensor<Self>, up: FloatTensor<Self>, grad: FloatTensor<Self>, limit: f64) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&gate), Some(&up), Some(&grad)]) {
+            let (dg, du) = swiglu::reference_backward(f1::<Self>(gate), f1::<Self>(up), f1::<Self>(grad), limit);
+            return (dg.into_primitive().tensor(), du.into_primitive().tensor());
+        }
+        let ((g, [n]), (u, _), (gr, _)) = (host_n::<1>(gate), host_n::<1>(up), host_n::<1>(grad));
+        let (dg, du) = swiglu::host_backward(&g, &u, &gr, limit as f32);
+        (flex_tensor(dg, [n]), flex_tensor(du, [n]))
+    }
+
+    fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&x)]) {
+            return swiglu::reference_silu(f1::<Self>(x)).into_primitive().tensor();
+        }
+        let (x, [n]) = host_n::<1>(x);
+        flex_tensor(swiglu::host_silu(&x), [n])
+    }
+
+    fn silu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&x), Some(&grad)]) {
+            return swiglu::reference_silu_backward(f1::<Self>(x), f1::<Self>(grad)).into_primitive().tensor();
+        }
+        let ((x, [n]), (g, _)) = (host_n::<1>(x), host_n::<1>(grad));
+        flex_tensor(swiglu::host_silu_backward(&x, &g), [n])
+    }
+
+    fn adamw_step(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        s: AdamWScalars,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&p), Some(&g), Some(&m), Some(&v)]) {
+            let (p, m, v) = adamw::reference(f1::<Self>(p), f1::<Self>(g), f1::<Self>(m), f1::<Self>(v), s);
+            return (p.into_primitive().tensor(), m.into_primitive().tensor(), v.into_primitive().tensor());
+        }
+        let (mut p, (g, _), mut m, mut v) = (owned_flat(p), host_n::<1>(g), owned_flat(m), owned_flat(v));
+        adamw::host(p.storage_mut::<f32>(), &g, m.storage_mut::<f32>(), v.storage_mut::<f32>(), s);
+        (p, m, v)
+    }
+
+    fn hc_collapse(x: FloatTensor<Self>, pre: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&x), Some(&pre)]) {
+            return hc_streams::reference_collapse(f3::<Self>(x), f2::<Self>(pre)).into_primitive().tensor();
+        }
+        let ((x, [t, n, d]), (pre, _)) = (host(x), host_n::<2>(pre));
+        flex_tensor(hc_streams::host_collapse(&x, &pre, n, d), [t, d])
+    }
+
+    fn hc_collapse_backward(x: FloatTensor<Self>, pre: FloatTensor<Self>, grad: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&x), Some(&pre), Some(&grad)]) {
+            let (dx, dp) = hc_streams::reference_collapse_backward(f3::<Self>(x), f2::<Self>(pre), f2::<Self>(grad));
+            return (dx.into_primitive().tensor(), dp.into_primitive().tensor());
+        }
+        let ((x, [t, n, d]), (pre, _), (g, _)) = (host(x), host_n::<2>(pre), host_n::<2>(grad));
+        let (dx, dp) = hc_streams::host_collapse_backward(&x, &pre, &g, n, d);
+        (flex_tensor(dx, [t, n, d]), flex_tensor(dp, [t, n]))
+    }
+
+    fn hc_post(post: FloatTensor<Self>, comb: FloatTensor<Self>, y: FloatTensor<Self>, res: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&post), Some(&comb), Some(&y), Some(&res)]) {
+            return hc_streams::reference_post(f2::<Self>(post), f3::<Self>(comb), f2::<Self>(y), f3::<Self>(res)).into_primitive().tensor();
+        }
+        let ((post, _), (comb, _), (y, _), (res, [t, n, d])) = (host_n::<2>(post), host(comb), host_n::<2>(y), host(res));
+        flex_tensor(hc_streams::host_post(&post, &comb, &y, &res, n, d), [t, n, d])
+    }
+
+    fn hc_post_backward(
+        post: FloatTensor<Self>,
+        comb: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        res: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&post), Some(&comb), Some(&y), Some(&res), Some(&grad)]) {
+            let (a, b, c, d) = hc_streams::reference_post_backward(f2::<Self>(post), f3::<Self>(comb), f2::<Self>(y), f3::<Self>(res), f3::<Self>(grad));
+            return (a.into_primitive().tensor(), b.into_primitive().tensor(), c.into_primitive().tensor(), d.into_primitive().tensor());
+        }
+        let ((post, _), (comb, _), (y, _), (res, [t, n, d]), (g, _)) = (host_n::<2>(post), host(comb), host_n::<2>(y), host(res), host(grad));
+        let [dp, dc, dy, dx] = hc_streams::host_post_backward(&post, &comb, &y, &res, &g, n, d);
+        (flex_tensor(dp, [t, n]), flex_tensor(dc, [t, n, n]), flex_tensor(dy, [t, d]), flex_tensor(dx, [t, n, d]))
+    }
+
+    fn hc_sinkhorn(z: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
+        let (z, [x, n, _]) = host(z);
+        flex_tensor(sinkhorn::host_forward(&z, n, iters, eps as f32), [x, n, n])
+    }
+
+    fn hc_sinkhorn_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
+        let ((z, [x, n, _]), (g, _)) = (host(z), host(grad));
+        flex_tensor(sinkhorn::host_backward(&z, &g, n, iters, eps as f32), [x, n, n])
+    }
+
+    /// The token recurrence as fused host loops (`ops::kda_host`).
+    fn kda_chunk_scan(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        h0: FloatTensor<Self>,
+        _chunk: usize,
+        resets: &[usize],
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (q, k, v, g) = (host_n::<4>(q), host_n::<4>(k), host_n::<4>(v), host_n::<4>(g));
+        let (beta, h0) = (host(beta), host_n::<4>(h0));
+        let [b, t, h, dk] = q.1;
+        let d = kda_host::Dims { b, t, h, dk, dv: v.1[3] };
+        let x = kda_host::Inputs { q: &q.0, k: &k.0, v: &v.0, g: &g.0, beta: &beta.0, h0: &h0.0 };
+        let (o, s) = kda_host::forward(&x, d, resets);
+        (flex_tensor(o, [b, t, h, d.dv]), flex_tensor(s, [b, h, dk, d.dv]))
+    }
+
+    fn kda_chunk_scan_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        h0: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        d_final: FloatTensor<Self>,
+        chunk: usize,
+        resets: &[usize],
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (q, k, v, g) = (host_n::<4>(q), host_n::<4>(k), host_n::<4>(v), host_n::<4>(g));
+        let (beta, h0, d_o, d_final) = (host(beta), host_n::<4>(h0), host_n::<4>(d_o), host_n::<4>(d_final));
+        let [b, t, h, dk] = q.1;
+        let d = kda_host::Dims { b, t, h, dk, dv: v.1[3] };
+        let x = kda_host::Inputs { q: &q.0, k: &k.0, v: &v.0, g: &g.0, beta: &beta.0, h0: &h0.0 };
+        let [dq, dk_, dv, dg, db, dh] = kda_host::backward(&x, d, &d_o.0, &d_final.0, chunk, resets);
+        let key = |x| flex_tensor(x, [b, t, h, dk]);
+        (key(dq), key(dk_), flex_tensor(dv, [b, t, h, d.dv]), key(dg), flex_tensor(db, [b, t, h]), flex_tensor(dh, [b, h, dk, d.dv]))
+    }
+
+    fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
+        let ((k, [x, c, d]), (q, _), (g, _)) = (host(k), host(q), host(gam));
+        flex_tensor(kda_pairs::host_forward(&k, &q, &g, x, c, d), [x, c, 2 * c])
+    }
+
+    fn kda_pair_sums_backward(
+        k: FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        gam: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let ((k, [x, c, d]), (q, _), (g, _), (gr, _)) = (host(k), host(q), host(gam), host(grad));
+        let (dk, dq, dg) = kda_pairs::host_backward(&k, &q, &g, &gr, x, c, d);
+        (flex_tensor(dk, [x, c, d]), flex_tensor(dq, [x, c, d]), flex_tensor(dg, [x, c, d]))
+    }
+}

@@ -1,0 +1,481 @@
+//! Backend extension ops: [`Glm5Backend`] holds the model's hot spots as backend methods whose
+//! default bodies are the reference tensor-op paths; a backend may override them with a fused
+//! implementation (Flex: host loops, see below), and `Autodiff<B>` gives each a hand-written
+//! backward that calls `B`'s backward method — the custom-op pattern of Burn 0.21.
+//!
+//! Every backend the library runs on implements the trait; one with no fused code just writes
+//! `impl Glm5Backend for MyBackend {}`.
+//!
+//! | op | reference (default body) | Flex | CubeCL (`Vulkan`, `Cuda`) | `Autodiff<B>` |
+//! |---|---|---|---|---|
+//! | `kda_pair_sums` (+ backward) | gathered tensor ops | fused host loops | kernels | hand-written backward |
+//! | `kda_chunk_scan` (+ backward) | `ops::kda_scan` (batched ops + the two below) | token recurrence, host loops (`ops::kda_host`) | reference body on the kernels | hand-written backward |
+//! | `kda_states_forward` / `_backward` | loops of tensor ops | reference | kernels | (inside the scan op) |
+//! | `kda_unit_lower_solve` (the UT transform, both directions) | product-form inverse × B | reference | kernel (substitution) | (inside the scan op) |
+//! | `sparse_latent_attention` (+ backward) | gather + masked softmax | reference | kernels (online softmax) | hand-written backward |
+//! | `kpool_compress` | gather + softmax + sum | reference | kernel | no gradient |
+//! | `kpool_select` | dense scores + host top-k | reference | kernels (tiled scores, radix select) | no gradient |
+//! | `causal_conv1d` (+ backward) | `ops::conv`: shifted slices | fused host loops | reference | hand-written backward |
+//! | `rms_norm` (+ backward) | `ops::rms` | fused host loops | reference | hand-written backward |
+//! | `swiglu` (+ backward; the MLPs' clamped SiLU gate) | `ops::swiglu` | fused host loops | reference | hand-written backward |
+//! | `silu` (+ backward; KDA's activation after the short conv) | `ops::swiglu` | fused host loops | reference | hand-written backward |
+//! | `adamw_step` (the optimizer's update) | `ops::adamw` | fused host loop | reference | the inner backend's (no gradient) |
+//! | `hc_collapse`, `hc_post` (+ backwards) | `ops::hc_streams` | fused host loops | reference | hand-written backward |
+//! | `hc_sinkhorn` (+ backward) | `ops::sinkhorn` | fused host loops | reference | hand-written backward |
+//! | `block_attention` (+ backward; the vision tower's) | `ops::block_attn`: blocked online softmax | reference | reference | hand-written backward (recomputes blocks) |
+//!
+//! The last four exist for the CPU path: as tensor ops they are chains of small broadcasting
+//! ops whose autodiff backward dominated Flex's train step; Flex runs each as one pass (fp32
+//! inputs; other dtypes take the reference ops, keeping their rounding). Every fused form is
+//! tested against its reference and against autodiff through it (`tests/fused_ops.rs`,
+//! `tests/kda_scan.rs`).
+//!
+//! The `has_*_kernel` methods tell the model whether an op is more than its reference here;
+//! the recipe's `model.backend.attn`/`.linear: kernel` uses the op where it is and the
+//! reference tensor ops elsewhere (with a one-time `log` warning; [`super::PathKind`]).
+//!
+//! ## Layout
+//!
+//! * `mod.rs`: the trait, whose default bodies are the reference paths (`ops::*`), and the
+//!   tensor-level wrappers the model calls;
+//! * `prim`: float-primitive ↔ tensor conversions;
+//! * `flex`: Flex's fused bodies; `cube`: the CubeCL kernels; `autodiff`: the backwards.
+//!
+//! ## Adding an op
+//!
+//! 1. Write the reference in its own `ops/<name>.rs` with plain Burn tensor ops (`B: Backend`),
+//!    its closed-form backward, and the fused host form if Flex gets one.
+//! 2. Add the trait method (and `_backward`) here with the reference as the default body, and a
+//!    tensor-level wrapper.
+//! 3. Override it where a backend has better: `flex.rs`, `cube.rs`.
+//! 4. Give `Autodiff<B>` the op in `autodiff.rs` (a `Backward` struct holding what the backward
+//!    needs; untracked inputs skip it).
+//! 5. Test the fused/kernel forms against the reference and autodiff through the reference
+//!    (`tests/fused_ops.rs`, `tests/kernels.rs`), and add the op to the table above.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Int, Tensor, TensorPrimitive};
+
+use super::adamw::{self, AdamWScalars};
+use super::kpool::{self, KpoolSelect};
+use super::{block_attn, conv, hc_streams, kda_pairs, kda_scan, rms, sinkhorn, sparse_attn, swiglu};
+use prim::*;
+
+mod autodiff;
+#[cfg(any(feature = "vulkan", feature = "cuda"))]
+mod cube;
+mod flex;
+pub(crate) mod prim;
+
+/// The library's backend requirements: Burn's `Backend` plus the model's custom ops.
+pub trait Glm5Backend: Backend {
+    /// Whether [`Self::kda_pair_sums`] is more than its reference default here (Flex: fused
+    /// host loops; CubeCL backends: a kernel). `kernel` paths fall back to the reference
+    /// tensor ops where this is false.
+    fn has_kda_kernel() -> bool {
+        false
+    }
+
+    /// Whether [`Self::sparse_latent_attention`] runs a kernel here (CubeCL backends).
+    fn has_sparse_attention_kernel() -> bool {
+        false
+    }
+
+    /// The KDA scan on prepared inputs in the model's layout: `q, k, g` `[B, T, H, dk]`, `v`
+    /// `[B, T, H, dv]`, `β` `[B, T, H]`, `h0` `[B, H, dk, dv]` (fp32, normalised and scaled
+    /// `q`/`k`, `T` a multiple of `chunk`) → `(O [B, T, H, dv], S_T [B, H, dk, dv])`. Default:
+    /// the chunked reference of `ops::kda_scan` (heads-major, so transposed in and out; with
+    /// this backend's pair sums and state recurrences); under `Autodiff` its backward is
+    /// [`Self::kda_chunk_scan_backward`], not autodiff through the recurrence.
+    ///
+    /// `resets`: sorted token offsets (multiples of `chunk`, > 0) where packed documents
+    /// start — the state restarts from zero there, so documents never share state (`h0`
+    /// applies to the first); the final state is the last document's.
+    #[allow(clippy::too_many_arguments)]
+    fn kda_chunk_scan(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        h0: FloatTensor<Self>,
+        chunk: usize,
+        resets: &[usize],
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let [b, _, h, _] = f4::<Self>(q.clone()).dims();
+        let (o, s, _) = kda_scan::forward::<Self>(heads_major(q), heads_major(k), heads_major(v), heads_major(g), beta_heads_major(beta), f4::<Self>(h0).flatten(0, 1), chunk, resets);
+        let [_, dk, dv] = s.dims();
+        (model_layout(o, b, h).into_primitive().tensor(), s.reshape([b, h, dk, dv]).into_primitive().tensor())
+    }
+
+    /// Backward of [`Self::kda_chunk_scan`] for upstream `∂O`, `∂S_T` (same layouts):
+    /// `(∂q, ∂k, ∂v, ∂g, ∂β, ∂h0)`. Default: the reference forward (for its intermediates)
+    /// and the closed-form backward of `ops::kda_scan`.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn kda_chunk_scan_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        h0: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        d_final: FloatTensor<Self>,
+        chunk: usize,
+        resets: &[usize],
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let [b, _, h, _] = f4::<Self>(q.clone()).dims();
+        let (_, _, saved) = kda_scan::forward::<Self>(heads_major(q), heads_major(k), heads_major(v), heads_major(g), beta_heads_major(beta), f4::<Self>(h0).flatten(0, 1), chunk, resets);
+        let (dq, dk, dv, dg, db, dh) = kda_scan::backward(saved, heads_major(d_o), f4::<Self>(d_final).flatten(0, 1));
+        let back = |t: Tensor<Self, 3>| model_layout(t, b, h).into_primitive().tensor();
+        let [_, dk_, dv_] = dh.dims();
+        let db = model_layout(db.unsqueeze_dim::<3>(2), b, h).squeeze_dim::<3>(3);
+        (back(dq), back(dk), back(dv), back(dg), db.into_primitive().tensor(), dh.reshape([b, h, dk_, dv_]).into_primitive().tensor())
+    }
+
+    /// Whether [`Self::kda_chunk_scan`] is more than its reference here (CubeCL backends: the
+    /// state recurrences below as kernels; Flex: the fused host recurrence); the model then
+    /// takes the scan op for KDA's `kernel` path.
+    fn has_kda_scan_kernel() -> bool {
+        false
+    }
+
+    /// KDA's inter-chunk state recurrence (`ops::kda_scan::states_forward`): `w`, `kd`
+    /// `[bh, n, C, dk]`, `u` `[bh, n, C, dv]`, `a` `[bh, n, dk, 1]`, `h0` `[bh, dk, dv]` →
+    /// (states before each chunk, `V'`, final state). Default: the reference loop.
+    fn kda_states_forward(
+        w: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        kd: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        h0: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (s, v, f) = kda_scan::states_forward::<Self>(f4(w), f4(u), f4(kd), f4(a), f3(h0));
+        (s.into_primitive().tensor(), v.into_primitive().tensor(), f.into_primitive().tensor())
+    }
+
+    /// KDA's in-chunk UT transform (`ops::kda_scan` module docs): `(I + L)^{-1} B`, or with
+    /// `transposed` `(I + L)^{-T} B`, for strictly lower `L` `[x, C, C]` and `B` `[x, C, n]`
+    /// → `[x, C, n]`. Default: the product-form inverse ([`kda_scan::unit_lower_inverse`])
+    /// times `B`.
+    fn kda_unit_lower_solve(l: FloatTensor<Self>, rhs: FloatTensor<Self>, transposed: bool) -> FloatTensor<Self> {
+        let t = kda_scan::unit_lower_inverse(f3::<Self>(l));
+        let t = if transposed { t.swap_dims(1, 2) } else { t };
+        t.matmul(f3(rhs)).into_primitive().tensor()
+    }
+
+    /// Its backward recurrence (`ops::kda_scan::states_backward`) → (`∂S_{i+1}` per chunk,
+    /// `∂V'`, `∂h0`). Default: the reference loop.
+    #[allow(clippy::too_many_arguments)]
+    fn kda_states_backward(
+        p: FloatTensor<Self>,
+        qg: FloatTensor<Self>,
+        kd: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        d_final: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (s, v, f) = kda_scan::states_backward::<Self>(f4(p), f4(qg), f4(kd), f4(w), f4(a), f4(d_o), f3(d_final));
+        (s.into_primitive().tensor(), v.into_primitive().tensor(), f.into_primitive().tensor())
+    }
+
+    /// Whether [`Self::kpool_select`] runs a kernel here (CubeCL backends).
+    fn has_kpool_kernel() -> bool {
+        false
+    }
+
+    /// KPool indexer scoring and selection (`ops::kpool`): queries `q` `[B, S, H, d]`, head
+    /// weights `w` `[B, S, H]` (× `H^{-1/2}`), pooled keys `[B, P, d]` (fp32), the `[B, S]`
+    /// validity mask → (indices `[B, S, width]` row-major, −1 = none; the top-k boundary
+    /// margin). No gradient (the indexer is detached). Default: dense reference scores,
+    /// selection on the host.
+    fn kpool_select(
+        q: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        pooled: FloatTensor<Self>,
+        mask: &[bool],
+        sel: KpoolSelect,
+        scale: f32,
+    ) -> (Vec<i64>, f32) {
+        let q = Tensor::<Self, 4>::from_primitive(TensorPrimitive::Float(q));
+        kpool::reference_select(q, f3(w), f3(pooled), mask, sel, scale)
+    }
+
+    /// KPool pooled keys (`ops::kpool::reference_compress`): keys `k` and gate logits `gate`
+    /// `[B, S, d]`, the position bias `ape` `[kpool, d]` and each row's first valid token →
+    /// `[B, ceil(S / kpool), d]` f32. No gradient (the indexer is detached). Default: gather,
+    /// softmax over each pool, weighted sum.
+    fn kpool_compress(k: FloatTensor<Self>, gate: FloatTensor<Self>, ape: FloatTensor<Self>, first: &[usize]) -> FloatTensor<Self> {
+        kpool::reference_compress(f3::<Self>(k), f3(gate), f2(ape), first).into_primitive().tensor()
+    }
+
+    /// Sparse latent attention (`ops::sparse_attn` module docs): `q` `[N, H, R]`, `kv`
+    /// `[M, R]`, `idx` `[N, W]` rows of `kv` (−1 = none) → `(o [N, H, R], lse [N, H] f32)`.
+    /// Default: the reference gather + masked-softmax form.
+    fn sparse_latent_attention(
+        q: FloatTensor<Self>,
+        kv: FloatTensor<Self>,
+        idx: IntTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (o, lse) = sparse_attn::latent_reference::<Self>(f3(q), f2(kv), Tensor::from_primitive(idx), scale);
+        (o.into_primitive().tensor(), lse.into_primitive().tensor())
+    }
+
+    /// Backward of [`Self::sparse_latent_attention`] given its outputs and `∂o`: `(∂q, ∂kv)`.
+    /// Default: the reference tensor-op formulas.
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_latent_attention_backward(
+        q: FloatTensor<Self>,
+        kv: FloatTensor<Self>,
+        idx: IntTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dq, dkv) = sparse_attn::latent_reference_backward::<Self>(
+            f3(q),
+            f2(kv),
+            Tensor::from_primitive(idx),
+            f3(o),
+            f2(lse),
+            f3(d_o),
+            scale,
+        );
+        (dq.into_primitive().tensor(), dkv.into_primitive().tensor())
+    }
+
+    /// KDA's causal depthwise convolution (`ops::conv`): `x` `[B, T, C]`, taps `w` `[C, W]`
+    /// (fp32) → `[B, T, C]`. Default: the reference tensor ops.
+    fn causal_conv1d(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        conv::reference_forward(f3::<Self>(x), f2::<Self>(w)).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::causal_conv1d`]: `(∂x, ∂w)`. Default: the reference tensor ops.
+    fn causal_conv1d_backward(x: FloatTensor<Self>, w: FloatTensor<Self>, grad: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dw) = conv::reference_backward(f3::<Self>(x), f2::<Self>(w), f3::<Self>(grad));
+        (dx.into_primitive().tensor(), dw.into_primitive().tensor())
+    }
+
+    /// RMS normalisation of rows `x` `[R, D]` (fp32) with an optional weight `[D]`
+    /// (`ops::rms`). Default: the reference tensor ops.
+    fn rms_norm(x: FloatTensor<Self>, w: Option<FloatTensor<Self>>, eps: f64) -> FloatTensor<Self> {
+        rms::reference_forward(f2::<Self>(x), w.map(f1::<Self>), eps).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::rms_norm`]: `(∂x, ∂w)`. Default: the reference tensor ops.
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        w: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let (dx, dw) = rms::reference_backward(f2::<Self>(x), w.map(f1::<Self>), f2::<Self>(grad), eps);
+        (dx.into_primitive().tensor(), dw.map(|t| t.into_primitive().tensor()))
+    }
+
+    /// The clamped SiLU-gated product `silu(min(gate, L)) ⊙ clamp(up, −L, L)` of the SwiGLU
+    /// MLPs (`ops::swiglu`) on flat `[N]` tensors. Default: the reference tensor ops.
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, limit: f64) -> FloatTensor<Self> {
+        swiglu::reference_forward(f1::<Self>(gate), f1::<Self>(up), limit).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::swiglu`]: `(∂gate, ∂up)`. Default: the reference tensor ops.
+    fn swiglu_backward(gate: FloatTensor<Self>, up: FloatTensor<Self>, grad: FloatTensor<Self>, limit: f64) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dg, du) = swiglu::reference_backward(f1::<Self>(gate), f1::<Self>(up), f1::<Self>(grad), limit);
+        (dg.into_primitive().tensor(), du.into_primitive().tensor())
+    }
+
+    /// SiLU `x·σ(x)` on a flat `[N]` tensor (`ops::swiglu`; KDA's activation after the short
+    /// conv). Default: the reference tensor ops.
+    fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        swiglu::reference_silu(f1::<Self>(x)).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::silu`]: `∂x`. Default: the reference tensor ops.
+    fn silu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        swiglu::reference_silu_backward(f1::<Self>(x), f1::<Self>(grad)).into_primitive().tensor()
+    }
+
+    /// One AdamW update of a flat parameter `p` `[N]` with its gradient and moments
+    /// (`ops::adamw`): `(p, m, v)` after the step. Default: the reference tensor ops.
+    fn adamw_step(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        s: AdamWScalars,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (p, m, v) = adamw::reference(f1::<Self>(p), f1::<Self>(g), f1::<Self>(m), f1::<Self>(v), s);
+        (p.into_primitive().tensor(), m.into_primitive().tensor(), v.into_primitive().tensor())
+    }
+
+    /// mHC's collapse `h = Σ_i pre_i X_i` (`ops::hc_streams`): `x` `[X, n, d]`, `pre` `[X, n]`
+    /// → `[X, d]`. Default: the reference tensor ops.
+    fn hc_collapse(x: FloatTensor<Self>, pre: FloatTensor<Self>) -> FloatTensor<Self> {
+        hc_streams::reference_collapse(f3::<Self>(x), f2::<Self>(pre)).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::hc_collapse`]: `(∂X, ∂pre)`. Default: the reference tensor ops.
+    fn hc_collapse_backward(x: FloatTensor<Self>, pre: FloatTensor<Self>, grad: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dp) = hc_streams::reference_collapse_backward(f3::<Self>(x), f2::<Self>(pre), f2::<Self>(grad));
+        (dx.into_primitive().tensor(), dp.into_primitive().tensor())
+    }
+
+    /// mHC's stream update `X'_j = post_j y + Σ_i C_ij X_i` (`ops::hc_streams`): `post`
+    /// `[X, n]`, `comb` `[X, n, n]`, `y` `[X, d]`, `res` `[X, n, d]` → `[X, n, d]`. Default:
+    /// the reference tensor ops.
+    fn hc_post(post: FloatTensor<Self>, comb: FloatTensor<Self>, y: FloatTensor<Self>, res: FloatTensor<Self>) -> FloatTensor<Self> {
+        hc_streams::reference_post(f2::<Self>(post), f3::<Self>(comb), f2::<Self>(y), f3::<Self>(res)).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::hc_post`]: `(∂post, ∂C, ∂y, ∂X)`. Default: the reference tensor ops.
+    #[allow(clippy::type_complexity)]
+    fn hc_post_backward(
+        post: FloatTensor<Self>,
+        comb: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        res: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (a, b, c, d) = hc_streams::reference_post_backward(f2::<Self>(post), f3::<Self>(comb), f2::<Self>(y), f3::<Self>(res), f3::<Self>(grad));
+        (a.into_primitive().tensor(), b.into_primitive().tensor(), c.into_primitive().tensor(), d.into_primitive().tensor())
+    }
+
+    /// mHC's mixing matrix `Sinkhorn(softmax_row(Z) + ε)` (`ops::sinkhorn`): `Z` `[X, n, n]`
+    /// fp32 → `[X, n, n]`. Default: the reference tensor ops.
+    fn hc_sinkhorn(z: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
+        sinkhorn::reference_forward(f3::<Self>(z), iters, eps).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::hc_sinkhorn`]: `∂Z`. Default: the reference tensor ops.
+    fn hc_sinkhorn_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
+        sinkhorn::reference_backward(f3::<Self>(z), f3::<Self>(grad), iters, eps).into_primitive().tensor()
+    }
+
+    /// KDA pair sums (module docs). Default: the reference gather path.
+    /// Unmasked attention per head, `q`, `k`, `v` `[H, N, d]` → (`softmax(scale·q kᵀ) v`
+    /// `[H, N, d]`, row log-sum-exp `[H, N]` fp32), in blocks with an online softmax: memory
+    /// linear in `N` ([`block_attn::forward`]).
+    fn block_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>, scale: f32) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (o, lse) = block_attn::forward(f3::<Self>(q), f3::<Self>(k), f3::<Self>(v), scale);
+        (o.into_primitive().tensor(), lse.into_primitive().tensor())
+    }
+
+    /// Gradients `(dq, dk, dv)` of [`Self::block_attention`] ([`block_attn::backward`]).
+    #[allow(clippy::too_many_arguments)]
+    fn block_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dq, dk, dv) = block_attn::backward(f3::<Self>(q), f3::<Self>(k), f3::<Self>(v), f3::<Self>(o), f2::<Self>(lse), f3::<Self>(d_o), scale);
+        (dq.into_primitive().tensor(), dk.into_primitive().tensor(), dv.into_primitive().tensor())
+    }
+
+    fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
+        let f = |t| Tensor::<Self, 3>::from_primitive(TensorPrimitive::Float(t));
+        kda_pairs::kda_pair_sums(f(k), f(q), f(gam)).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::kda_pair_sums`]: `(∂k, ∂q, ∂Γ)`. Default: reference tensor ops.
+    fn kda_pair_sums_backward(
+        k: FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        gam: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let f = |t| Tensor::<Self, 3>::from_primitive(TensorPrimitive::Float(t));
+        let (dk, dq, dg) = kda_pairs::kda_pair_sums_backward(f(k), f(q), f(gam), f(grad));
+        (dk.into_primitive().tensor(), dq.into_primitive().tensor(), dg.into_primitive().tensor())
+    }
+}
+
+/// [`Glm5Backend::sparse_latent_attention`] on tensors: `(o, lse)`.
+pub fn sparse_latent_attention<B: Glm5Backend>(
+    q: Tensor<B, 3>,
+    kv: Tensor<B, 2>,
+    idx: Tensor<B, 2, Int>,
+    scale: f32,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let (o, lse) = B::sparse_latent_attention(q.into_primitive().tensor(), kv.into_primitive().tensor(), idx.into_primitive(), scale);
+    (f3(o), f2(lse))
+}
+
+/// [`Glm5Backend::kda_chunk_scan`] on tensors: `(O, S_T)`.
+#[allow(clippy::too_many_arguments)]
+pub fn kda_chunk_scan<B: Glm5Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    g: Tensor<B, 4>,
+    beta: Tensor<B, 3>,
+    h0: Tensor<B, 4>,
+    chunk: usize,
+    resets: &[usize],
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let p = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let (o, s) = B::kda_chunk_scan(p(q), p(k), p(v), p(g), beta.into_primitive().tensor(), p(h0), chunk, resets);
+    (f4(o), f4(s))
+}
+
+/// [`Glm5Backend::causal_conv1d`] on tensors.
+pub fn causal_conv1d<B: Glm5Backend>(x: Tensor<B, 3>, w: Tensor<B, 2>) -> Tensor<B, 3> {
+    f3(B::causal_conv1d(x.into_primitive().tensor(), w.into_primitive().tensor()))
+}
+
+/// [`Glm5Backend::rms_norm`] on tensors.
+/// [`Glm5Backend::block_attention`] on tensors `[H, N, d]` (the output only).
+pub fn block_attention<B: Glm5Backend>(q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>, scale: f32) -> Tensor<B, 3> {
+    let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
+    f3::<B>(B::block_attention(p(q), p(k), p(v), scale).0)
+}
+
+pub fn rms_norm<B: Glm5Backend>(x: Tensor<B, 2>, w: Option<Tensor<B, 1>>, eps: f64) -> Tensor<B, 2> {
+    f2(B::rms_norm(x.into_primitive().tensor(), w.map(|w| w.into_primitive().tensor()), eps))
+}
+
+/// [`Glm5Backend::swiglu`] on tensors of any rank (flattened for the op; same shape out).
+pub fn swiglu<B: Glm5Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>, limit: f64) -> Tensor<B, D> {
+    let dims = gate.dims();
+    let flat = |t: Tensor<B, D>| t.reshape([dims.iter().product::<usize>()]).into_primitive().tensor();
+    f1::<B>(B::swiglu(flat(gate), flat(up), limit)).reshape(dims)
+}
+
+/// [`Glm5Backend::silu`] on tensors of any rank.
+pub fn silu<B: Glm5Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let dims = x.dims();
+    f1::<B>(B::silu(x.reshape([dims.iter().product::<usize>()]).into_primitive().tensor())).reshape(dims)
+}
+
+/// [`Glm5Backend::hc_collapse`] on tensors.
+pub fn hc_collapse<B: Glm5Backend>(x: Tensor<B, 3>, pre: Tensor<B, 2>) -> Tensor<B, 2> {
+    f2(B::hc_collapse(x.into_primitive().tensor(), pre.into_primitive().tensor()))
+}
+
+/// [`Glm5Backend::hc_post`] on tensors.
+pub fn hc_post<B: Glm5Backend>(post: Tensor<B, 2>, comb: Tensor<B, 3>, y: Tensor<B, 2>, res: Tensor<B, 3>) -> Tensor<B, 3> {
+    let p = |t: Tensor<B, 2>| t.into_primitive().tensor();
+    f3(B::hc_post(p(post), comb.into_primitive().tensor(), p(y), res.into_primitive().tensor()))
+}
+
+/// [`Glm5Backend::hc_sinkhorn`] on tensors.
+pub fn hc_sinkhorn<B: Glm5Backend>(z: Tensor<B, 3>, iters: usize, eps: f64) -> Tensor<B, 3> {
+    f3(B::hc_sinkhorn(z.into_primitive().tensor(), iters, eps))
+}
+
+/// `kda_pair_sums` on tensors.
+pub fn kda_pair_sums<B: Glm5Backend>(k: Tensor<B, 3>, q: Tensor<B, 3>, gam: Tensor<B, 3>) -> Tensor<B, 3> {
+    let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
+    Tensor::from_primitive(TensorPrimitive::Float(B::kda_pair_sums(p(k), p(q), p(gam))))
+}
+
+#[cfg(feature = "tch")]
+impl Glm5Backend for burn::backend::LibTorch {}
