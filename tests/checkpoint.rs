@@ -246,7 +246,7 @@ fn non_finite_weights_and_bad_epsilons_are_refused() {
     for (bad, label) in [(f32::NAN, "NaN"), (f32::INFINITY, "inf"), (f32::NEG_INFINITY, "-inf")] {
         let dir = edited("base_k4", |t| {
             let w = t.get_mut(name).unwrap();
-            let mut v = glm5_burn::checkpoint::safetensors_io::decode_f32(w.dtype, &w.data).unwrap();
+            let mut v = glm5_burn::checkpoint::dtype::decode_f32(w.dtype, &w.data).unwrap();
             v[3] = bad;
             v[7] = bad;
             w.data = v.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -260,7 +260,7 @@ fn non_finite_weights_and_bad_epsilons_are_refused() {
     // bf16 too
     let dir = edited("base_k4", |t| {
         let w = t.get_mut(name).unwrap();
-        let v = glm5_burn::checkpoint::safetensors_io::decode_f32(w.dtype, &w.data).unwrap();
+        let v = glm5_burn::checkpoint::dtype::decode_f32(w.dtype, &w.data).unwrap();
         let mut b: Vec<u8> = v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect();
         b[0..2].copy_from_slice(&half::bf16::NAN.to_le_bytes());
         w.data = b;

@@ -11,7 +11,7 @@ use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions};
 use glm5_burn::data::medpix::read_split;
-use glm5_burn::train::recipe::DatasetFormat;
+use glm5_burn::data::DatasetFormat;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()

@@ -59,8 +59,9 @@ fn packed_conversations_with_images_equal_separate_runs() {
     use glm5_burn::data::chat::ChatFormat;
     use glm5_burn::data::image_processor::ImageProcessor;
     use glm5_burn::data::loader::{PackedDataset, PackingOptions};
-    use glm5_burn::train::recipe::DatasetFormat;
-    use glm5_burn::train::step::{forward_micro, MicroBatch};
+    use glm5_burn::data::DatasetFormat;
+    use glm5_burn::data::batch::MicroBatch;
+    use glm5_burn::train::step::forward_micro;
     use glm5_burn::Glm5ForCausalLM;
 
     let bundle = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/tiny_medpix");
@@ -96,7 +97,7 @@ fn packed_conversations_with_images_equal_separate_runs() {
                 seq: l,
                 mask: None,
                 documents: None,
-                images: Some(glm5_burn::train::step::Images {
+                images: Some(glm5_burn::data::batch::Images {
                     pixel_values: images.pixel_values[patch * images.patch_dim..(patch + rows) * images.patch_dim].to_vec(),
                     patch_dim: images.patch_dim,
                     grid_thw: vec![g],
@@ -111,7 +112,7 @@ fn packed_conversations_with_images_equal_separate_runs() {
                 ids: alone.ids.repeat(2),
                 labels: alone.labels.repeat(2),
                 batch: 2,
-                images: alone.images.clone().map(|i| glm5_burn::train::step::Images {
+                images: alone.images.clone().map(|i| glm5_burn::data::batch::Images {
                     pixel_values: i.pixel_values.repeat(2),
                     grid_thw: vec![g; 2],
                     ..i

@@ -17,7 +17,8 @@ use common::*;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::train::recipe::DecayStyle;
 use glm5_burn::train::schedule::LrSchedule;
-use glm5_burn::train::step::{train_step, MicroBatch};
+use glm5_burn::data::batch::MicroBatch;
+use glm5_burn::train::step::train_step;
 use glm5_burn::{ForwardOptions, Glm5ForCausalLM};
 
 type A = Autodiff<Flex>;

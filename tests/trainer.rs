@@ -14,8 +14,10 @@ use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions};
 use glm5_burn::text::decoder::Ffn;
 use glm5_burn::train::params::param_ids;
-use glm5_burn::train::recipe::{DatasetFormat, NonFinitePolicy, Precision, Recipe};
-use glm5_burn::train::step::{MicroBatch, TrainError};
+use glm5_burn::data::DatasetFormat;
+use glm5_burn::train::recipe::{NonFinitePolicy, Precision, Recipe};
+use glm5_burn::data::batch::MicroBatch;
+use glm5_burn::train::step::TrainError;
 use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
 use glm5_burn::Glm5ForCausalLM;
 

@@ -36,7 +36,7 @@ use glm5_burn::data::loader::{PackedDataset, PackingOptions, Sampler};
 use glm5_burn::train::checkpoint as ckpt;
 use glm5_burn::train::params::trainable_counts;
 use glm5_burn::train::recipe::{DatasetSection, PathKind, Recipe};
-use glm5_burn::train::step::MicroBatch;
+use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
 use glm5_burn::{Glm5Backend, Glm5ForCausalLM};
 use indicatif::{ProgressBar, ProgressStyle};

@@ -73,7 +73,7 @@ pub fn e8m0_to_f32(b: u8) -> f32 {
 pub fn decode_scales(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     match dtype {
         Dtype::F8_E8M0 => Some(bytes.iter().map(|&b| e8m0_to_f32(b)).collect()),
-        _ => super::safetensors_io::decode_f32(dtype, bytes),
+        _ => super::dtype::decode_f32(dtype, bytes),
     }
 }
 

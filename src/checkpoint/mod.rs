@@ -7,6 +7,7 @@
 //! in [`hf_map`]. [`save_causal_lm`] writes the same layout back, atomically.
 
 pub mod convert;
+pub mod dtype;
 pub mod fp8;
 pub mod hf_map;
 pub mod inventory;
@@ -29,7 +30,8 @@ use crate::config::Glm5Config;
 use crate::error::CheckpointError;
 use crate::model::Glm5ForCausalLM;
 use hf_map::{resolve, Resolved, Transform};
-use safetensors_io::{decode_f32, serialize, write_atomic, OwnedTensor, SafetensorsFiles};
+use dtype::decode_f32;
+use safetensors_io::{serialize, write_atomic, OwnedTensor, SafetensorsFiles};
 
 /// How to load.
 #[derive(Debug, Clone)]

@@ -13,6 +13,7 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensors};
 use serde_json::Value;
 
+use super::dtype::decode_f32;
 use crate::error::CheckpointError;
 
 /// Where a tensor lives.
@@ -396,22 +397,6 @@ fn validate_header(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
         )));
     }
     Ok(())
-}
-
-/// Decode little-endian F32/BF16/F16 bytes to f32; `None` for other dtypes.
-pub fn decode_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    Some(match dtype {
-        Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-        _ => return None,
-    })
 }
 
 /// An owned tensor to write.

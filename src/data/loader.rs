@@ -12,8 +12,8 @@ use super::chat::ChatFormat;
 use super::image_processor::ImageProcessor;
 use super::medpix::{read_split, DatasetError, ReadReport, VqaRecord};
 use super::packing::{encode_record, pack_greedy, Pack, PackReport, SampleError, SftSample};
-use crate::train::recipe::DatasetFormat;
-use crate::train::step::{Images, MicroBatch};
+use super::DatasetFormat;
+use super::batch::{Images, MicroBatch};
 
 /// Errors building or serving the dataset.
 #[derive(Debug, thiserror::Error)]

@@ -16,7 +16,7 @@ use arrow_array::{Array, BinaryArray, LargeBinaryArray, LargeStringArray, Record
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
 use super::image_processor::RgbImage;
-use crate::train::recipe::DatasetFormat;
+use super::DatasetFormat;
 
 /// One usable question–answer pair. The image is kept encoded (decoded once to validate it and
 /// read its size) so a large dataset does not sit in memory as pixels.

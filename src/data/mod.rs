@@ -1,5 +1,6 @@
 //! Data: the image processor, the chat format, the MedPix-VQA reader and THD packing.
 
+pub mod batch;
 pub mod chat;
 pub mod fingerprint;
 pub mod image_processor;
@@ -8,8 +9,20 @@ pub mod medpix;
 pub mod packing;
 pub mod resize;
 
+use serde::{Deserialize, Serialize};
+
 use chat::{ChatError, ChatFormat};
 use image_processor::{ImageError, ImageProcessor, RgbImage};
+
+/// How a dataset is stored on disk (recipe `dataset.format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DatasetFormat {
+    /// MedPix-VQA's HF layout: parquet shards with `image_id`, `question`, `answer`, …
+    Parquet,
+    /// One JSON object per line (`image`, `question`, `answer`) beside an image folder.
+    Jsonl,
+}
 
 /// A user turn with images and text, ready for `forward_multimodal`.
 #[derive(Debug, Clone)]

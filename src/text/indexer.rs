@@ -23,7 +23,7 @@ use super::norm::LayerNorm;
 use super::TokenMask;
 use crate::config::TextConfig;
 use crate::ops::backend::Glm5Backend;
-use crate::ops::kpool::{pool_layouts, reference_compress, reference_scores, reference_select, KpoolSelect};
+use crate::ops::kpool::{pool_layouts, reference_compress, reference_select, KpoolSelect};
 use crate::ops::PathKind;
 
 #[derive(Module, Debug)]
@@ -123,15 +123,6 @@ impl<B: Backend> Indexer<B> {
     /// `1/√d`, the scale of the pool scores.
     fn score_scale(&self) -> f32 {
         (self.head_dim as f64).powf(-0.5) as f32
-    }
-
-    /// Pool scores `[B, S, P]` (fp32) by the reference path ([`reference_scores`]).
-    pub fn pool_scores(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, mask: &TokenMask<B>) -> Tensor<B, 3>
-    where
-        B: Glm5Backend,
-    {
-        let (q, w, pooled) = self.pool_inputs(x, q_resid, mask, false);
-        reference_scores(q, w, pooled, self.score_scale())
     }
 
     /// Selected token indices `[B, S, width]` (host buffer, −1 = none) and the smallest

@@ -20,7 +20,8 @@
 
 use burn::module::{Initializer, Module, Param};
 use burn::tensor::activation::sigmoid;
-use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::mlp::{clamped_swiglu, Mlp};
 use crate::config::{Activation, TextConfig};
@@ -184,6 +185,47 @@ impl<B: Backend> Experts<B> {
         };
         let w = routing.weights.clone().reshape([n * k]).select(0, slot_t).cast(y.dtype()).unsqueeze_dim(1);
         Tensor::zeros([n, d], (&device, x.dtype())).select_assign(0, tok_t, y * w, IndexingUpdateOp::Add)
+    }
+}
+
+impl<B: AutodiffBackend> Router<B> {
+    /// Aux-loss-free balancing (DeepSeek-V3), once per optimizer step: count the tokens each
+    /// expert was selected for in `batches` (router logits `[N·E]` and the tokens' validity, per
+    /// micro-batch), choosing with the current bias as routing does, and move the bias by
+    /// `rate` toward the mean load: `b_e += rate · sign(mean − load_e)`. No gradient is
+    /// involved; the bias keeps its `require_grad` flag.
+    pub fn update_bias(&mut self, batches: &[(&[f32], &[bool])], rate: f64) {
+        let e = self.weight.dims()[0];
+        let bias: Vec<f32> = self.e_score_correction_bias.val().into_data().convert::<f32>().into_vec().unwrap_or_default();
+        let mut load = vec![0f64; e];
+        for &(logits, valid) in batches {
+            let choice: Vec<f32> =
+                logits.iter().enumerate().map(|(i, &l)| 1.0 / (1.0 + (-l).exp()) + bias.get(i % e).copied().unwrap_or(0.0)).collect();
+            let n = logits.len() / e;
+            for (r, experts) in self.select(&choice, n, e).chunks(self.top_k).enumerate() {
+                if valid.get(r).copied().unwrap_or(true) {
+                    for &x in experts {
+                        load[x] += 1.0;
+                    }
+                }
+            }
+        }
+        let mean = load.iter().sum::<f64>() / e as f64;
+        let delta: Vec<f32> = load
+            .iter()
+            .map(|&l| if l < mean { rate as f32 } else if l > mean { -rate as f32 } else { 0.0 })
+            .collect();
+        let device = self.e_score_correction_bias.device();
+        let d = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(delta, [e]), &device);
+        self.e_score_correction_bias = self.e_score_correction_bias.clone().map(|t| {
+            let grad = t.is_require_grad();
+            let t = Tensor::<B, 1>::from_inner(t.inner() + d.cast(DType::F32));
+            if grad {
+                t.require_grad()
+            } else {
+                t
+            }
+        });
     }
 }
 

@@ -8,6 +8,8 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+
+use crate::data::DatasetFormat;
 use serde_yaml::Value;
 
 /// Recipe errors, naming the file and key.
@@ -98,15 +100,6 @@ pub struct Distributed {
 
 fn one() -> usize {
     1
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DatasetFormat {
-    /// MedPix-VQA's HF layout: parquet shards with `image_id`, `question`, `answer`, …
-    Parquet,
-    /// One JSON object per line (`image`, `question`, `answer`) beside an image folder.
-    Jsonl,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

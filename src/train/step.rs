@@ -14,63 +14,31 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
 use super::clip::{clip_global_norm, global_norm};
+use crate::data::batch::MicroBatch;
 use crate::error::ModelError;
 use crate::ops::backend::Glm5Backend;
 use crate::model::{CausalLmOutput, Glm5ForCausalLM};
 use crate::text::{ForwardOptions, TokenMask};
 
-/// The images of a micro-batch, in placeholder order.
-#[derive(Debug, Clone)]
-pub struct Images {
-    /// `[N_patches, patch_dim]` row-major.
-    pub pixel_values: Vec<f32>,
-    pub patch_dim: usize,
-    pub grid_thw: Vec<[usize; 3]>,
-}
-
-/// One micro-batch of token rows.
-#[derive(Debug, Clone)]
-pub struct MicroBatch {
-    pub ids: Vec<i64>,
-    pub labels: Vec<i64>,
-    pub batch: usize,
-    pub seq: usize,
-    /// `[B, S]` validity (padding), or `None`.
-    pub mask: Option<Vec<bool>>,
-    /// Packed document lengths of a `B = 1` THD row, or `None`.
-    pub documents: Option<Vec<usize>>,
-    pub images: Option<Images>,
-}
-
-impl MicroBatch {
-    /// A text-only micro-batch of `batch` rows.
-    pub fn text(ids: Vec<i64>, labels: Vec<i64>, batch: usize, seq: usize, mask: Option<Vec<bool>>) -> Self {
-        Self { ids, labels, batch, seq, mask, documents: None, images: None }
+/// What a micro-batch must satisfy before it reaches the model: a [`TrainError::Batch`]
+/// naming the mismatch otherwise.
+fn check_batch(batch: &MicroBatch) -> Result<(), TrainError> {
+    let n = batch.batch * batch.seq;
+    let bad = |m: String| Err(TrainError::Batch(m));
+    if batch.ids.len() != n || batch.labels.len() != n {
+        return bad(format!("{} ids and {} labels for shape [{}, {}]", batch.ids.len(), batch.labels.len(), batch.batch, batch.seq));
     }
-
-    /// Label tokens after the shift (what the loss is normalised by).
-    pub fn label_tokens(&self, vocab: usize) -> usize {
-        Glm5ForCausalLM::<burn_flex::Flex>::count_labels(&self.labels, self.batch, self.seq, vocab)
+    if let Some(mask) = &batch.mask {
+        if mask.len() != n {
+            return bad(format!("mask has {} entries for shape [{}, {}]", mask.len(), batch.batch, batch.seq));
+        }
     }
-
-    fn check(&self) -> Result<(), TrainError> {
-        let n = self.batch * self.seq;
-        let bad = |m: String| Err(TrainError::Batch(m));
-        if self.ids.len() != n || self.labels.len() != n {
-            return bad(format!("{} ids and {} labels for shape [{}, {}]", self.ids.len(), self.labels.len(), self.batch, self.seq));
+    if let Some(d) = &batch.documents {
+        if batch.batch != 1 || d.iter().sum::<usize>() != batch.seq || d.contains(&0) {
+            return bad(format!("documents {d:?} must be positive lengths summing to the one THD row's {} tokens", batch.seq));
         }
-        if let Some(m) = &self.mask {
-            if m.len() != n {
-                return bad(format!("mask has {} entries for shape [{}, {}]", m.len(), self.batch, self.seq));
-            }
-        }
-        if let Some(d) = &self.documents {
-            if self.batch != 1 || d.iter().sum::<usize>() != self.seq || d.contains(&0) {
-                return bad(format!("documents {d:?} must be positive lengths summing to the one THD row's {} tokens", self.seq));
-            }
-        }
-        Ok(())
     }
+    Ok(())
 }
 
 /// Training errors.
@@ -112,7 +80,7 @@ pub fn forward_micro<B: Glm5Backend>(
     opts: &ForwardOptions,
     device: &B::Device,
 ) -> Result<CausalLmOutput<B>, TrainError> {
-    m.check()?;
+    check_batch(m)?;
     let mask = match (&m.documents, &m.mask) {
         (Some(docs), _) => Some(TokenMask::packed(docs, device)),
         (None, Some(mk)) => Some(TokenMask::new(mk.clone(), m.batch, m.seq, device)),

@@ -31,7 +31,7 @@ use burn::optim::Optimizer;
 use super::adamw::FusedAdamW;
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::DType;
 use serde_json::Value;
 
 use super::checkpoint::{self as ckpt, TrainerState};
@@ -39,7 +39,8 @@ use super::clip::{clip_global_norm, global_norm};
 use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, param_ids};
 use super::recipe::{FreezeConfig, NonFinitePolicy, Precision, Recipe};
 use super::schedule::LrSchedule;
-use super::step::{accumulate, micro_loss_sum, non_finite, MicroBatch, StepMetrics, TrainError};
+use super::step::{accumulate, micro_loss_sum, non_finite, StepMetrics, TrainError};
+use crate::data::batch::MicroBatch;
 use crate::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
 use crate::data::fingerprint::DataFingerprint;
 use crate::model::Glm5ForCausalLM;
@@ -314,50 +315,24 @@ where
     }
 }
 
-/// Aux-loss-free balancing (DeepSeek-V3): per MoE layer, count the tokens each expert was
-/// selected for (with the current bias, as routing does) and move the bias by `rate` toward
-/// the mean load: `b_e += rate · sign(mean − load_e)`.
+/// The aux-loss-free bias update of every MoE layer ([`crate::text::moe::Router::update_bias`])
+/// from the step's router logits (per micro-batch: one `[N·E]` buffer per MoE layer and the
+/// tokens' validity).
 fn update_router_bias<B: AutodiffBackend>(
     mut model: Glm5ForCausalLM<B>,
     router_logits: &[(Vec<Vec<f32>>, Vec<bool>)],
     rate: f64,
 ) -> Glm5ForCausalLM<B> {
-    let mut moe_index = 0;
-    for layer in model.language_model.layers.iter_mut() {
-        let Ffn::Moe(moe) = &mut layer.mlp else { continue };
-        let e = moe.gate.weight.dims()[0];
-        let bias: Vec<f32> = moe.gate.e_score_correction_bias.val().into_data().convert::<f32>().into_vec().unwrap_or_default();
-        let mut load = vec![0f64; e];
-        for (layers, valid) in router_logits {
-            let Some(logits) = layers.get(moe_index) else { continue };
-            let choice: Vec<f32> =
-                logits.iter().enumerate().map(|(i, &l)| 1.0 / (1.0 + (-l).exp()) + bias.get(i % e).copied().unwrap_or(0.0)).collect();
-            let n = logits.len() / e;
-            for (r, experts) in moe.gate.select(&choice, n, e).chunks(moe.gate.top_k).enumerate() {
-                if valid.get(r).copied().unwrap_or(true) {
-                    for &x in experts {
-                        load[x] += 1.0;
-                    }
-                }
-            }
-        }
-        let mean = load.iter().sum::<f64>() / e as f64;
-        let delta: Vec<f32> = load
+    let moes = model.language_model.layers.iter_mut().filter_map(|layer| match &mut layer.mlp {
+        Ffn::Moe(moe) => Some(moe),
+        _ => None,
+    });
+    for (moe_index, moe) in moes.enumerate() {
+        let batches: Vec<(&[f32], &[bool])> = router_logits
             .iter()
-            .map(|&l| if l < mean { rate as f32 } else if l > mean { -rate as f32 } else { 0.0 })
+            .filter_map(|(layers, valid)| layers.get(moe_index).map(|l| (l.as_slice(), valid.as_slice())))
             .collect();
-        let device = moe.gate.e_score_correction_bias.device();
-        let d = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(delta, [e]), &device);
-        moe.gate.e_score_correction_bias = moe.gate.e_score_correction_bias.clone().map(|t| {
-            let grad = t.is_require_grad();
-            let t = Tensor::<B, 1>::from_inner(t.inner() + d.cast(DType::F32));
-            if grad {
-                t.require_grad()
-            } else {
-                t
-            }
-        });
-        moe_index += 1;
+        moe.gate.update_bias(&batches, rate);
     }
     model
 }

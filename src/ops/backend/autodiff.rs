@@ -18,6 +18,31 @@ use super::Glm5Backend;
 use crate::ops::adamw::AdamWScalars;
 use crate::ops::kpool::KpoolSelect;
 
+/// Adds each computed gradient to its parent's, skipping parents that are not tracked (the
+/// bookkeeping every backward below shares).
+macro_rules! register {
+    ($grads:expr, $parents:expr, [$($g:expr),+ $(,)?]) => {
+        for (node, grad) in $parents.into_iter().zip([$($g),+]) {
+            if let Some(node) = node {
+                $grads.register::<B>(node.id, grad);
+            }
+        }
+    };
+}
+
+/// Puts the inner backend's result `$out` on the graph: with the backward `$op` holding
+/// `$state` when any of the inputs `[$x, …]` is tracked, as a leaf otherwise (`$state` is only
+/// built in the tracked case).
+macro_rules! record {
+    ($op:expr, [$($x:expr),+ $(,)?], $state:expr, $out:expr) => {{
+        let out = $out;
+        match $op.prepare::<C>([$($x.node.clone()),+]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish($state, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }};
+}
+
 /// RMS norm without a weight; holds `x` (the backward recomputes `r` and `y`).
 #[derive(Debug)]
 struct RmsNormBackward;
@@ -26,12 +51,9 @@ impl<B: Glm5Backend> Backward<B, 1> for RmsNormBackward {
     type State = (FloatTensor<B>, f64);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let [node] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (x, eps) = ops.state;
-        if let Some(node) = node {
-            grads.register::<B>(node.id, B::rms_norm_backward(x, None, grad, eps).0);
-        }
+        register!(grads, ops.parents, [B::rms_norm_backward(x, None, grad, eps).0]);
     }
 }
 
@@ -43,15 +65,13 @@ impl<B: Glm5Backend> Backward<B, 2> for RmsNormWeightedBackward {
     type State = (FloatTensor<B>, FloatTensor<B>, f64);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let [node_x, node_w] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (x, w, eps) = ops.state;
         let (dx, dw) = B::rms_norm_backward(x, Some(w), grad, eps);
-        if let Some(node) = node_x {
-            grads.register::<B>(node.id, dx);
-        }
-        if let (Some(node), Some(dw)) = (node_w, dw) {
-            grads.register::<B>(node.id, dw);
+        let [node_x, node_w] = ops.parents;
+        register!(grads, [node_x], [dx]);
+        if let Some(dw) = dw {
+            register!(grads, [node_w], [dw]);
         }
     }
 }
@@ -64,16 +84,10 @@ impl<B: Glm5Backend> Backward<B, 2> for SwigluBackward {
     type State = (FloatTensor<B>, FloatTensor<B>, f64);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let [node_g, node_u] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (gate, up, limit) = ops.state;
         let (dg, du) = B::swiglu_backward(gate, up, grad, limit);
-        if let Some(node) = node_g {
-            grads.register::<B>(node.id, dg);
-        }
-        if let Some(node) = node_u {
-            grads.register::<B>(node.id, du);
-        }
+        register!(grads, ops.parents, [dg, du]);
     }
 }
 
@@ -85,11 +99,8 @@ impl<B: Glm5Backend> Backward<B, 1> for SiluBackward {
     type State = FloatTensor<B>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let [node] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        if let Some(node) = node {
-            grads.register::<B>(node.id, B::silu_backward(ops.state, grad));
-        }
+        register!(grads, ops.parents, [B::silu_backward(ops.state, grad)]);
     }
 }
 
@@ -104,11 +115,7 @@ impl<B: Glm5Backend> Backward<B, 2> for CausalConvBackward {
         let grad = grads.consume::<B>(&ops.node);
         let (x, w) = ops.state;
         let (dx, dw) = B::causal_conv1d_backward(x, w, grad);
-        for (node, g) in ops.parents.into_iter().zip([dx, dw]) {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, g);
-            }
-        }
+        register!(grads, ops.parents, [dx, dw]);
     }
 }
 
@@ -123,11 +130,7 @@ impl<B: Glm5Backend> Backward<B, 2> for HcCollapseBackward {
         let grad = grads.consume::<B>(&ops.node);
         let (x, pre) = ops.state;
         let (dx, dp) = B::hc_collapse_backward(x, pre, grad);
-        for (node, g) in ops.parents.into_iter().zip([dx, dp]) {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, g);
-            }
-        }
+        register!(grads, ops.parents, [dx, dp]);
     }
 }
 
@@ -142,11 +145,7 @@ impl<B: Glm5Backend> Backward<B, 4> for HcPostBackward {
         let grad = grads.consume::<B>(&ops.node);
         let [post, comb, y, res] = ops.state;
         let (dp, dc, dy, dx) = B::hc_post_backward(post, comb, y, res, grad);
-        for (node, g) in ops.parents.into_iter().zip([dp, dc, dy, dx]) {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, g);
-            }
-        }
+        register!(grads, ops.parents, [dp, dc, dy, dx]);
     }
 }
 
@@ -159,12 +158,9 @@ impl<B: Glm5Backend> Backward<B, 1> for SinkhornBackward {
     type State = (FloatTensor<B>, usize, f64);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let [node] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (z, iters, eps) = ops.state;
-        if let Some(node) = node {
-            grads.register::<B>(node.id, B::hc_sinkhorn_backward(z, grad, iters, eps));
-        }
+        register!(grads, ops.parents, [B::hc_sinkhorn_backward(z, grad, iters, eps)]);
     }
 }
 
@@ -175,17 +171,12 @@ impl<B: Glm5Backend> Backward<B, 3> for KdaPairSumsBackward {
     type State = (NodeId, NodeId, NodeId);
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
-        let [node_k, node_q, node_g] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (k, q, g) = ops.state;
         let mut get = |id| checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(id);
         let (k, q, g) = (get(k), get(q), get(g));
         let (dk, dq, dg) = B::kda_pair_sums_backward(k, q, g, grad);
-        for (node, grad) in [(node_k, dk), (node_q, dq), (node_g, dg)] {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, grad);
-            }
-        }
+        register!(grads, ops.parents, [dk, dq, dg]);
     }
 }
 
@@ -214,11 +205,7 @@ impl<B: Glm5Backend> Backward<B, 6> for KdaScanBackward {
         let [q, k, v, g, beta, h0] = inputs;
         let (dq, dk_, dv_, dg, db, dh) =
             B::kda_chunk_scan_backward(q, k, v, g, beta, h0, d_o.into_primitive().tensor(), d_final.into_primitive().tensor(), chunk, &resets);
-        for (node, grad) in ops.parents.into_iter().zip([dq, dk_, dv_, dg, db, dh]) {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, grad);
-            }
-        }
+        register!(grads, ops.parents, [dq, dk_, dv_, dg, db, dh]);
     }
 }
 
@@ -241,15 +228,10 @@ impl<B: Glm5Backend> Backward<B, 2> for SparseLatentBackward {
     type State = SparseLatentState<B>;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let [node_q, node_kv] = ops.parents;
         let d_o = grads.consume::<B>(&ops.node);
         let SparseLatentState { q, kv, idx, o, lse, scale } = ops.state;
         let (dq, dkv) = B::sparse_latent_attention_backward(q, kv, idx, o, lse, d_o, scale);
-        for (node, grad) in [(node_q, dq), (node_kv, dkv)] {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, grad);
-            }
-        }
+        register!(grads, ops.parents, [dq, dkv]);
     }
 }
 
@@ -275,11 +257,7 @@ impl<B: Glm5Backend> Backward<B, 3> for BlockAttentionBackward {
         let d_o = grads.consume::<B>(&ops.node);
         let BlockAttentionState { q, k, v, o, lse, scale } = ops.state;
         let (dq, dk, dv) = B::block_attention_backward(q, k, v, o, lse, d_o, scale);
-        for (node, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, grad);
-            }
-        }
+        register!(grads, ops.parents, [dq, dk, dv]);
     }
 }
 
@@ -350,13 +328,8 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
         use burn::tensor::backend::AutodiffBackend;
         let (o, lse) = B::block_attention(q.primitive.clone(), k.primitive.clone(), v.primitive.clone(), scale);
         let lse_out = <Self as AutodiffBackend>::from_inner(lse.clone());
-        let o = match BlockAttentionBackward.prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let state = BlockAttentionState { q: q.primitive, k: k.primitive, v: v.primitive, o: o.clone(), lse, scale };
-                prep.finish(state, o)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(o),
-        };
+        let state = BlockAttentionState { q: q.primitive.clone(), k: k.primitive.clone(), v: v.primitive.clone(), o: o.clone(), lse, scale };
+        let o = record!(BlockAttentionBackward, [q, k, v], state, o);
         (o, lse_out)
     }
 
@@ -369,63 +342,33 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
         use burn::tensor::backend::AutodiffBackend;
         let (o, lse) = B::sparse_latent_attention(q.primitive.clone(), kv.primitive.clone(), idx.clone(), scale);
         let lse_out = <Self as AutodiffBackend>::from_inner(lse.clone());
-        let o = match SparseLatentBackward.prepare::<C>([q.node.clone(), kv.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let state = SparseLatentState { q: q.primitive, kv: kv.primitive, idx, o: o.clone(), lse, scale };
-                prep.finish(state, o)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(o),
-        };
+        let state = SparseLatentState { q: q.primitive.clone(), kv: kv.primitive.clone(), idx, o: o.clone(), lse, scale };
+        let o = record!(SparseLatentBackward, [q, kv], state, o);
         (o, lse_out)
     }
 
     fn rms_norm(x: FloatTensor<Self>, w: Option<FloatTensor<Self>>, eps: f64) -> FloatTensor<Self> {
         match w {
-            None => match RmsNormBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
-                OpsKind::Tracked(prep) => {
-                    let out = B::rms_norm(x.primitive.clone(), None, eps);
-                    prep.finish((x.primitive, eps), out)
-                }
-                OpsKind::UnTracked(prep) => prep.finish(B::rms_norm(x.primitive, None, eps)),
-            },
-            Some(w) => match RmsNormWeightedBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
-                OpsKind::Tracked(prep) => {
-                    let out = B::rms_norm(x.primitive.clone(), Some(w.primitive.clone()), eps);
-                    prep.finish((x.primitive, w.primitive, eps), out)
-                }
-                OpsKind::UnTracked(prep) => prep.finish(B::rms_norm(x.primitive, Some(w.primitive), eps)),
-            },
+            None => record!(RmsNormBackward, [x], (x.primitive, eps), B::rms_norm(x.primitive.clone(), None, eps)),
+            Some(w) => {
+                let out = B::rms_norm(x.primitive.clone(), Some(w.primitive.clone()), eps);
+                record!(RmsNormWeightedBackward, [x, w], (x.primitive, w.primitive, eps), out)
+            }
         }
     }
 
     fn causal_conv1d(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
-        match CausalConvBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let out = B::causal_conv1d(x.primitive.clone(), w.primitive.clone());
-                prep.finish((x.primitive, w.primitive), out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::causal_conv1d(x.primitive, w.primitive)),
-        }
+        let out = B::causal_conv1d(x.primitive.clone(), w.primitive.clone());
+        record!(CausalConvBackward, [x, w], (x.primitive, w.primitive), out)
     }
 
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, limit: f64) -> FloatTensor<Self> {
-        match SwigluBackward.prepare::<C>([gate.node.clone(), up.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let out = B::swiglu(gate.primitive.clone(), up.primitive.clone(), limit);
-                prep.finish((gate.primitive, up.primitive, limit), out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::swiglu(gate.primitive, up.primitive, limit)),
-        }
+        let out = B::swiglu(gate.primitive.clone(), up.primitive.clone(), limit);
+        record!(SwigluBackward, [gate, up], (gate.primitive, up.primitive, limit), out)
     }
 
     fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        match SiluBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let out = B::silu(x.primitive.clone());
-                prep.finish(x.primitive, out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::silu(x.primitive)),
-        }
+        record!(SiluBackward, [x], x.primitive, B::silu(x.primitive.clone()))
     }
 
     /// Optimizer state is never differentiated: the inner backend's op on the primitives.
@@ -442,34 +385,17 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
     }
 
     fn hc_collapse(x: FloatTensor<Self>, pre: FloatTensor<Self>) -> FloatTensor<Self> {
-        match HcCollapseBackward.prepare::<C>([x.node.clone(), pre.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let out = B::hc_collapse(x.primitive.clone(), pre.primitive.clone());
-                prep.finish((x.primitive, pre.primitive), out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::hc_collapse(x.primitive, pre.primitive)),
-        }
+        let out = B::hc_collapse(x.primitive.clone(), pre.primitive.clone());
+        record!(HcCollapseBackward, [x, pre], (x.primitive, pre.primitive), out)
     }
 
     fn hc_post(post: FloatTensor<Self>, comb: FloatTensor<Self>, y: FloatTensor<Self>, res: FloatTensor<Self>) -> FloatTensor<Self> {
-        let nodes = [&post, &comb, &y, &res].map(|t| t.node.clone());
-        match HcPostBackward.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let out = B::hc_post(post.primitive.clone(), comb.primitive.clone(), y.primitive.clone(), res.primitive.clone());
-                prep.finish([post.primitive, comb.primitive, y.primitive, res.primitive], out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::hc_post(post.primitive, comb.primitive, y.primitive, res.primitive)),
-        }
+        let out = B::hc_post(post.primitive.clone(), comb.primitive.clone(), y.primitive.clone(), res.primitive.clone());
+        record!(HcPostBackward, [post, comb, y, res], [post.primitive, comb.primitive, y.primitive, res.primitive], out)
     }
 
     fn hc_sinkhorn(z: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
-        match SinkhornBackward.prepare::<C>([z.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let out = B::hc_sinkhorn(z.primitive.clone(), iters, eps);
-                prep.finish((z.primitive, iters, eps), out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::hc_sinkhorn(z.primitive, iters, eps)),
-        }
+        record!(SinkhornBackward, [z], (z.primitive, iters, eps), B::hc_sinkhorn(z.primitive.clone(), iters, eps))
     }
 
     fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -1,0 +1,39 @@
+//! The batch types the data pipeline produces and the training step consumes: token rows with
+//! labels, padding, packed document boundaries and the images of their placeholders.
+
+use crate::model::Glm5ForCausalLM;
+
+/// The images of a micro-batch, in placeholder order.
+#[derive(Debug, Clone)]
+pub struct Images {
+    /// `[N_patches, patch_dim]` row-major.
+    pub pixel_values: Vec<f32>,
+    pub patch_dim: usize,
+    pub grid_thw: Vec<[usize; 3]>,
+}
+
+/// One micro-batch of token rows.
+#[derive(Debug, Clone)]
+pub struct MicroBatch {
+    pub ids: Vec<i64>,
+    pub labels: Vec<i64>,
+    pub batch: usize,
+    pub seq: usize,
+    /// `[B, S]` validity (padding), or `None`.
+    pub mask: Option<Vec<bool>>,
+    /// Packed document lengths of a `B = 1` THD row, or `None`.
+    pub documents: Option<Vec<usize>>,
+    pub images: Option<Images>,
+}
+
+impl MicroBatch {
+    /// A text-only micro-batch of `batch` rows.
+    pub fn text(ids: Vec<i64>, labels: Vec<i64>, batch: usize, seq: usize, mask: Option<Vec<bool>>) -> Self {
+        Self { ids, labels, batch, seq, mask, documents: None, images: None }
+    }
+
+    /// Label tokens after the shift (what the loss is normalised by).
+    pub fn label_tokens(&self, vocab: usize) -> usize {
+        Glm5ForCausalLM::<burn_flex::Flex>::count_labels(&self.labels, self.batch, self.seq, vocab)
+    }
+}
