@@ -25,12 +25,12 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use clap::{Parser, ValueEnum};
 use glm5_burn::config::Glm5Config;
+use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::data::loader::SplitMix64;
+use glm5_burn::text::AttentionImpl;
 use glm5_burn::train::recipe::{DecayStyle, FreezeConfig, NonFinitePolicy, Precision};
 use glm5_burn::train::schedule::LrSchedule;
-use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::train::trainer::{TrainOptions, Trainer};
-use glm5_burn::text::AttentionImpl;
 use glm5_burn::{profile, ForwardOptions, Glm5Backend, Glm5ForCausalLM};
 use serde_json::json;
 

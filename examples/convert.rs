@@ -68,10 +68,8 @@ fn run(args: Args) -> Result<()> {
             bail!("--output {} is the --input checkpoint: converting in place would destroy it; name another directory", output.display());
         }
     }
-    let opts = ConvertOptions {
-        dtype: if args.dtype == "f32" { Dtype::F32 } else { Dtype::BF16 },
-        max_shard_bytes: parse_size(&args.max_shard_size)?,
-    };
+    let opts =
+        ConvertOptions { dtype: if args.dtype == "f32" { Dtype::F32 } else { Dtype::BF16 }, max_shard_bytes: parse_size(&args.max_shard_size)? };
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}")
@@ -120,12 +118,38 @@ fn inspect(path: &Path) -> Result<()> {
         .filter(|(i, t)| **t == LayerType::IndexedAttention && **i == IndexerType::Shared)
         .count();
     println!("{}", path.display());
-    println!("  text: {n} layers ({kda} KDA, {} KPool-DSA of which {shared} shared-indexer), hidden {}, vocab {}", n - kda, c.hidden_size, c.vocab_size);
-    println!("        FFN: {dense} dense (intermediate {}), {} MoE ({} experts, top-{}, {} shared, width {}, groups {}/{})",
-        c.intermediate_size, n - dense, c.n_routed_experts, c.num_experts_per_tok, c.n_shared_experts, c.moe_intermediate_size, c.topk_group, c.n_group);
-    println!("        KDA {}×{} (conv {}, gate bound {:?}); MLA {} heads, q_lora {}, kv_lora {}; indexer {}×{}, top-{} in pools of {} (tail {})",
-        c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim, c.linear_lower_bound, c.num_attention_heads, c.q_lora_rank,
-        c.kv_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk, c.index_kpool, c.index_kpool_always_select_tail);
+    println!(
+        "  text: {n} layers ({kda} KDA, {} KPool-DSA of which {shared} shared-indexer), hidden {}, vocab {}",
+        n - kda,
+        c.hidden_size,
+        c.vocab_size
+    );
+    println!(
+        "        FFN: {dense} dense (intermediate {}), {} MoE ({} experts, top-{}, {} shared, width {}, groups {}/{})",
+        c.intermediate_size,
+        n - dense,
+        c.n_routed_experts,
+        c.num_experts_per_tok,
+        c.n_shared_experts,
+        c.moe_intermediate_size,
+        c.topk_group,
+        c.n_group
+    );
+    println!(
+        "        KDA {}×{} (conv {}, gate bound {:?}); MLA {} heads, q_lora {}, kv_lora {}; indexer {}×{}, top-{} in pools of {} (tail {})",
+        c.linear_num_heads,
+        c.linear_head_dim,
+        c.linear_conv_kernel_dim,
+        c.linear_lower_bound,
+        c.num_attention_heads,
+        c.q_lora_rank,
+        c.kv_lora_rank,
+        c.index_n_heads,
+        c.index_head_dim,
+        c.index_topk,
+        c.index_kpool,
+        c.index_kpool_always_select_tail
+    );
     println!("        mHC {} streams, {} Sinkhorn iterations; MTP layers {}", c.hc_mult, c.hc_sinkhorn_iters, c.num_nextn_predict_layers);
     let v = &config.vision_config;
     println!("  vision: {} blocks, hidden {}, {} heads, out {}", v.depth, v.hidden_size, v.num_heads, v.out_hidden_size);
@@ -135,7 +159,11 @@ fn inspect(path: &Path) -> Result<()> {
     let p = ParamCounts::of(&config);
     println!("  parameters: trunk {}, MTP {}, vision {}, total {}", billions(p.trunk), billions(p.mtp), billions(p.vision), billions(p.total()));
     println!("  active per token: trunk {}, with vision {}", billions(p.trunk_active), billions(p.trunk_active + p.vision));
-    println!("  (rounded: {:.0}B total, {:.0}B active)", (p.total() as f64 / 1e10).round() * 10.0, ((p.trunk_active + p.vision) as f64 / 1e9).round());
+    println!(
+        "  (rounded: {:.0}B total, {:.0}B active)",
+        (p.total() as f64 / 1e10).round() * 10.0,
+        ((p.trunk_active + p.vision) as f64 / 1e9).round()
+    );
 
     let has_weights = path.is_dir() && (dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists());
     if !has_weights {
@@ -150,7 +178,11 @@ fn inspect(path: &Path) -> Result<()> {
         s.0 += 1;
         s.1 += (e.bytes.end - e.bytes.start) as u64;
     }
-    println!("  tensors: {} in {:?}", files.tensors.len(), by_dtype.iter().map(|(d, (n, b))| format!("{d}: {n} ({:.3} GB)", *b as f64 / 1e9)).collect::<Vec<_>>());
+    println!(
+        "  tensors: {} in {:?}",
+        files.tensors.len(),
+        by_dtype.iter().map(|(d, (n, b))| format!("{d}: {n} ({:.3} GB)", *b as f64 / 1e9)).collect::<Vec<_>>()
+    );
     println!("  FP8 weights (with weight_scale_inv, blocks {:?}): {}", files.fp8_block, files.fp8_scales.len());
     for name in files.fp8_scales.keys().take(5) {
         println!("    {name} {:?}", files.shape(name).unwrap_or(&[]));

@@ -174,7 +174,12 @@ fn kpool<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
             let ms = median_ms::<B>(device, a.reps, || {
                 let out = if path == PathKind::Kernel {
                     let prim = |t: Tensor<B, 3>| t.into_primitive().tensor();
-                    Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(B::kpool_compress(prim(k.clone()), prim(gate.clone()), ape.clone().into_primitive().tensor(), &[0])))
+                    Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(B::kpool_compress(
+                        prim(k.clone()),
+                        prim(gate.clone()),
+                        ape.clone().into_primitive().tensor(),
+                        &[0],
+                    )))
                 } else {
                     reference_compress(k.clone(), gate.clone(), ape.clone(), &[0])
                 };
@@ -196,7 +201,12 @@ fn kpool<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
                     let mut scores = Vec::with_capacity(s * p);
                     for lo in (0..s).step_by(block.max(1)) {
                         let hi = (lo + block.max(1)).min(s);
-                        let part = reference_scores(q.clone().slice([0..1, lo..hi, 0..h, 0..d]), w.clone().slice([0..1, lo..hi, 0..h]), pooled.clone(), scale);
+                        let part = reference_scores(
+                            q.clone().slice([0..1, lo..hi, 0..h, 0..d]),
+                            w.clone().slice([0..1, lo..hi, 0..h]),
+                            pooled.clone(),
+                            scale,
+                        );
                         scores.extend(part.into_data().convert::<f32>().into_vec::<f32>().expect("f32 scores"));
                     }
                     (sel.select(&scores, &mask, 1, s), sel.boundary_margin(&scores, &mask, 1, s))

@@ -47,11 +47,7 @@ struct Args {
 
 fn status_kb(field: &str) -> u64 {
     let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+    s.lines().find(|l| l.starts_with(field)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
 fn generate(dir: &PathBuf, config_path: &PathBuf, shard_mb: usize, fp8: bool) -> Result<()> {
@@ -91,7 +87,7 @@ fn generate(dir: &PathBuf, config_path: &PathBuf, shard_mb: usize, fp8: bool) ->
                     _ => buf.extend_from_slice(&half::bf16::from_f32(u * 0.05).to_bits().to_le_bytes()),
                 }
             }
-            out.write_all(&buf).map_err(|e| glm5_burn::CheckpointError::Other(e.to_string()))
+            out.write_all(&buf).map_err(|error| glm5_burn::CheckpointError::Io { path: dir.join(file), error })
         })?;
     }
     if shards.len() > 1 {
@@ -166,7 +162,6 @@ fn main() -> Result<()> {
 
 /// Does a table pattern (`{i}`, `{e}` placeholders) match a checkpoint name?
 fn matches_rule(pattern: &str, name: &str) -> bool {
-    let re = regex::Regex::new(&format!("^{}$", regex::escape(pattern).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+")))
-        .expect("valid pattern");
+    let re = regex::Regex::new(&format!("^{}$", regex::escape(pattern).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+"))).expect("valid pattern");
     re.is_match(name)
 }

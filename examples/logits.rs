@@ -136,10 +136,7 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
         (t, im.grid_thw.as_slice())
     });
     let start = std::time::Instant::now();
-    let out = loaded
-        .model
-        .forward_multimodal(&inputs.ids, b, s, Some(mask), pixels, &opts, false)
-        .with_context(|| format!("{}", input.display()))?;
+    let out = loaded.model.forward_multimodal(&inputs.ids, b, s, Some(mask), pixels, &opts, false).with_context(|| format!("{}", input.display()))?;
     let logits: Vec<f32> = out.logits.cast(DType::F32).into_data().convert::<f32>().into_vec().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let v = logits.len() / (b * s);
     eprintln!("forward [{b}, {s}] -> [{b}, {s}, {v}] in {:.2?}", start.elapsed());
@@ -160,7 +157,10 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
                 max_abs = x.iter().zip(y).fold(max_abs, |m, (p, q)| m.max((p - q).abs() as f64));
                 n += 1;
             }
-            eprintln!("parity vs the reference logits in the input: max|Δ| {max_abs:.3e}, mean KL {:.3e} over {n} positions", kl_sum / n.max(1) as f64);
+            eprintln!(
+                "parity vs the reference logits in the input: max|Δ| {max_abs:.3e}, mean KL {:.3e} over {n} positions",
+                kl_sum / n.max(1) as f64
+            );
         }
     }
     Ok(())
@@ -180,11 +180,7 @@ fn run_prompt<B: Glm5Backend>(args: &Args, prompt: &str, device: &B::Device) -> 
     let loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
     let image_id = chat.tokenizer.token_to_id("<|image|>").map(|x| x as i64);
     if !images.is_empty() && image_id != Some(loaded.config.image_token_id) {
-        anyhow::bail!(
-            "the tokenizer's <|image|> id {:?} differs from the checkpoint's image_token_id {}",
-            image_id,
-            loaded.config.image_token_id
-        );
+        anyhow::bail!("the tokenizer's <|image|> id {:?} differs from the checkpoint's image_token_id {}", image_id, loaded.config.image_token_id);
     }
     let n = p.pixel_values.len() / p.patch_dim;
     let pixels = (!images.is_empty())
@@ -192,7 +188,8 @@ fn run_prompt<B: Glm5Backend>(args: &Args, prompt: &str, device: &B::Device) -> 
     let s = p.ids.len();
     let out = loaded.model.forward_multimodal(&p.ids, 1, s, None, pixels, &ForwardOptions::default(), false)?;
     let v = loaded.config.text_config.vocab_size;
-    let last: Vec<f32> = out.logits.slice([0..1, s - 1..s, 0..v]).cast(DType::F32).into_data().convert::<f32>().into_vec().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let last: Vec<f32> =
+        out.logits.slice([0..1, s - 1..s, 0..v]).cast(DType::F32).into_data().convert::<f32>().into_vec().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let m = last.iter().fold(f32::MIN, |a, &b| a.max(b));
     let z: f32 = last.iter().map(|x| (x - m).exp()).sum();
     let mut order: Vec<usize> = (0..v).collect();

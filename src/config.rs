@@ -226,41 +226,34 @@ impl<'a> Fields<'a> {
     fn usize(&self, key: &str, default: usize) -> Result<usize, ConfigError> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| {
-                ConfigError::invalid(self.name(key), format!("expected a non-negative integer, got {v}"))
-            }),
+            Some(v) => v
+                .as_u64()
+                .map(|x| x as usize)
+                .ok_or_else(|| ConfigError::invalid(self.name(key), format!("expected a non-negative integer, got {v}"))),
         }
     }
     fn f64(&self, key: &str, default: f64) -> Result<f64, ConfigError> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v
-                .as_f64()
-                .ok_or_else(|| ConfigError::invalid(self.name(key), format!("expected a number, got {v}"))),
+            Some(v) => v.as_f64().ok_or_else(|| ConfigError::invalid(self.name(key), format!("expected a number, got {v}"))),
         }
     }
     fn bool(&self, key: &str, default: bool) -> Result<bool, ConfigError> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| ConfigError::invalid(self.name(key), format!("expected a boolean, got {v}"))),
+            Some(v) => v.as_bool().ok_or_else(|| ConfigError::invalid(self.name(key), format!("expected a boolean, got {v}"))),
         }
     }
     fn i64(&self, key: &str, default: i64) -> Result<i64, ConfigError> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v
-                .as_i64()
-                .ok_or_else(|| ConfigError::invalid(self.name(key), format!("expected an integer, got {v}"))),
+            Some(v) => v.as_i64().ok_or_else(|| ConfigError::invalid(self.name(key), format!("expected an integer, got {v}"))),
         }
     }
     fn parse<T: serde::de::DeserializeOwned>(&self, key: &str) -> Result<Option<T>, ConfigError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => serde_json::from_value(v.clone())
-                .map(Some)
-                .map_err(|e| ConfigError::invalid(self.name(key), e.to_string())),
+            Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|e| ConfigError::invalid(self.name(key), e.to_string())),
         }
     }
 }
@@ -270,13 +263,8 @@ fn parse_layer_type(field: &str, s: &str) -> Result<LayerType, ConfigError> {
     // we accept the spellings published configs use and reject anything else.
     match s {
         "linear_attention" => Ok(LayerType::LinearAttention),
-        "indexed_attention" | "full_attention" | "deepseek_sparse_attention" | "sparse_attention" => {
-            Ok(LayerType::IndexedAttention)
-        }
-        other => Err(ConfigError::invalid(
-            field,
-            format!("unknown layer type {other:?} (expected \"linear_attention\" or \"indexed_attention\")"),
-        )),
+        "indexed_attention" | "full_attention" | "deepseek_sparse_attention" | "sparse_attention" => Ok(LayerType::IndexedAttention),
+        other => Err(ConfigError::invalid(field, format!("unknown layer type {other:?} (expected \"linear_attention\" or \"indexed_attention\")"))),
     }
 }
 
@@ -290,33 +278,19 @@ impl TextConfig {
         let num_attention_heads = f.usize("num_attention_heads", 64)?;
 
         let mlp_layer_types = match f.get("mlp_layer_types") {
-            None => (0..num_hidden_layers)
-                .map(|i| if i < 3 { MlpType::Dense } else { MlpType::Sparse })
-                .collect(),
+            None => (0..num_hidden_layers).map(|i| if i < 3 { MlpType::Dense } else { MlpType::Sparse }).collect(),
             Some(_) => f.parse::<Vec<MlpType>>("mlp_layer_types")?.unwrap_or_default(),
         };
 
         let layer_types = match f.get("layer_types") {
-            None => (0..num_hidden_layers)
-                .map(|i| {
-                    if i % 4 != 3 {
-                        LayerType::LinearAttention
-                    } else {
-                        LayerType::IndexedAttention
-                    }
-                })
-                .collect(),
+            None => (0..num_hidden_layers).map(|i| if i % 4 != 3 { LayerType::LinearAttention } else { LayerType::IndexedAttention }).collect(),
             Some(v) => {
-                let arr = v.as_array().ok_or_else(|| {
-                    ConfigError::invalid(f.name("layer_types"), "expected a list of strings")
-                })?;
+                let arr = v.as_array().ok_or_else(|| ConfigError::invalid(f.name("layer_types"), "expected a list of strings"))?;
                 arr.iter()
                     .enumerate()
                     .map(|(i, x)| {
                         let field = format!("{}[{i}]", f.name("layer_types"));
-                        let s = x
-                            .as_str()
-                            .ok_or_else(|| ConfigError::invalid(field.clone(), "expected a string"))?;
+                        let s = x.as_str().ok_or_else(|| ConfigError::invalid(field.clone(), "expected a string"))?;
                         parse_layer_type(&field, s)
                     })
                     .collect::<Result<Vec<_>, _>>()?
@@ -333,10 +307,9 @@ impl TextConfig {
                     .map(|(i, c)| match c {
                         'F' => Ok(IndexerType::Full),
                         'S' => Ok(IndexerType::Shared),
-                        other => Err(ConfigError::invalid(
-                            format!("{}[{i}]", f.name("index_topk_pattern")),
-                            format!("expected 'F' or 'S', got {other:?}"),
-                        )),
+                        other => {
+                            Err(ConfigError::invalid(format!("{}[{i}]", f.name("index_topk_pattern")), format!("expected 'F' or 'S', got {other:?}")))
+                        }
                     })
                     .collect::<Result<Vec<_>, _>>()?,
                 _ => f.parse::<Vec<IndexerType>>("index_topk_pattern")?.unwrap_or_default(),
@@ -344,15 +317,7 @@ impl TextConfig {
         } else {
             let freq = f.i64("index_topk_freq", 1)?.max(1);
             let offset = f.i64("index_skip_topk_offset", 2)?;
-            (0..num_hidden_layers as i64)
-                .map(|i| {
-                    if (i - offset + 1).max(0) % freq == 0 {
-                        IndexerType::Full
-                    } else {
-                        IndexerType::Shared
-                    }
-                })
-                .collect()
+            (0..num_hidden_layers as i64).map(|i| if (i - offset + 1).max(0) % freq == 0 { IndexerType::Full } else { IndexerType::Shared }).collect()
         };
 
         let mut linear_head_dim = f.usize("linear_head_dim", 128)?;
@@ -362,14 +327,12 @@ impl TextConfig {
         let mut linear_lower_bound = match obj.get("linear_lower_bound") {
             None => Some(-5.0),
             Some(Value::Null) => None,
-            Some(v) => Some(v.as_f64().ok_or_else(|| {
-                ConfigError::invalid(f.name("linear_lower_bound"), format!("expected a number or null, got {v}"))
-            })?),
+            Some(v) => {
+                Some(v.as_f64().ok_or_else(|| ConfigError::invalid(f.name("linear_lower_bound"), format!("expected a number or null, got {v}")))?)
+            }
         };
         if let Some(lac) = f.get("linear_attn_config") {
-            let lac = lac.as_object().ok_or_else(|| {
-                ConfigError::invalid(f.name("linear_attn_config"), "expected an object")
-            })?;
+            let lac = lac.as_object().ok_or_else(|| ConfigError::invalid(f.name("linear_attn_config"), "expected an object"))?;
             let pfx = format!("{}linear_attn_config.", prefix);
             let g = Fields { obj: lac, prefix: &pfx };
             linear_head_dim = g.usize("head_dim", linear_head_dim)?;
@@ -379,9 +342,9 @@ impl TextConfig {
             if let Some(v) = lac.get("gate_lower_bound") {
                 linear_lower_bound = match v {
                     Value::Null => None,
-                    v => Some(v.as_f64().ok_or_else(|| {
-                        ConfigError::invalid(g.name("gate_lower_bound"), format!("expected a number or null, got {v}"))
-                    })?),
+                    v => Some(
+                        v.as_f64().ok_or_else(|| ConfigError::invalid(g.name("gate_lower_bound"), format!("expected a number or null, got {v}")))?,
+                    ),
                 };
             }
             if g.bool("safe_gate", true)? && linear_lower_bound.is_none() {
@@ -462,39 +425,22 @@ impl TextConfig {
         if self.num_attention_heads != self.num_key_value_heads {
             return err(
                 "num_key_value_heads",
-                format!(
-                    "num_attention_heads ({}) must be the same as num_key_value_heads ({})",
-                    self.num_attention_heads, self.num_key_value_heads
-                ),
+                format!("num_attention_heads ({}) must be the same as num_key_value_heads ({})", self.num_attention_heads, self.num_key_value_heads),
             );
         }
         if self.index_kpool < 1 {
             return err("index_kpool", format!("index_kpool must be positive, got {}", self.index_kpool));
         }
         if self.index_topk % self.index_kpool != 0 {
-            return err(
-                "index_topk",
-                format!(
-                    "index_topk ({}) must be divisible by index_kpool ({})",
-                    self.index_topk, self.index_kpool
-                ),
-            );
+            return err("index_topk", format!("index_topk ({}) must be divisible by index_kpool ({})", self.index_topk, self.index_kpool));
         }
         if self.qk_rope_head_dim > 0 {
-            return err(
-                "qk_rope_head_dim",
-                format!(
-                    "Expecting NoPE for the DSA attention layers, but got {} as RoPE dim",
-                    self.qk_rope_head_dim
-                ),
-            );
+            return err("qk_rope_head_dim", format!("Expecting NoPE for the DSA attention layers, but got {} as RoPE dim", self.qk_rope_head_dim));
         }
         let n = self.num_hidden_layers;
-        for (field, len) in [
-            ("layer_types", self.layer_types.len()),
-            ("mlp_layer_types", self.mlp_layer_types.len()),
-            ("indexer_types", self.indexer_types.len()),
-        ] {
+        for (field, len) in
+            [("layer_types", self.layer_types.len()), ("mlp_layer_types", self.mlp_layer_types.len()), ("indexer_types", self.indexer_types.len())]
+        {
             if len < n {
                 return err(field, format!("has {len} entries but num_hidden_layers is {n}"));
             }
@@ -527,10 +473,7 @@ impl TextConfig {
             if self.n_routed_experts == 0 || self.n_group == 0 || self.n_routed_experts % self.n_group != 0 {
                 return err(
                     "n_group",
-                    format!(
-                        "n_routed_experts ({}) must be a positive multiple of n_group ({})",
-                        self.n_routed_experts, self.n_group
-                    ),
+                    format!("n_routed_experts ({}) must be a positive multiple of n_group ({})", self.n_routed_experts, self.n_group),
                 );
             }
             if self.n_group > 1 && self.n_routed_experts / self.n_group < 2 {
@@ -540,15 +483,10 @@ impl TextConfig {
             if self.topk_group == 0 || self.topk_group > self.n_group {
                 return err("topk_group", format!("must be in 1..={}", self.n_group));
             }
-            if self.num_experts_per_tok == 0
-                || self.num_experts_per_tok > self.n_routed_experts / self.n_group * self.topk_group
-            {
+            if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.n_routed_experts / self.n_group * self.topk_group {
                 return err(
                     "num_experts_per_tok",
-                    format!(
-                        "must be in 1..={} (experts in the kept groups)",
-                        self.n_routed_experts / self.n_group * self.topk_group
-                    ),
+                    format!("must be in 1..={} (experts in the kept groups)", self.n_routed_experts / self.n_group * self.topk_group),
                 );
             }
         }
@@ -604,12 +542,7 @@ impl TextConfig {
         c.max_position_embeddings = 4096;
         c.pad_token_id = Some(0);
         c.num_nextn_predict_layers = 0;
-        c.layer_types = vec![
-            LayerType::LinearAttention,
-            LayerType::LinearAttention,
-            LayerType::LinearAttention,
-            LayerType::IndexedAttention,
-        ];
+        c.layer_types = vec![LayerType::LinearAttention, LayerType::LinearAttention, LayerType::LinearAttention, LayerType::IndexedAttention];
         c.mlp_layer_types = vec![MlpType::Dense, MlpType::Sparse, MlpType::Sparse, MlpType::Sparse];
         c.indexer_types = vec![IndexerType::Full; 4];
         c
@@ -649,15 +582,7 @@ impl TextConfig {
             index_topk: 2048,
             index_head_dim: 128,
             index_n_heads: 32,
-            layer_types: (0..n)
-                .map(|i| {
-                    if i % 4 == 3 {
-                        LayerType::IndexedAttention
-                    } else {
-                        LayerType::LinearAttention
-                    }
-                })
-                .collect(),
+            layer_types: (0..n).map(|i| if i % 4 == 3 { LayerType::IndexedAttention } else { LayerType::LinearAttention }).collect(),
             indexer_types: vec![IndexerType::Full; n],
             swiglu_limit: 10.0,
             linear_head_dim: 128,
@@ -681,9 +606,11 @@ impl VisionConfig {
         let f = Fields { obj, prefix };
         let scalar_or_first = |key: &str, default: usize| -> Result<usize, ConfigError> {
             match f.get(key) {
-                Some(Value::Array(a)) => a.first().and_then(|v| v.as_u64()).map(|v| v as usize).ok_or_else(|| {
-                    ConfigError::invalid(f.name(key), "expected an integer or a list of integers")
-                }),
+                Some(Value::Array(a)) => a
+                    .first()
+                    .and_then(|v| v.as_u64())
+                    .map(|v| v as usize)
+                    .ok_or_else(|| ConfigError::invalid(f.name(key), "expected an integer or a list of integers")),
                 _ => f.usize(key, default),
             }
         };
@@ -758,42 +685,30 @@ impl VisionConfig {
 impl Glm5Config {
     /// Parse an HF `config.json` document (nested or flat text-only form).
     pub fn from_json_str(text: &str, source: &str) -> Result<Self, ConfigError> {
-        let value: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
-            path: source.to_string(),
-            source: e,
-        })?;
+        let value: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json { path: source.to_string(), source: e })?;
         Self::from_hf_value(&value)
     }
 
     /// Read and parse `path` (a `config.json`).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
-            path: path.to_path_buf(),
-            error: e,
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io { path: path.to_path_buf(), error: e })?;
         Self::from_json_str(&text, &path.display().to_string())
     }
 
     /// Resolve from a parsed JSON value.
     pub fn from_hf_value(value: &Value) -> Result<Self, ConfigError> {
-        let top = value
-            .as_object()
-            .ok_or_else(|| ConfigError::invalid("<root>", "config.json must hold a JSON object"))?;
+        let top = value.as_object().ok_or_else(|| ConfigError::invalid("<root>", "config.json must hold a JSON object"))?;
         let f = Fields { obj: top, prefix: "" };
         let text_config = match top.get("text_config") {
             Some(Value::Object(t)) => TextConfig::from_hf_value(t, "text_config.")?,
             Some(Value::Null) | None => TextConfig::from_hf_value(top, "")?, // flat text-only form
-            Some(other) => {
-                return Err(ConfigError::invalid("text_config", format!("expected an object, got {other}")))
-            }
+            Some(other) => return Err(ConfigError::invalid("text_config", format!("expected an object, got {other}"))),
         };
         let vision_config = match top.get("vision_config") {
             Some(Value::Object(v)) => VisionConfig::from_hf_value(v, "vision_config.")?,
             Some(Value::Null) | None => VisionConfig::from_hf_value(&Map::new(), "vision_config.")?,
-            Some(other) => {
-                return Err(ConfigError::invalid("vision_config", format!("expected an object, got {other}")))
-            }
+            Some(other) => return Err(ConfigError::invalid("vision_config", format!("expected an object, got {other}"))),
         };
         Ok(Glm5Config {
             text_config,

@@ -53,10 +53,8 @@ impl TokenInputs {
     /// Read `input_ids` (I64 `[B, S]`) and optional `attention_mask` (I64 `[B, S]`, 0/1).
     pub fn read(path: &Path) -> Result<Self, ModelError> {
         let bytes = std::fs::read(path).map_err(|e| input_err(path, format!("cannot read: {e}")))?;
-        let st = SafeTensors::deserialize(&bytes)
-            .map_err(|e| input_err(path, format!("not a valid safetensors file: {e:?}")))?;
-        let (ids, shape) =
-            read_i64(&st, "input_ids", path)?.ok_or_else(|| input_err(path, "no `input_ids` tensor".into()))?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| input_err(path, format!("not a valid safetensors file: {e:?}")))?;
+        let (ids, shape) = read_i64(&st, "input_ids", path)?.ok_or_else(|| input_err(path, "no `input_ids` tensor".into()))?;
         let (batch, seq) = (shape[0], shape[1]);
         if batch == 0 || seq == 0 {
             return Err(input_err(path, format!("`input_ids` is empty (shape {shape:?})")));

@@ -24,7 +24,7 @@ pub mod train;
 pub mod vision;
 
 pub use config::{Glm5Config, TextConfig, VisionConfig};
-pub use error::{CheckpointError, ConfigError, ModelError};
+pub use error::{CheckpointError, ConfigError, Error, ModelError};
 pub use model::Glm5ForCausalLM;
 pub use ops::backend::Glm5Backend;
 pub use ops::PathKind;

@@ -63,11 +63,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     }
 
     /// With the vision tower; `vision_rms_eps` overrides `vision_config.rms_norm_eps`.
-    pub fn try_new_with_vision(
-        config: &Glm5Config,
-        vision_rms_eps: Option<f64>,
-        device: &B::Device,
-    ) -> Result<Self, crate::error::ConfigError> {
+    pub fn try_new_with_vision(config: &Glm5Config, vision_rms_eps: Option<f64>, device: &B::Device) -> Result<Self, crate::error::ConfigError> {
         let mut m = Self::try_new(config, device)?;
         m.visual = Some(VisionModel::new(&config.vision_config, vision_rms_eps, device));
         m.image_token_id = config.image_token_id;
@@ -117,13 +113,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     }
 
     /// Forward over token ids `[B, S]` with an optional `[B, S]` validity mask.
-    pub fn forward(
-        &self,
-        input_ids: Tensor<B, 2, Int>,
-        mask: Option<TokenMask<B>>,
-        opts: &ForwardOptions,
-        record: bool,
-    ) -> CausalLmOutput<B>
+    pub fn forward(&self, input_ids: Tensor<B, 2, Int>, mask: Option<TokenMask<B>>, opts: &ForwardOptions, record: bool) -> CausalLmOutput<B>
     where
         B: Glm5Backend,
     {
@@ -134,10 +124,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         let embeds = self.language_model.embed(input_ids);
         drop(t);
         let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
-        CausalLmOutput {
-            logits: self.head(text.hidden.clone()),
-            text,
-        }
+        CausalLmOutput { logits: self.head(text.hidden.clone()), text }
     }
 
     /// Forward with images: the `<|image|>` placeholders of `ids` (row-major order) receive
@@ -176,9 +163,10 @@ impl<B: Backend> Glm5ForCausalLM<B> {
                     depth -= 1;
                 } else if id == self.image_token_id {
                     if depth > 0 {
-                        return Err(err("input_ids", format!(
-                            "sample {b} position {t}: <|image|> inside a <|begin_of_video|> span — video inputs are not supported"
-                        )));
+                        return Err(err(
+                            "input_ids",
+                            format!("sample {b} position {t}: <|image|> inside a <|begin_of_video|> span — video inputs are not supported"),
+                        ));
                     }
                     image_pos.push((b * seq + t) as i64);
                 }
@@ -199,10 +187,10 @@ impl<B: Backend> Glm5ForCausalLM<B> {
                 let [nf, fd] = feats.dims();
                 let d = embeds.dims()[2];
                 if nf != image_pos.len() {
-                    return Err(err("input_ids", format!(
-                        "Image features and image tokens do not match: {} <|image|> placeholders, {nf} image features",
-                        image_pos.len()
-                    )));
+                    return Err(err(
+                        "input_ids",
+                        format!("Image features and image tokens do not match: {} <|image|> placeholders, {nf} image features", image_pos.len()),
+                    ));
                 }
                 if fd != d {
                     return Err(err("pixel_values", format!("vision out_hidden_size {fd} differs from the text hidden size {d}")));
@@ -251,10 +239,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
 
     /// Number of label tokens of a `[B, S]` label buffer after the shift.
     pub fn count_labels(labels: &[i64], batch: usize, seq: usize, vocab: usize) -> usize {
-        (0..batch)
-            .flat_map(|b| (1..seq).map(move |t| labels[b * seq + t]))
-            .filter(|&l| l >= 0 && (l as usize) < vocab)
-            .count()
+        (0..batch).flat_map(|b| (1..seq).map(move |t| labels[b * seq + t])).filter(|&l| l >= 0 && (l as usize) < vocab).count()
     }
 
     /// Load-balancing loss over the MoE layers' router logits (`[B·S, E]` each); `mask`

@@ -13,7 +13,6 @@ use glm5_burn::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
 use glm5_burn::{CheckpointError, ForwardOptions};
 use safetensors::tensor::Dtype;
 
-
 fn write_all(path: &Path, t: &BTreeMap<String, OwnedTensor>) {
     std::fs::write(path, serialize(t).unwrap()).unwrap();
 }
@@ -124,7 +123,11 @@ fn sharded_index_loads_the_same_weights() {
     for (i, (k, v)) in all.into_iter().enumerate() {
         let file = if i % 2 == 0 { "model-00001-of-00002.safetensors" } else { "model-00002-of-00002.safetensors" };
         map.insert(k.clone(), file.into());
-        if i % 2 == 0 { a.insert(k, v) } else { b.insert(k, v) };
+        if i % 2 == 0 {
+            a.insert(k, v)
+        } else {
+            b.insert(k, v)
+        };
     }
     write_all(&dir.path().join("model-00001-of-00002.safetensors"), &a);
     write_all(&dir.path().join("model-00002-of-00002.safetensors"), &b);

@@ -66,7 +66,8 @@ fn nested_and_bad_values_are_reported_with_their_path() {
     let err = Glm5Config::from_hf_value(&json!({"text_config": {"hidden_size": "big"}})).unwrap_err();
     assert!(err.to_string().contains("text_config.hidden_size"), "{err}");
     let err = Glm5Config::from_hf_value(&json!({"text_config": {"num_hidden_layers": 4, "n_group": 4, "n_routed_experts": 4,
-        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}})).unwrap_err();
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}}))
+    .unwrap_err();
     assert!(err.to_string().contains("n_group"), "{err}");
     let err = Glm5Config::from_json_str("{not json", "x/config.json").unwrap_err();
     assert!(err.to_string().contains("x/config.json"), "{err}");
@@ -83,6 +84,7 @@ fn presets_are_valid_and_match_the_release() {
     TextConfig::tiny().validate().unwrap();
     // a vision out_hidden_size different from the text width is accepted (only used with images)
     let cfg = Glm5Config::from_hf_value(&json!({"text_config": {"hidden_size": 64, "num_hidden_layers": 1},
-        "vision_config": {"out_hidden_size": 24}})).unwrap();
+        "vision_config": {"out_hidden_size": 24}}))
+    .unwrap();
     assert_eq!(cfg.vision_config.out_hidden_size, 24);
 }

@@ -13,7 +13,6 @@ use glm5_burn::checkpoint::safetensors_io::{serialize, OwnedTensor};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use safetensors::tensor::Dtype;
 
-
 fn convert(input: &Path, output: &Path, max: usize) -> Result<glm5_burn::checkpoint::convert::ConvertReport, String> {
     let opts = ConvertOptions { max_shard_bytes: max, ..ConvertOptions::default() };
     convert_checkpoint(input, output, &opts, |_, _, _| {}).map_err(|e| e.to_string())
@@ -48,11 +47,8 @@ fn conversion_is_exact_and_loads() {
         assert_eq!(o.shape, t.shape, "{name}");
         if t.dtype == Dtype::F8_E4M3 {
             assert_eq!(o.dtype, Dtype::BF16, "{name}");
-            let expected: Vec<u8> = oracle
-                .f32(&format!("fp8_f32_scales.{name}"))
-                .iter()
-                .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
-                .collect();
+            let expected: Vec<u8> =
+                oracle.f32(&format!("fp8_f32_scales.{name}")).iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect();
             assert!(o.data == expected, "{name}: BF16 bits differ from the oracle");
             dequantised += 1;
         } else {
@@ -93,8 +89,7 @@ fn sharded_output_has_a_correct_index() {
     let out = tmp.path().join("bf16");
     let report = convert(&src, &out, 40_000).unwrap();
     assert!(report.shards > 3, "{} shards", report.shards);
-    let index: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap()).unwrap();
     let map = index["weight_map"].as_object().unwrap();
     let mut total = 0u64;
     for (name, file) in map {

@@ -77,8 +77,7 @@ fn packs_hold_whole_conversations() {
     let chat = ChatFormat::from_dir(&bundle()).unwrap();
     let image_token = chat.tokenizer.token_to_id("<|image|>").unwrap() as i64;
     let opts = PackingOptions { max_length: 256, drop_long_samples: true, seed: 3 };
-    let ds = PackedDataset::build(&bundle(), DatasetFormat::Parquet, "train", None, &chat, ImageProcessor::default(), image_token, &opts)
-        .unwrap();
+    let ds = PackedDataset::build(&bundle(), DatasetFormat::Parquet, "train", None, &chat, ImageProcessor::default(), image_token, &opts).unwrap();
     assert_eq!(ds.pack_report.samples, 160);
     assert!(ds.packs.iter().all(|p| p.len() <= 256));
     assert!(ds.pack_report.fill > 0.8, "greedy packing fills the packs: {}", ds.pack_report.fill);

@@ -67,7 +67,8 @@ fn killed_and_resumed_run_matches_an_uninterrupted_one() {
     assert_eq!(full.iter().map(|t| t.0).collect::<Vec<_>>(), (1..=8).collect::<Vec<_>>(), "{log}");
     assert!(full[7].1 < full[0].1, "the loss falls: {full:?}");
     assert!(a.join("loss_curve.png").is_file());
-    let kept: Vec<String> = std::fs::read_dir(&a).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).filter(|n: &String| n.starts_with("step_")).collect();
+    let kept: Vec<String> =
+        std::fs::read_dir(&a).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).filter(|n: &String| n.starts_with("step_")).collect();
     assert_eq!(kept.len(), 2, "keep_last = 2: {kept:?}");
 
     // start b, SIGKILL it once step 5 is logged (step 4's checkpoint exists), resume it
@@ -145,14 +146,20 @@ fn a_second_run_on_the_same_directory_is_refused() {
     let out = Command::new(example("finetune")).args(second_args).output().unwrap();
     let text = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!out.status.success(), "the second run was not refused:\n{text}");
-    assert!(text.contains(&dir.display().to_string()) && text.contains("in use by another run") && text.contains(&format!("pid {}", first.id())), "{text}");
+    assert!(
+        text.contains(&dir.display().to_string()) && text.contains("in use by another run") && text.contains(&format!("pid {}", first.id())),
+        "{text}"
+    );
     let status = first.wait().unwrap();
     assert!(status.success(), "the first run failed");
     let steps: Vec<u64> = trace(&dir).iter().map(|t| t.0).collect();
     assert_eq!(steps, (1..=8).collect::<Vec<_>>(), "metrics.jsonl holds the first run's 8 steps only");
     for step in ["step_000006", "step_000008"] {
         let d = dir.join(step);
-        assert!(d.join("trainer_state.json").is_file() && d.join("optimizer.mpk").is_file() && d.join("model/model.safetensors").is_file(), "{step} whole");
+        assert!(
+            d.join("trainer_state.json").is_file() && d.join("optimizer.mpk").is_file() && d.join("model/model.safetensors").is_file(),
+            "{step} whole"
+        );
         glm5_burn::checkpoint::load_causal_lm::<burn::backend::Flex>(d.join("model"), &Default::default(), &Default::default()).unwrap();
     }
     let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".partial")).collect();
@@ -245,7 +252,10 @@ fn clis_refuse_bad_sizes_and_paths() {
     std::fs::copy(&input, &copy).unwrap();
     let before = std::fs::read(&copy).unwrap();
     let ckpt = root.join("tests/fixtures/base_k4");
-    let out = Command::new(example("logits")).args(["--checkpoint", ckpt.to_str().unwrap(), "--input", copy.to_str().unwrap(), "--output", copy.to_str().unwrap()]).output().unwrap();
+    let out = Command::new(example("logits"))
+        .args(["--checkpoint", ckpt.to_str().unwrap(), "--input", copy.to_str().unwrap(), "--output", copy.to_str().unwrap()])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!out.status.success() && text.contains("is the --input file"), "{text}");
     assert_eq!(std::fs::read(&copy).unwrap(), before, "the input is untouched");
@@ -255,7 +265,14 @@ fn clis_refuse_bad_sizes_and_paths() {
     // --tokenizer may be the directory
     let chat = root.join("tests/fixtures/chat");
     let out = Command::new(example("logits"))
-        .args(["--checkpoint", chat.join("model").to_str().unwrap(), "--tokenizer", chat.join("tokenizer.json").parent().unwrap().to_str().unwrap(), "--prompt", "x"])
+        .args([
+            "--checkpoint",
+            chat.join("model").to_str().unwrap(),
+            "--tokenizer",
+            chat.join("tokenizer.json").parent().unwrap().to_str().unwrap(),
+            "--prompt",
+            "x",
+        ])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
@@ -279,5 +296,8 @@ fn a_truncated_optimizer_state_says_so() {
     let out = Command::new(example("finetune")).args(&args).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{text}");
-    assert!(text.contains("optimizer.mpk") && text.contains(&format!("({} bytes) is truncated or corrupt", len / 3)) && !text.contains("0.14.0"), "{text}");
+    assert!(
+        text.contains("optimizer.mpk") && text.contains(&format!("({} bytes) is truncated or corrupt", len / 3)) && !text.contains("0.14.0"),
+        "{text}"
+    );
 }

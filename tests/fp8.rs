@@ -73,7 +73,6 @@ fn fp8_checkpoint_logits_match_reference_on_dequantised_weights() {
     assert!(st.mean_kl <= 1e-10 && st.max_abs <= 1e-4 && st.top1 == 1.0, "{st:?}");
 }
 
-
 fn edited(edit: impl FnOnce(&mut BTreeMap<String, OwnedTensor>)) -> tempfile::TempDir {
     let src = fixtures().join("fp8_f32_scales");
     let dir = tempfile::tempdir().unwrap();

@@ -86,10 +86,15 @@ fn fused_rms_norm_matches_reference_ops_and_autodiff() {
     for (r, d, weighted, seed) in [(37, 256, true, 1), (512, 1024, false, 2), (9, 1, true, 3), (5, 32, false, 4), (64, 96, true, 5)] {
         let mut g = Rng(seed);
         // rows at scales 1e-2 … 1e2: the normalisation must not care
-        let x: Vec<f32> = g.vec(r * d, 1.0).chunks(d).enumerate().flat_map(|(i, row)| {
-            let s = 10f32.powi((i % 5) as i32 - 2);
-            row.iter().map(move |v| v * s).collect::<Vec<_>>()
-        }).collect();
+        let x: Vec<f32> = g
+            .vec(r * d, 1.0)
+            .chunks(d)
+            .enumerate()
+            .flat_map(|(i, row)| {
+                let s = 10f32.powi((i % 5) as i32 - 2);
+                row.iter().map(move |v| v * s).collect::<Vec<_>>()
+            })
+            .collect();
         let w = weighted.then(|| g.vec(d, 1.0));
         let up = g.vec(r * d, 1.0);
         let eps = 1e-6;
@@ -112,7 +117,9 @@ fn fused_rms_norm_matches_reference_ops_and_autodiff() {
             check(&format!("rms [{r}, {d}] w {weighted}: ∂x {name}"), &got, &ox);
         }
         if let Some(ow) = ow {
-            for (name, got) in [("reference", host(rw.unwrap())), ("fused", from_prim::<1>(fw.unwrap())), ("Autodiff op", host(wo.unwrap().grad(&gr).unwrap()))] {
+            for (name, got) in
+                [("reference", host(rw.unwrap())), ("fused", from_prim::<1>(fw.unwrap())), ("Autodiff op", host(wo.unwrap().grad(&gr).unwrap()))]
+            {
                 check(&format!("rms [{r}, {d}]: ∂w {name}"), &got, &ow);
             }
         }
@@ -148,7 +155,9 @@ fn fused_hc_collapse_and_post_match_reference_ops_and_autodiff() {
         }
 
         // post
-        let ins = |p: &[f32], c: &[f32], yv: &[f32], r: &[f32]| (t::<Flex, 2>(p, [x, n]), t::<Flex, 3>(c, [x, n, n]), t::<Flex, 2>(yv, [x, d]), t::<Flex, 3>(r, [x, n, d]));
+        let ins = |p: &[f32], c: &[f32], yv: &[f32], r: &[f32]| {
+            (t::<Flex, 2>(p, [x, n]), t::<Flex, 3>(c, [x, n, n]), t::<Flex, 2>(yv, [x, d]), t::<Flex, 3>(r, [x, n, d]))
+        };
         let (a, b, c, e) = ins(&post, &comb, &y, &xs);
         let want = host(hc_streams::reference_post(a, b, c, e));
         let (a, b, c, e) = ins(&post, &comb, &y, &xs);
@@ -166,7 +175,8 @@ fn fused_hc_collapse_and_post_match_reference_ops_and_autodiff() {
         let oracle = [host(a.grad(&gr).unwrap()), host(b.grad(&gr).unwrap()), host(c.grad(&gr).unwrap()), host(e.grad(&gr).unwrap())];
         let (a, b, c, e) = ins(&post, &comb, &y, &xs);
         let (r0, r1, r2, r3) = hc_streams::reference_post_backward(a, b, c, e, t::<Flex, 3>(&up_x, [x, n, d]));
-        let (f0, f1, f2, f3) = Flex::hc_post_backward(prim(&post, [x, n]), prim(&comb, [x, n, n]), prim(&y, [x, d]), prim(&xs, [x, n, d]), prim(&up_x, [x, n, d]));
+        let (f0, f1, f2, f3) =
+            Flex::hc_post_backward(prim(&post, [x, n]), prim(&comb, [x, n, n]), prim(&y, [x, d]), prim(&xs, [x, n, d]), prim(&up_x, [x, n, d]));
         let (a, b, c, e) = ad();
         let gr = (hc_post(a.clone(), b.clone(), c.clone(), e.clone()) * t::<A, 3>(&up_x, [x, n, d])).sum().backward();
         let got = [
@@ -189,7 +199,11 @@ fn fused_causal_conv_matches_reference_ops_and_autodiff() {
         let mut g = Rng(seed);
         let (x, w, up) = (g.vec(b * tt * c, 1.0), g.vec(c * taps, 1.0), g.vec(b * tt * c, 1.0));
         let want = host(conv::reference_forward(t::<Flex, 3>(&x, [b, tt, c]), t::<Flex, 2>(&w, [c, taps])));
-        check(&format!("conv [{b}, {tt}, {c}] W {taps}: forward"), &host(causal_conv1d(t::<Flex, 3>(&x, [b, tt, c]), t::<Flex, 2>(&w, [c, taps]))), &want);
+        check(
+            &format!("conv [{b}, {tt}, {c}] W {taps}: forward"),
+            &host(causal_conv1d(t::<Flex, 3>(&x, [b, tt, c]), t::<Flex, 2>(&w, [c, taps]))),
+            &want,
+        );
         // direct definition, independent of both forms
         let mut def = vec![0f32; b * tt * c];
         for bi in 0..b {
@@ -240,7 +254,11 @@ fn fused_swiglu_matches_reference_ops_and_autodiff() {
         let gr = (direct(ga.clone(), ua.clone()) * t::<A, 1>(&up, [n])).sum().backward();
         let (og, ou) = (host(ga.grad(&gr).unwrap()), host(ua.grad(&gr).unwrap()));
 
-        check(&format!("swiglu n {n} L {limit}: reference forward"), &host(swiglu_ops::reference_forward(t::<Flex, 1>(&g, [n]), t::<Flex, 1>(&u, [n]), limit)), &want);
+        check(
+            &format!("swiglu n {n} L {limit}: reference forward"),
+            &host(swiglu_ops::reference_forward(t::<Flex, 1>(&g, [n]), t::<Flex, 1>(&u, [n]), limit)),
+            &want,
+        );
         check(&format!("swiglu n {n} L {limit}: fused forward"), &host(swiglu(t::<Flex, 1>(&g, [n]), t::<Flex, 1>(&u, [n]), limit)), &want);
 
         let (rg, ru) = swiglu_ops::reference_backward(t::<Flex, 1>(&g, [n]), t::<Flex, 1>(&u, [n]), t::<Flex, 1>(&up, [n]), limit);

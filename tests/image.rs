@@ -27,8 +27,7 @@ fn pattern(w: usize, h: usize, seed: i64) -> RgbImage {
 const SIZES: [(usize, usize); 6] = [(10, 7), (33, 71), (640, 480), (1000, 333), (227, 1500), (4100, 3900)];
 
 fn cases() -> Vec<(String, RgbImage)> {
-    let mut v: Vec<(String, RgbImage)> =
-        SIZES.iter().enumerate().map(|(i, &(w, h))| (format!("pattern_{w}x{h}"), pattern(w, h, i as i64))).collect();
+    let mut v: Vec<(String, RgbImage)> = SIZES.iter().enumerate().map(|(i, &(w, h))| (format!("pattern_{w}x{h}"), pattern(w, h, i as i64))).collect();
     for f in ["gray", "rgba"] {
         let path = fixtures().join("images").join(format!("{f}.png"));
         v.push((format!("{f}_png"), RgbImage::open(&path).unwrap()));

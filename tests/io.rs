@@ -11,10 +11,8 @@ use safetensors::tensor::Dtype;
 
 fn write(tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> tempfile::NamedTempFile {
     let f = tempfile::NamedTempFile::new().unwrap();
-    let map: BTreeMap<String, OwnedTensor> = tensors
-        .iter()
-        .map(|(n, d, s, b)| (n.to_string(), OwnedTensor { dtype: *d, shape: s.clone(), data: b.clone() }))
-        .collect();
+    let map: BTreeMap<String, OwnedTensor> =
+        tensors.iter().map(|(n, d, s, b)| (n.to_string(), OwnedTensor { dtype: *d, shape: s.clone(), data: b.clone() })).collect();
     std::fs::write(f.path(), serialize(&map).unwrap()).unwrap();
     f
 }

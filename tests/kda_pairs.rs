@@ -42,7 +42,10 @@ fn fused_matches_reference_forward_and_backward() {
         let refr = host(reference::kda_pair_sums::<Flex>(t(&k, dims), t(&q, dims), t(&g, dims)));
         assert!(rel(&fused, &refr) <= 1e-6, "forward {dims:?}: {:e}", rel(&fused, &refr));
         // upper triangle is zero
-        assert!(fused.iter().enumerate().all(|(i, v)| { let (r, s) = ((i / (2 * c)) % c, i % (2 * c) % c); s <= r || *v == 0.0 }));
+        assert!(fused.iter().enumerate().all(|(i, v)| {
+            let (r, s) = ((i / (2 * c)) % c, i % (2 * c) % c);
+            s <= r || *v == 0.0
+        }));
 
         // backward: a random upstream gradient
         let mut rng = Rng(seed + 10);

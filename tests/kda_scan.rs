@@ -65,7 +65,9 @@ fn run(form: Form, d: [usize; 6], chunk: usize, seed: u64) -> (Vec<f32>, Vec<f32
 #[test]
 fn scan_op_matches_autodiff_through_chunked_and_recurrent_forms() {
     // (B, T, H, dk, dv), chunk: partial last chunk, one chunk shorter than C, many chunks
-    for (d, chunk, seed) in [([2, 150, 2, 8, 6, 0], 64, 1), ([1, 40, 3, 4, 5, 0], 64, 2), ([1, 67, 1, 16, 16, 0], 16, 3), ([1, 67, 3, 16, 16, 0], 16, 2)] {
+    for (d, chunk, seed) in
+        [([2, 150, 2, 8, 6, 0], 64, 1), ([1, 40, 3, 4, 5, 0], 64, 2), ([1, 67, 1, 16, 16, 0], 16, 3), ([1, 67, 3, 16, 16, 0], 16, 2)]
+    {
         let (oo, so, go) = run(Form::Op, d, chunk, seed);
         let (oc, sc, gc) = run(Form::Chunked, d, chunk, seed);
         let (or, sr, grr) = run(Form::Recurrent, d, chunk, seed);
@@ -75,7 +77,9 @@ fn scan_op_matches_autodiff_through_chunked_and_recurrent_forms() {
         for (i, name) in ["∂q", "∂k", "∂v", "∂g", "∂β", "∂h0"].iter().enumerate() {
             let (e_c, e_r) = (rel(&go[i], &gc[i]), rel(&go[i], &grr[i]));
             let e_cr = rel(&gc[i], &grr[i]);
-            println!("{d:?} C={chunk} {name}: op vs chunked autodiff {e_c:.2e}, op vs recurrent autodiff {e_r:.2e} (chunked vs recurrent {e_cr:.2e})");
+            println!(
+                "{d:?} C={chunk} {name}: op vs chunked autodiff {e_c:.2e}, op vs recurrent autodiff {e_r:.2e} (chunked vs recurrent {e_cr:.2e})"
+            );
             assert!(e_c <= 1e-5 && e_r <= 1e-5, "{d:?} {name}: {e_c:e} / {e_r:e}");
         }
     }
@@ -87,10 +91,12 @@ type Outs<B> = (Tensor<B, 3>, Tensor<B, 3>, [Vec<f32>; 6]);
 fn op_inputs(bh: usize, t: usize, dk: usize, dv: usize, seed: u64) -> [Vec<f32>; 8] {
     let mut r = Rng(seed);
     let unit = |v: Vec<f32>, d: usize, scale: f32| -> Vec<f32> {
-        v.chunks(d).flat_map(|row| {
-            let n = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
-            row.iter().map(move |x| x / n * scale).collect::<Vec<_>>()
-        }).collect()
+        v.chunks(d)
+            .flat_map(|row| {
+                let n = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+                row.iter().map(move |x| x / n * scale).collect::<Vec<_>>()
+            })
+            .collect()
     };
     let q = unit(r.vec(bh * t * dk, 1.0), dk, (dk as f32).powf(-0.5));
     let k = unit(r.vec(bh * t * dk, 1.0), dk, 1.0);
@@ -129,7 +135,8 @@ fn op_run<B: Glm5Backend>(x: &[Vec<f32>; 8], dims: [usize; 4], batch: usize, chu
     let states = |x: Tensor<B, 3>| x.reshape([batch, bh / batch, dk, dv]);
     let beta_m = beta.reshape([batch, bh / batch, tt]).swap_dims(1, 2);
     let p = |x: Tensor<B, 4>| x.into_primitive().tensor();
-    let (o, s) = kda_chunk_scan(model(q.clone()), model(k.clone()), model(v.clone()), model(g.clone()), beta_m.clone(), states(h0.clone()), chunk, resets);
+    let (o, s) =
+        kda_chunk_scan(model(q.clone()), model(k.clone()), model(v.clone()), model(g.clone()), beta_m.clone(), states(h0.clone()), chunk, resets);
     let (a, b, c, d, e, f) = B::kda_chunk_scan_backward(
         p(model(q)),
         p(model(k)),
@@ -160,7 +167,14 @@ fn op_autodiff(x: &[Vec<f32>; 8], dims: [usize; 4], chunk: usize, resets: &[usiz
     let (o, s, _) = kda_scan::forward(q.clone(), k.clone(), v.clone(), g.clone(), beta.clone(), h0.clone(), chunk, resets);
     let loss = (o * t::<A, 3>(d_o, [bh, tt, dv])).sum() + (s * t::<A, 3>(d_s, [bh, dk, dv])).sum();
     let gr = loss.backward();
-    [host(q.grad(&gr).unwrap()), host(k.grad(&gr).unwrap()), host(v.grad(&gr).unwrap()), host(g.grad(&gr).unwrap()), host(beta.grad(&gr).unwrap()), host(h0.grad(&gr).unwrap())]
+    [
+        host(q.grad(&gr).unwrap()),
+        host(k.grad(&gr).unwrap()),
+        host(v.grad(&gr).unwrap()),
+        host(g.grad(&gr).unwrap()),
+        host(beta.grad(&gr).unwrap()),
+        host(h0.grad(&gr).unwrap()),
+    ]
 }
 
 #[test]
@@ -209,7 +223,8 @@ fn packed_documents_restart_the_state() {
     let mut worst = 0f32;
     for (j, w) in bounds.windows(2).enumerate() {
         let (lo, hi) = (w[0], w[1]);
-        let rows = |a: &Vec<f32>, width: usize| -> Vec<f32> { (0..bh).flat_map(|r| a[(r * tt + lo) * width..(r * tt + hi) * width].to_vec()).collect() };
+        let rows =
+            |a: &Vec<f32>, width: usize| -> Vec<f32> { (0..bh).flat_map(|r| a[(r * tt + lo) * width..(r * tt + hi) * width].to_vec()).collect() };
         let h0 = if j == 0 { x[5].clone() } else { vec![0.0; bh * dk * dv] };
         let part = [rows(&x[0], dk), rows(&x[1], dk), rows(&x[2], dv), rows(&x[3], dk), rows(&x[4], 1), h0, rows(&x[6], dv), x[7].clone()];
         let (o, _, _) = op_run::<Flex>(&part, [bh, hi - lo, dk, dv], 1, chunk, true, &[]);

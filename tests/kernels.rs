@@ -237,7 +237,13 @@ fn kpool_selection_matches_reference() {
         let pooled = int(&mut rng, b * p * d);
         let w: Vec<f32> = (0..b * s * h).map(|_| [0.5f32, 1.0, 2.0, -1.0][((rng.next() + 1.0) * 1.99) as usize]).collect();
         // row 0 full; row 1 left-padded by 5 with two holes; row 2 all padding
-        let mask: Vec<bool> = (0..b * s).map(|i| match i / s { 0 => true, 1 => i % s >= 5.min(s) && i % s != 11 && i % s != 12, _ => false }).collect();
+        let mask: Vec<bool> = (0..b * s)
+            .map(|i| match i / s {
+                0 => true,
+                1 => i % s >= 5.min(s) && i % s != 11 && i % s != 12,
+                _ => false,
+            })
+            .collect();
         let sel = KpoolSelect { kpool, index_topk: topk, always_select_tail: tail };
         let run = |kernel: bool| {
             if kernel {
@@ -275,7 +281,6 @@ fn kpool_selection_matches_reference() {
         println!("kpool b={b} s={s} h={h} d={d} kpool={kpool} topk={topk} tail={tail}: {} query rows equal as sets, margin {km}", ki.len() / width);
     }
 }
-
 
 /// Replaces every parameter by its gradient (zeros where none flows).
 struct ToGrads<'a, B: burn::tensor::backend::AutodiffBackend> {
@@ -379,7 +384,10 @@ fn tiny_model_kernel_paths_match_reference_paths() {
     // conditioning floor: two correct fp32 evaluations of these gradients differ by that much).
     let bar = 1e-5f32.max(hf_f32);
     let bar_hf = 1e-4f32.max(2.0 * hf_f32);
-    println!("  {} gradients: kernel vs reference paths worst {w:.2e} ({wn}), {above} above 1e-5, bar {bar:.1e} (HF fp32 error {hf_f32:.1e})", kg.len());
+    println!(
+        "  {} gradients: kernel vs reference paths worst {w:.2e} ({wn}), {above} above 1e-5, bar {bar:.1e} (HF fp32 error {hf_f32:.1e})",
+        kg.len()
+    );
     println!("  reference paths, Vulkan vs Flex: worst {wb:.2e} ({wbn}), {above_b} above 1e-5");
     println!("  kernel paths vs HF float64: worst {wh:.2e} ({whn}), bar {bar_hf:.1e}");
     assert!(w <= bar, "gradient of {wn}: {w:e}");
@@ -541,7 +549,11 @@ fn kda_pair_sums_match_float64() {
     let back = |p| host(Tensor::<V, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(p)));
     let (vk, vq, vg) = reference::kda_pair_sums_backward::<V>(t(&k, dims), t(&q, dims), t(&g, dims), t(&grad, gd));
     let (fk, fq, fg) = reference::kda_pair_sums_backward::<Flex>(t(&k, dims), t(&q, dims), t(&g, dims), t(&grad, gd));
-    let bwd = [("kernel", [back(kk), back(kq), back(kg)]), ("reference (vulkan)", [host(vk), host(vq), host(vg)]), ("reference (flex)", [host(fk), host(fq), host(fg)])];
+    let bwd = [
+        ("kernel", [back(kk), back(kq), back(kg)]),
+        ("reference (vulkan)", [host(vk), host(vq), host(vg)]),
+        ("reference (flex)", [host(fk), host(fq), host(fg)]),
+    ];
     for ((name, o), (_, grads)) in fwd.iter().zip(&bwd) {
         let e = [rel(o, &f(&out)), rel(&grads[0], &f(&d_k)), rel(&grads[1], &f(&d_q)), rel(&grads[2], &f(&d_g))];
         println!("kda pair sums vs float64, {name}: out {:.2e}, ∂k {:.2e}, ∂q {:.2e}, ∂Γ {:.2e}", e[0], e[1], e[2], e[3]);
@@ -586,7 +598,10 @@ fn kpool_compress_matches_reference() {
         let refv = host(glm5_burn::ops::kpool::reference_compress::<V>(t(&k, [b, s, d]), t(&gate, [b, s, d]), t(&ape, [kp, d]), &first));
         let reff = host(glm5_burn::ops::kpool::reference_compress::<Flex>(t(&k, [b, s, d]), t(&gate, [b, s, d]), t(&ape, [kp, d]), &first));
         let (ev, ef, et) = (rel(&kern, &refv), rel(&kern, &reff), rel(&kern, &truth));
-        println!("kpool compress b={b} s={s} d={d} kpool={kp}: vs reference {ev:.2e} (vulkan) {ef:.2e} (flex), vs float64 {et:.2e} (references: {:.2e})", rel(&refv, &truth));
+        println!(
+            "kpool compress b={b} s={s} d={d} kpool={kp}: vs reference {ev:.2e} (vulkan) {ef:.2e} (flex), vs float64 {et:.2e} (references: {:.2e})",
+            rel(&refv, &truth)
+        );
         assert!(ev <= 1e-5 && ef <= 1e-5 && et <= 1e-5, "{ev:e} {ef:e} {et:e}");
     }
     // half inputs, f32 output: against the reference on the same rounded inputs
@@ -604,7 +619,12 @@ fn kpool_compress_matches_reference() {
     )));
     assert_eq!(out.dtype(), DType::F32);
     let r3 = |v: &[f32], dims: [usize; 3]| t::<Flex, 3>(v, dims).cast(half).cast(DType::F32);
-    let refr = host(glm5_burn::ops::kpool::reference_compress::<Flex>(r3(&k, [b, s, d]), r3(&gate, [b, s, d]), t::<Flex, 2>(&ape, [kp, d]).cast(half).cast(DType::F32), &first));
+    let refr = host(glm5_burn::ops::kpool::reference_compress::<Flex>(
+        r3(&k, [b, s, d]),
+        r3(&gate, [b, s, d]),
+        t::<Flex, 2>(&ape, [kp, d]).cast(half).cast(DType::F32),
+        &first,
+    ));
     let e = rel(&host(out), &refr);
     println!("kpool compress {half:?}: vs fp32 reference on the rounded inputs {e:.2e}");
     assert!(e <= 1e-5, "{half:?}: {e:e}");

@@ -24,18 +24,18 @@ use std::time::Instant;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
-use glm5_burn::train::adamw::FusedAdamW;
 use burn::tensor::backend::Backend;
+use common::counting::{live, Counting};
 use glm5_burn::config::Glm5Config;
+use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions};
 use glm5_burn::data::DatasetFormat;
+use glm5_burn::train::adamw::FusedAdamW;
 use glm5_burn::train::recipe::{FreezeConfig, Precision, Recipe};
-use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::train::step::{micro_loss_sum, train_step};
 use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
-use common::counting::{live, Counting};
 use glm5_burn::Glm5ForCausalLM;
 
 #[global_allocator]
@@ -71,8 +71,9 @@ fn setup(precision: Precision, freeze: bool) -> Setup {
     let config = Glm5Config::from_hf_value(&json).unwrap();
     let chat = ChatFormat::from_dir(&bundle()).unwrap();
     let packing = PackingOptions { max_length: 128, drop_long_samples: true, seed: 1 };
-    let ds = PackedDataset::build(&bundle(), DatasetFormat::Parquet, "train", Some(12), &chat, ImageProcessor::default(), config.image_token_id, &packing)
-        .unwrap();
+    let ds =
+        PackedDataset::build(&bundle(), DatasetFormat::Parquet, "train", Some(12), &chat, ImageProcessor::default(), config.image_token_id, &packing)
+            .unwrap();
     let micro = vec![ds.micro_batch(&[0]).unwrap(), ds.micro_batch(&[1]).unwrap()];
     let val = vec![ds.micro_batch(&[2]).unwrap()];
     let recipe = Recipe::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &[]).unwrap();

@@ -17,7 +17,16 @@ use common::random::{rel, tensor as t, to_host as host, Rng};
 type A = Autodiff<Flex>;
 
 #[allow(clippy::too_many_arguments)]
-fn definition(x: Tensor<A, 2>, w: Tensor<A, 2>, experts: &[usize], k: usize, g: &Tensor<A, 3>, u: &Tensor<A, 3>, dn: &Tensor<A, 3>, limit: f64) -> Tensor<A, 2> {
+fn definition(
+    x: Tensor<A, 2>,
+    w: Tensor<A, 2>,
+    experts: &[usize],
+    k: usize,
+    g: &Tensor<A, 3>,
+    u: &Tensor<A, 3>,
+    dn: &Tensor<A, 3>,
+    limit: f64,
+) -> Tensor<A, 2> {
     let [n, d] = x.dims();
     let [_, _, i] = g.dims();
     let rows: Vec<Tensor<A, 2>> = (0..n)
@@ -57,7 +66,12 @@ fn batched_and_looped_experts_match_the_per_slot_definition() {
             let ua = t::<A, 3>(&uv, [e, d, i]).require_grad();
             let da = t::<A, 3>(&dv, [e, i, d]).require_grad();
             let y = if fused {
-                let ex = Experts { gate_proj: Param::from_tensor(ga.clone()), up_proj: Param::from_tensor(ua.clone()), down_proj: Param::from_tensor(da.clone()), limit };
+                let ex = Experts {
+                    gate_proj: Param::from_tensor(ga.clone()),
+                    up_proj: Param::from_tensor(ua.clone()),
+                    down_proj: Param::from_tensor(da.clone()),
+                    limit,
+                };
                 let routing = Routing { logits: Tensor::zeros([n, e], &Default::default()), weights: wa.clone(), experts: experts.clone() };
                 ex.forward(xa.clone(), &routing)
             } else {
@@ -74,7 +88,9 @@ fn batched_and_looped_experts_match_the_per_slot_definition() {
         let e_y = rel(&yf, &yd);
         println!("{name}: y {e_y:.2e}");
         assert!(e_y <= 1e-6, "{name}: output {e_y:e}");
-        for (wrt, a, b) in [("∂x", &gf[0], &gd[0]), ("∂w", &gf[1], &gd[1]), ("∂gate", &pf[0], &pd[0]), ("∂up", &pf[1], &pd[1]), ("∂down", &pf[2], &pd[2])] {
+        for (wrt, a, b) in
+            [("∂x", &gf[0], &gd[0]), ("∂w", &gf[1], &gd[1]), ("∂gate", &pf[0], &pd[0]), ("∂up", &pf[1], &pd[1]), ("∂down", &pf[2], &pd[2])]
+        {
             let err = rel(a, b);
             println!("{name}: {wrt} {err:.2e}");
             assert!(err <= 1e-6, "{name} {wrt}: {err:e}");

@@ -17,10 +17,8 @@ use glm5_burn::checkpoint::{load_causal_lm, LoadOptions, LoadedModel};
 use glm5_burn::model::CausalLmOutput;
 use glm5_burn::{AttentionImpl, ForwardOptions, KdaImpl, TokenMask};
 
-const CASES: &[&str] = &[
-    "base_k4", "kpool16", "notail", "shared_pair", "ngroup", "clamp", "leftpad", "softplus", "quirks", "release_slice",
-    "bf16_release_like",
-];
+const CASES: &[&str] =
+    &["base_k4", "kpool16", "notail", "shared_pair", "ngroup", "clamp", "leftpad", "softplus", "quirks", "release_slice", "bf16_release_like"];
 
 struct Run {
     logits: Vec<f32>,
@@ -80,7 +78,8 @@ fn check_case(case: &str, opts: ForwardOptions, label: &str) {
         let bar = 1e-5f32.max(2.0 * hf);
         worst = worst.max(rel);
         worst_hf = worst_hf.max(hf);
-        assert!(rel <= bar, "{case}/{label}: layer {i} streams max|Δ|/max|ref| {rel:e} > {bar:e}"); // false for NaN
+        assert!(rel <= bar, "{case}/{label}: layer {i} streams max|Δ|/max|ref| {rel:e} > {bar:e}");
+        // false for NaN
     }
     // index sets and boundary ties
     for (layer, idx) in &run.indices {
@@ -102,7 +101,12 @@ fn check_case(case: &str, opts: ForwardOptions, label: &str) {
     // one markdown row per case (the README's parity table)
     println!(
         "| {case} | {label} | {:.1e} | {:.1e} | {:.1e} | {:.8} | {:.0}% ({}) | {worst:.1e} | {worst_hf:.1e} |",
-        st.mean_kl, st.max_kl, st.max_abs, st.min_cos, st.top1 * 100.0, st.top1_positions
+        st.mean_kl,
+        st.max_kl,
+        st.max_abs,
+        st.min_cos,
+        st.top1 * 100.0,
+        st.top1_positions
     );
     assert!(st.mean_kl <= 1e-10, "{case}/{label}: mean KL {:e}", st.mean_kl);
     assert!(st.max_abs <= 1e-4, "{case}/{label}: max|Δ| {:e}", st.max_abs);
@@ -130,7 +134,6 @@ fn logits_match_reference_recurrent_kda() {
         check_case(case, ForwardOptions { kda: KdaImpl::Recurrent, ..Default::default() }, "recur");
     }
 }
-
 
 /// bf16 weights and activations (fp32 where the reference keeps fp32) against the float64
 /// reference, next to the reference itself loaded in bf16 (`from_pretrained(dtype=bfloat16)`,

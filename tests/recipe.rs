@@ -80,7 +80,11 @@ fn out_of_range_optimizer_values_are_refused() {
         assert!(e.contains(key), "{o}: {e}");
     }
     // the limits themselves are fine
-    Recipe::from_file(&path, &["--optimizer.betas=[0.0, 0.999]".into(), "--optimizer.weight_decay=0".into(), "--optimizer.max_grad_norm=null".into()]).unwrap();
+    Recipe::from_file(
+        &path,
+        &["--optimizer.betas=[0.0, 0.999]".into(), "--optimizer.weight_decay=0".into(), "--optimizer.max_grad_norm=null".into()],
+    )
+    .unwrap();
 }
 
 /// Messages that name the right culprit: an override's bad value names the override, not the

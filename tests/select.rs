@@ -4,11 +4,11 @@
 mod common;
 
 use burn::store::ModuleSnapshot;
+use burn::tensor::DType;
 use common::*;
 use glm5_burn::checkpoint::safetensors_io::SafetensorsFiles;
 use glm5_burn::checkpoint::select::{dim0_shard, layers, load_selected, read_dim0_shard, ExpertShard, Selection};
 use glm5_burn::checkpoint::{load_causal_lm, read_config, LoadOptions};
-use burn::tensor::DType;
 
 fn open(case: &str) -> SafetensorsFiles {
     let dir = fixtures().join(case);

@@ -12,12 +12,12 @@
 mod common;
 
 use burn::backend::{Autodiff, Flex};
-use glm5_burn::train::adamw::FusedAdamW;
 use common::*;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
+use glm5_burn::data::batch::MicroBatch;
+use glm5_burn::train::adamw::FusedAdamW;
 use glm5_burn::train::recipe::DecayStyle;
 use glm5_burn::train::schedule::LrSchedule;
-use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::train::step::train_step;
 use glm5_burn::{ForwardOptions, Glm5ForCausalLM};
 
@@ -48,7 +48,10 @@ fn loss_curve_tracks_the_reference() {
         model = m;
         let metrics = metrics.unwrap();
         let d = (metrics.loss - ref_loss[step]).abs();
-        println!("step {step:2}: loss {:.6} (reference {:.6}, |Δ| {d:.1e}), grad norm {:.4} (reference {:.4})", metrics.loss, ref_loss[step], metrics.grad_norm, ref_norm[step]);
+        println!(
+            "step {step:2}: loss {:.6} (reference {:.6}, |Δ| {d:.1e}), grad norm {:.4} (reference {:.4})",
+            metrics.loss, ref_loss[step], metrics.grad_norm, ref_norm[step]
+        );
         worst = worst.max(d);
         assert!((metrics.grad_norm - ref_norm[step]).abs() <= 5e-3 * ref_norm[step], "step {step}: grad norm");
     }
@@ -76,11 +79,15 @@ fn packed_loss_curve_tracks_the_reference_run_unpacked() {
     let (ref_loss, ref_norm) = (reference.f64("loss"), reference.f64("grad_norm"));
     let mut worst = 0f64;
     for step in 0..20 {
-        let (m, metrics) = train_step(model, &mut optim, std::slice::from_ref(&packed), schedule.at(step), Some(1.0), 0.0, &ForwardOptions::default(), &device);
+        let (m, metrics) =
+            train_step(model, &mut optim, std::slice::from_ref(&packed), schedule.at(step), Some(1.0), 0.0, &ForwardOptions::default(), &device);
         model = m;
         let metrics = metrics.unwrap();
         let d = (metrics.loss - ref_loss[step]).abs();
-        println!("packed step {step:2}: loss {:.6} (reference, unpacked {:.6}, |Δ| {d:.1e}), grad norm {:.4} ({:.4})", metrics.loss, ref_loss[step], metrics.grad_norm, ref_norm[step]);
+        println!(
+            "packed step {step:2}: loss {:.6} (reference, unpacked {:.6}, |Δ| {d:.1e}), grad norm {:.4} ({:.4})",
+            metrics.loss, ref_loss[step], metrics.grad_norm, ref_norm[step]
+        );
         worst = worst.max(d);
         assert!((metrics.grad_norm - ref_norm[step]).abs() <= 5e-3 * ref_norm[step], "step {step}: grad norm");
     }

@@ -9,14 +9,14 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{DType, Tensor};
 use glm5_burn::config::Glm5Config;
+use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions};
+use glm5_burn::data::DatasetFormat;
 use glm5_burn::text::decoder::Ffn;
 use glm5_burn::train::params::param_ids;
-use glm5_burn::data::DatasetFormat;
 use glm5_burn::train::recipe::{NonFinitePolicy, Precision, Recipe};
-use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::train::step::TrainError;
 use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
 use glm5_burn::Glm5ForCausalLM;
@@ -32,10 +32,13 @@ fn setup() -> (Glm5Config, serde_json::Value, Vec<MicroBatch>, TrainOptions) {
     let config = Glm5Config::from_hf_value(&json).unwrap();
     let chat = ChatFormat::from_dir(&bundle()).unwrap();
     let packing = PackingOptions { max_length: 128, drop_long_samples: true, seed: 1 };
-    let ds = PackedDataset::build(&bundle(), DatasetFormat::Parquet, "train", Some(12), &chat, ImageProcessor::default(), config.image_token_id, &packing)
-        .unwrap();
+    let ds =
+        PackedDataset::build(&bundle(), DatasetFormat::Parquet, "train", Some(12), &chat, ImageProcessor::default(), config.image_token_id, &packing)
+            .unwrap();
     let micro = vec![ds.micro_batch(&[0]).unwrap(), ds.micro_batch(&[1]).unwrap()];
-    let recipe = Recipe::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &["--lr_scheduler.lr_warmup_steps=0".into()]).unwrap();
+    let recipe =
+        Recipe::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &["--lr_scheduler.lr_warmup_steps=0".into()])
+            .unwrap();
     (config, json, micro, TrainOptions::from_recipe(&recipe))
 }
 
@@ -152,10 +155,15 @@ fn router_bias_moves_only_when_enabled() {
     let (config, _, micro, mut opts) = setup();
     let device = Default::default();
     let bias = |t: &Trainer<A>| -> Vec<Vec<f32>> {
-        t.model().language_model.layers.iter().filter_map(|l| match &l.mlp {
-            Ffn::Moe(m) => Some(m.gate.e_score_correction_bias.val().into_data().convert::<f32>().into_vec().unwrap()),
-            Ffn::Dense(_) => None,
-        }).collect()
+        t.model()
+            .language_model
+            .layers
+            .iter()
+            .filter_map(|l| match &l.mlp {
+                Ffn::Moe(m) => Some(m.gate.e_score_correction_bias.val().into_data().convert::<f32>().into_vec().unwrap()),
+                Ffn::Dense(_) => None,
+            })
+            .collect()
     };
     let mut off = Trainer::<A>::new(model(&config, 7), opts.clone(), &device);
     let b0 = bias(&off);
@@ -195,9 +203,14 @@ fn save_and_resume_continue_exactly() {
         assert_eq!((a.loss, a.grad_norm, a.lr), (b.loss, b.grad_norm, b.lr), "step {step}");
     }
     // a directory that is not a checkpoint is refused, naming the file
-    let e = Trainer::<A>::resume(&tmp.path().join("missing"), TrainOptions::from_recipe(&Recipe::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &[]).unwrap()), true, &device)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = Trainer::<A>::resume(
+        &tmp.path().join("missing"),
+        TrainOptions::from_recipe(&Recipe::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &[]).unwrap()),
+        true,
+        &device,
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(e.contains("trainer_state.json"), "{e}");
 }

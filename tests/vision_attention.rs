@@ -50,7 +50,13 @@ fn blocked_equals_unblocked_forward_and_backward() {
         let reference = grads_of(&|q, k, v| unblocked(q, k, v, scale));
         // relative to the reference's largest entry; with one key the q/k gradients are 0
         // exactly, and then the difference itself is measured
-        let err = |a: &[f32], b: &[f32]| if b.iter().any(|x| x.abs() > 1e-3) { rel(a, b) } else { rel(a, b) * b.iter().fold(1e-30f32, |m, x| m.max(x.abs())) };
+        let err = |a: &[f32], b: &[f32]| {
+            if b.iter().any(|x| x.abs() > 1e-3) {
+                rel(a, b)
+            } else {
+                rel(a, b) * b.iter().fold(1e-30f32, |m, x| m.max(x.abs()))
+            }
+        };
         let worst = [err(&ours.0, &reference.0), err(&ours.1, &reference.1), err(&ours.2, &reference.2), err(&ours.3, &reference.3)];
         println!("N = {n}: output, dq, dk, dv max|Δ|/max|ref| = {worst:?}");
         for (what, e) in ["output", "dq", "dk", "dv"].iter().zip(worst) {

@@ -45,7 +45,15 @@ fn multimodal_logits_match_reference() {
     let g = grid(&io);
     let out = m
         .model
-        .forward_multimodal(&io.i64("input_ids"), b, s, Some(TokenMask::new(mask.clone(), b, s, &device)), Some((pixels, &g)), &ForwardOptions::default(), false)
+        .forward_multimodal(
+            &io.i64("input_ids"),
+            b,
+            s,
+            Some(TokenMask::new(mask.clone(), b, s, &device)),
+            Some((pixels, &g)),
+            &ForwardOptions::default(),
+            false,
+        )
         .unwrap();
     let st = logit_stats(&io.f32("logits"), &host(out.logits), m.config.text_config.vocab_size, &mask);
     println!("vlm logits: mean KL {:.2e}, max|Δ| {:.2e}, min cos {:.8}, top-1 {}", st.mean_kl, st.max_abs, st.min_cos, st.top1);

@@ -26,13 +26,7 @@ use cubecl::prelude::*;
 use crate::{contiguous, dims, elementwise, empty_like, CubeRuntime, CubeTensor};
 
 #[cube(launch)]
-fn pair_sums_kernel<F: Float>(
-    k: &Tensor<F>,
-    q: &Tensor<F>,
-    gam: &Tensor<F>,
-    out: &mut Tensor<F>,
-    #[define(F)] _dtype: StorageType,
-) {
+fn pair_sums_kernel<F: Float>(k: &Tensor<F>, q: &Tensor<F>, gam: &Tensor<F>, out: &mut Tensor<F>, #[define(F)] _dtype: StorageType) {
     let pos = ABSOLUTE_POS;
     if pos >= out.len() {
         terminate!();

@@ -73,6 +73,15 @@ pub fn solve<R: CubeRuntime>(l: CubeTensor<R>, rhs: CubeTensor<R>, transposed: b
     let out = empty_like(&rhs, [x, c, n], dtype);
     let client = rhs.client.clone();
     let (count, dim) = elementwise(&client, x * n);
-    solve_kernel::launch::<R>(&client, count, dim, l.into_tensor_arg(), rhs.into_tensor_arg(), out.clone().into_tensor_arg(), transposed, dtype.into());
+    solve_kernel::launch::<R>(
+        &client,
+        count,
+        dim,
+        l.into_tensor_arg(),
+        rhs.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        transposed,
+        dtype.into(),
+    );
     out
 }

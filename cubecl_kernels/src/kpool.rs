@@ -331,7 +331,14 @@ pub fn select<R: CubeRuntime>(
     assert_eq!(dk, d, "kpool: pooled width {dk} differs from q's {d}");
     assert_eq!(dims::<_, 2>(&w, "kpool: w"), [n, h], "kpool: w shape");
     assert!(params.kpool > 0, "kpool: pool size must be positive");
-    for (t, what) in [(&layout.last, "last"), (&layout.first, "first"), (&layout.valid, "valid"), (&queries.row, "row"), (&queries.pos, "pos"), (&queries.vis, "vis")] {
+    for (t, what) in [
+        (&layout.last, "last"),
+        (&layout.first, "first"),
+        (&layout.valid, "valid"),
+        (&queries.row, "row"),
+        (&queries.pos, "pos"),
+        (&queries.vis, "vis"),
+    ] {
         assert_eq!(t.dtype, DType::I32, "kpool: {what} must be i32");
     }
     let dtype = q.dtype;

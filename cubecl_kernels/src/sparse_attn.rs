@@ -32,14 +32,7 @@ use cubecl::prelude::*;
 use crate::{contiguous, dims, elementwise, empty_like, CubeRuntime, CubeTensor};
 
 #[cube(launch)]
-fn scores_kernel<F: Float>(
-    q: &Tensor<F>,
-    kv: &Tensor<F>,
-    idx: &Tensor<i32>,
-    scores: &mut Tensor<f32>,
-    scale: f32,
-    #[define(F)] _dtype: StorageType,
-) {
+fn scores_kernel<F: Float>(q: &Tensor<F>, kv: &Tensor<F>, idx: &Tensor<i32>, scores: &mut Tensor<f32>, scale: f32, #[define(F)] _dtype: StorageType) {
     let pos = ABSOLUTE_POS;
     if pos >= scores.len() {
         terminate!();
@@ -171,14 +164,7 @@ fn probs_kernel<F: Float>(
 }
 
 #[cube(launch)]
-fn dq_kernel<F: Float>(
-    kv: &Tensor<F>,
-    idx: &Tensor<i32>,
-    ds: &Tensor<f32>,
-    dq: &mut Tensor<F>,
-    scale: f32,
-    #[define(F)] _dtype: StorageType,
-) {
+fn dq_kernel<F: Float>(kv: &Tensor<F>, idx: &Tensor<i32>, ds: &Tensor<f32>, dq: &mut Tensor<F>, scale: f32, #[define(F)] _dtype: StorageType) {
     let pos = ABSOLUTE_POS;
     if pos >= dq.len() {
         terminate!();
@@ -300,7 +286,15 @@ pub fn backward<R: CubeRuntime>(
 
     let delta = empty_like(&q, [n, h], DType::F32);
     let (count, dim) = elementwise(&client, n * h);
-    delta_kernel::launch::<R>(&client, count, dim, out.into_tensor_arg(), d_out.clone().into_tensor_arg(), delta.clone().into_tensor_arg(), dtype.into());
+    delta_kernel::launch::<R>(
+        &client,
+        count,
+        dim,
+        out.into_tensor_arg(),
+        d_out.clone().into_tensor_arg(),
+        delta.clone().into_tensor_arg(),
+        dtype.into(),
+    );
 
     let p = empty_like(&q, [n, h, w], DType::F32);
     let ds = empty_like(&q, [n, h, w], DType::F32);

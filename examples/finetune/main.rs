@@ -29,6 +29,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::config::Glm5Config;
+use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::fingerprint::DataFingerprint;
 use glm5_burn::data::image_processor::ImageProcessor;
@@ -36,7 +37,6 @@ use glm5_burn::data::loader::{PackedDataset, PackingOptions, Sampler};
 use glm5_burn::train::checkpoint as ckpt;
 use glm5_burn::train::params::trainable_counts;
 use glm5_burn::train::recipe::{DatasetSection, PathKind, Recipe};
-use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
 use glm5_burn::{Glm5Backend, Glm5ForCausalLM};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -105,7 +105,10 @@ fn main() -> Result<()> {
         }
     }
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    println!("recipe: {}  ({threads} threads)", args.recipe.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "embedded tiny_medpix".into()));
+    println!(
+        "recipe: {}  ({threads} threads)",
+        args.recipe.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "embedded tiny_medpix".into())
+    );
     // Burn 0.21 fixes the checkpointing strategy in the autodiff type: one monomorphisation each
     macro_rules! dispatch {
         ($b:ty) => {
@@ -122,7 +125,11 @@ fn main() -> Result<()> {
         "cuda" => dispatch!(burn::backend::Cuda),
         #[cfg(feature = "vulkan")]
         "vulkan" => dispatch!(burn::backend::Vulkan),
-        other => bail!("--backend={other}: not available in this build (flex{}{})", if cfg!(feature = "cuda") { ", cuda" } else { "" }, if cfg!(feature = "vulkan") { ", vulkan" } else { "" }),
+        other => bail!(
+            "--backend={other}: not available in this build (flex{}{})",
+            if cfg!(feature = "cuda") { ", cuda" } else { "" },
+            if cfg!(feature = "vulkan") { ", vulkan" } else { "" }
+        ),
     }
 }
 
@@ -173,7 +180,11 @@ fn build_dataset(s: &DatasetSection, recipe: &Recipe, chat: &ChatFormat, image_t
         r.usable,
         r.read,
         r.skipped_total(),
-        if r.skipped.is_empty() { String::new() } else { format!(": {}", r.skipped.iter().map(|(k, v)| format!("{v}× {k}")).collect::<Vec<_>>().join(", ")) },
+        if r.skipped.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", r.skipped.iter().map(|(k, v)| format!("{v}× {k}")).collect::<Vec<_>>().join(", "))
+        },
         ds.packs.len(),
         recipe.packed_sequence.packed_sequence_size,
         ds.tokens(),
@@ -213,10 +224,8 @@ fn peak_rss_mb() -> Option<f64> {
 /// Keep the metrics lines up to `step` (a resumed run recomputes the later ones).
 fn truncate_metrics(path: &Path, step: usize) -> Result<()> {
     let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
-    let kept: Vec<&str> = text
-        .lines()
-        .filter(|l| serde_json::from_str::<Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s as usize <= step))
-        .collect();
+    let kept: Vec<&str> =
+        text.lines().filter(|l| serde_json::from_str::<Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s as usize <= step)).collect();
     let tmp = path.with_extension("jsonl.partial");
     std::fs::write(&tmp, kept.iter().map(|l| format!("{l}\n")).collect::<String>()).with_context(|| tmp.display().to_string())?;
     std::fs::rename(&tmp, path).with_context(|| path.display().to_string())?;
@@ -317,7 +326,9 @@ where
             truncate_metrics(&root.join("metrics.jsonl"), state.step)?;
             (t, sampler)
         }
-        Some(dir) => bail!("{} holds checkpoints (newest {}); with --no-resume pick an empty checkpoint.checkpoint_dir", root.display(), dir.display()),
+        Some(dir) => {
+            bail!("{} holds checkpoints (newest {}); with --no-resume pick an empty checkpoint.checkpoint_dir", root.display(), dir.display())
+        }
         None => {
             let model: Glm5ForCausalLM<B> = match &recipe.model.checkpoint {
                 Some(dir) => load_causal_lm::<B>(dir, &device, &LoadOptions { vision: true, ..Default::default() })?.model,
@@ -335,7 +346,8 @@ where
     println!("parameters: {:.2} M trainable, {:.2} M frozen", trainable as f64 / 1e6, frozen as f64 / 1e6);
     std::fs::create_dir_all(&root).with_context(|| root.display().to_string())?;
     let metrics_path = root.join("metrics.jsonl");
-    let mut metrics = std::fs::OpenOptions::new().create(true).append(true).open(&metrics_path).with_context(|| metrics_path.display().to_string())?;
+    let mut metrics =
+        std::fs::OpenOptions::new().create(true).append(true).open(&metrics_path).with_context(|| metrics_path.display().to_string())?;
 
     let s = &recipe.step_scheduler;
     let accum = recipe.accumulation_steps();
@@ -346,11 +358,7 @@ where
     let validate = |trainer: &Trainer<B>| -> Result<Option<f64>> {
         let Some(v) = &val else { return Ok(None) };
         let local = s.local_batch_size;
-        let batches: Vec<MicroBatch> = (0..v.packs.len())
-            .collect::<Vec<_>>()
-            .chunks(local)
-            .map(|c| v.micro_batch(c))
-            .collect::<Result<_, _>>()?;
+        let batches: Vec<MicroBatch> = (0..v.packs.len()).collect::<Vec<_>>().chunks(local).map(|c| v.micro_batch(c)).collect::<Result<_, _>>()?;
         Ok(Some(trainer.evaluate(&batches)?.0))
     };
 
@@ -401,7 +409,8 @@ where
         bar.set_position(step as u64);
         let ckpt_due = s.ckpt_every_steps.is_some_and(|k| k > 0 && step % k == 0) || step == s.max_steps;
         if recipe.checkpoint.enabled && ckpt_due {
-            let dir = trainer.save_checkpoint(&root, recipe.checkpoint.keep_last, &config_json, &extra_files, (sampler.epoch, sampler.cursor), seed)?;
+            let dir =
+                trainer.save_checkpoint(&root, recipe.checkpoint.keep_last, &config_json, &extra_files, (sampler.epoch, sampler.cursor), seed)?;
             say(&bar, format!("step {step}: checkpoint {}", dir.display()));
         }
     }

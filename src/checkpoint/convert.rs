@@ -49,12 +49,12 @@ pub fn convert_checkpoint(
     mut progress: impl FnMut(u64, u64, &str),
 ) -> Result<ConvertReport, CheckpointError> {
     if !matches!(opts.dtype, Dtype::BF16 | Dtype::F32) {
-        return Err(CheckpointError::Other(format!("output dtype must be BF16 or F32, not {:?}", opts.dtype)));
+        return Err(CheckpointError::OutputDtype { dtype: format!("{:?}", opts.dtype) });
     }
     let cfg_path = input.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| CheckpointError::Io { path: cfg_path.clone(), error: e })?;
-    let mut config: Value = serde_json::from_str(&text)
-        .map_err(|e| crate::error::ConfigError::Json { path: cfg_path.display().to_string(), source: e })?;
+    let mut config: Value =
+        serde_json::from_str(&text).map_err(|e| crate::error::ConfigError::Json { path: cfg_path.display().to_string(), source: e })?;
     let mut files = SafetensorsFiles::open_dir(input)?;
     files.set_fp8_block_from_config(&config)?;
     files.fp8_round_bf16 = opts.dtype == Dtype::BF16; // F32 output keeps the exact products
@@ -107,7 +107,8 @@ pub fn convert_checkpoint(
         })?;
     }
     if shards.len() > 1 {
-        let index = serde_json::to_vec_pretty(&index_json(&shards)).map_err(|e| CheckpointError::Other(e.to_string()))?;
+        let index = serde_json::to_vec_pretty(&index_json(&shards))
+            .map_err(|e| CheckpointError::Encode { what: "model.safetensors.index.json".into(), message: e.to_string() })?;
         super::safetensors_io::write_atomic(&staging.dir.join("model.safetensors.index.json"), &index)?;
     }
     if let Some(obj) = config.as_object_mut() {
@@ -116,7 +117,7 @@ pub fn convert_checkpoint(
             t.remove("quantization_config");
         }
     }
-    let cfg = serde_json::to_vec_pretty(&config).map_err(|e| CheckpointError::Other(e.to_string()))?;
+    let cfg = serde_json::to_vec_pretty(&config).map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
     super::safetensors_io::write_atomic(&staging.dir.join("config.json"), &cfg)?;
     let output = staging.commit()?;
     Ok(ConvertReport { output, tensors: n_tensors, dequantised, bytes_written: done, shards: shards.len() })

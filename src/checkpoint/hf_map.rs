@@ -83,7 +83,11 @@ pub const RULES: &[Rule] = &[
     r("model.language_model.layers.{i}.self_attn.q_a_proj.bias", "language_model.layers.{i}.self_attn.q_a_proj.bias", Identity),
     r("model.language_model.layers.{i}.self_attn.q_a_layernorm.weight", "language_model.layers.{i}.self_attn.q_a_layernorm.weight", Identity),
     r("model.language_model.layers.{i}.self_attn.q_b_proj.weight", "language_model.layers.{i}.self_attn.q_b_proj.weight", Transpose),
-    r("model.language_model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", "language_model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", Transpose),
+    r(
+        "model.language_model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",
+        "language_model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",
+        Transpose,
+    ),
     r("model.language_model.layers.{i}.self_attn.kv_a_proj_with_mqa.bias", "language_model.layers.{i}.self_attn.kv_a_proj_with_mqa.bias", Identity),
     r("model.language_model.layers.{i}.self_attn.kv_a_layernorm.weight", "language_model.layers.{i}.self_attn.kv_a_layernorm.weight", Identity),
     r("model.language_model.layers.{i}.self_attn.kv_b_proj.weight", "language_model.layers.{i}.self_attn.kv_b_proj.weight", Transpose),
@@ -92,19 +96,43 @@ pub const RULES: &[Rule] = &[
     r("model.language_model.layers.{i}.self_attn.indexer.wk.weight", "language_model.layers.{i}.self_attn.indexer.wk.weight", Transpose),
     r("model.language_model.layers.{i}.self_attn.indexer.k_norm.weight", "language_model.layers.{i}.self_attn.indexer.k_norm.weight", Identity),
     r("model.language_model.layers.{i}.self_attn.indexer.k_norm.bias", "language_model.layers.{i}.self_attn.indexer.k_norm.bias", Identity),
-    r("model.language_model.layers.{i}.self_attn.indexer.weights_proj.weight", "language_model.layers.{i}.self_attn.indexer.weights_proj.weight", Transpose),
-    r("model.language_model.layers.{i}.self_attn.indexer.index_kpool_compress_ape", "language_model.layers.{i}.self_attn.indexer.index_kpool_compress_ape", Identity),
-    r("model.language_model.layers.{i}.self_attn.indexer.index_kpool_compress_gate", "language_model.layers.{i}.self_attn.indexer.index_kpool_compress_gate", Identity),
+    r(
+        "model.language_model.layers.{i}.self_attn.indexer.weights_proj.weight",
+        "language_model.layers.{i}.self_attn.indexer.weights_proj.weight",
+        Transpose,
+    ),
+    r(
+        "model.language_model.layers.{i}.self_attn.indexer.index_kpool_compress_ape",
+        "language_model.layers.{i}.self_attn.indexer.index_kpool_compress_ape",
+        Identity,
+    ),
+    r(
+        "model.language_model.layers.{i}.self_attn.indexer.index_kpool_compress_gate",
+        "language_model.layers.{i}.self_attn.indexer.index_kpool_compress_gate",
+        Identity,
+    ),
     // Dense FFN and shared expert
     r("model.language_model.layers.{i}.mlp.gate_proj.weight", "language_model.layers.{i}.mlp.gate_proj.weight", Transpose),
     r("model.language_model.layers.{i}.mlp.up_proj.weight", "language_model.layers.{i}.mlp.up_proj.weight", Transpose),
     r("model.language_model.layers.{i}.mlp.down_proj.weight", "language_model.layers.{i}.mlp.down_proj.weight", Transpose),
-    r("model.language_model.layers.{i}.mlp.shared_experts.gate_proj.weight", "language_model.layers.{i}.mlp.shared_experts.gate_proj.weight", Transpose),
+    r(
+        "model.language_model.layers.{i}.mlp.shared_experts.gate_proj.weight",
+        "language_model.layers.{i}.mlp.shared_experts.gate_proj.weight",
+        Transpose,
+    ),
     r("model.language_model.layers.{i}.mlp.shared_experts.up_proj.weight", "language_model.layers.{i}.mlp.shared_experts.up_proj.weight", Transpose),
-    r("model.language_model.layers.{i}.mlp.shared_experts.down_proj.weight", "language_model.layers.{i}.mlp.shared_experts.down_proj.weight", Transpose),
+    r(
+        "model.language_model.layers.{i}.mlp.shared_experts.down_proj.weight",
+        "language_model.layers.{i}.mlp.shared_experts.down_proj.weight",
+        Transpose,
+    ),
     // Router (the correction bias is an fp32 buffer)
     r("model.language_model.layers.{i}.mlp.gate.weight", "language_model.layers.{i}.mlp.gate.weight", Identity),
-    f32_rule("model.language_model.layers.{i}.mlp.gate.e_score_correction_bias", "language_model.layers.{i}.mlp.gate.e_score_correction_bias", Identity),
+    f32_rule(
+        "model.language_model.layers.{i}.mlp.gate.e_score_correction_bias",
+        "language_model.layers.{i}.mlp.gate.e_score_correction_bias",
+        Identity,
+    ),
     // Vision tower (`model.visual`): biased projections; convolutions applied as matmuls
     r("model.visual.patch_embed.proj.weight", "visual.patch_embed.proj.weight", FlattenTranspose),
     r("model.visual.patch_embed.proj.bias", "visual.patch_embed.proj.bias", Identity),
@@ -186,9 +214,7 @@ impl Resolved {
     /// Does a checkpoint shape fit the module tensor's shape?
     pub fn shape_matches(&self, ours: &[usize], checkpoint: &[usize]) -> bool {
         match self.rule.transform {
-            Transform::FlattenTranspose => {
-                checkpoint.len() >= 2 && checkpoint[0] == ours[1] && checkpoint[1..].iter().product::<usize>() == ours[0]
-            }
+            Transform::FlattenTranspose => checkpoint.len() >= 2 && checkpoint[0] == ours[1] && checkpoint[1..].iter().product::<usize>() == ours[0],
             _ => self.hf_shape(ours) == checkpoint,
         }
     }

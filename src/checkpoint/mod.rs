@@ -15,9 +15,9 @@ pub mod safetensors_io;
 pub mod select;
 pub mod writer;
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::cell::RefCell;
 use std::rc::Rc;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
@@ -29,8 +29,8 @@ use serde_json::Value;
 use crate::config::Glm5Config;
 use crate::error::CheckpointError;
 use crate::model::Glm5ForCausalLM;
-use hf_map::{resolve, Resolved, Transform};
 use dtype::decode_f32;
+use hf_map::{resolve, Resolved, Transform};
 use safetensors_io::{serialize, write_atomic, OwnedTensor, SafetensorsFiles};
 
 /// How to load.
@@ -78,15 +78,11 @@ pub struct LoadedModel<B: Backend> {
 pub fn read_config(dir: &Path) -> Result<(Glm5Config, Value), CheckpointError> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::Io { path: path.clone(), error: e })?;
-    let json: Value = serde_json::from_str(&text).map_err(|e| crate::error::ConfigError::Json {
-        path: path.display().to_string(),
-        source: e,
-    })?;
+    let json: Value = serde_json::from_str(&text).map_err(|e| crate::error::ConfigError::Json { path: path.display().to_string(), source: e })?;
     let config = Glm5Config::from_hf_value(&json).map_err(|e| match e {
-        crate::error::ConfigError::Invalid { field, message } => crate::error::ConfigError::Invalid {
-            field: format!("{}: {field}", path.display()),
-            message,
-        },
+        crate::error::ConfigError::Invalid { field, message } => {
+            crate::error::ConfigError::Invalid { field: format!("{}: {field}", path.display()), message }
+        }
         other => other,
     })?;
     Ok((config, json))
@@ -131,9 +127,8 @@ fn plan<B: Backend>(model: &Glm5ForCausalLM<B>, n_experts: usize) -> Result<Vec<
     model.visit(&mut visitor);
     let mut out = Vec::new();
     for (path, shape) in visitor.out {
-        let resolved = resolve(&path).ok_or_else(|| {
-            CheckpointError::Other(format!("internal: module tensor {path} has no rule in checkpoint::hf_map::RULES"))
-        })?;
+        let resolved =
+            resolve(&path).ok_or_else(|| CheckpointError::Internal(format!("module tensor {path} has no rule in checkpoint::hf_map::RULES")))?;
         out.push(Planned { sources: resolved.hf_names(n_experts), path, shape, resolved });
     }
     Ok(out)
@@ -144,11 +139,7 @@ fn dtype_name(d: Dtype) -> String {
 }
 
 /// Load the text model and LM head from an HF checkpoint directory.
-pub fn load_causal_lm<B: Backend>(
-    dir: impl AsRef<Path>,
-    device: &B::Device,
-    opts: &LoadOptions,
-) -> Result<LoadedModel<B>, CheckpointError> {
+pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opts: &LoadOptions) -> Result<LoadedModel<B>, CheckpointError> {
     let dir = dir.as_ref();
     let (config, config_json) = read_config(dir)?;
     let mut files = SafetensorsFiles::open_dir(dir)?;
@@ -213,10 +204,7 @@ pub fn load_causal_lm<B: Backend>(
     }
     let problems: Vec<String> = missing.into_iter().chain(unexpected).chain(misshaped).chain(bad_dtype).collect();
     if !problems.is_empty() {
-        return Err(CheckpointError::Mismatch {
-            dir: dir.to_path_buf(),
-            report: format!("{} problem(s):\n{}", problems.len(), problems.join("\n")),
-        });
+        return Err(CheckpointError::Mismatch { dir: dir.to_path_buf(), report: format!("{} problem(s):\n{}", problems.len(), problems.join("\n")) });
     }
     if !skipped.is_empty() {
         log::info!(
@@ -260,13 +248,10 @@ pub fn load_causal_lm<B: Backend>(
         return Err(e);
     }
     if !result.errors.is_empty() || !result.missing.is_empty() || !result.unused.is_empty() {
-        return Err(CheckpointError::Other(format!(
-            "{}: loading failed: errors {:?}, missing {:?}, unused {:?}",
-            dir.display(),
-            result.errors,
-            result.missing,
-            result.unused
-        )));
+        return Err(CheckpointError::Mismatch {
+            dir: dir.to_path_buf(),
+            report: format!("errors {:?}, missing {:?}, unused {:?}", result.errors, result.missing, result.unused),
+        });
     }
     Ok(LoadedModel { config, config_json, model, skipped })
 }
@@ -335,11 +320,7 @@ fn st_dtype(d: DType) -> Dtype {
 
 /// Save the text model in the published HF layout: `dir/config.json` (the given JSON) and
 /// `dir/model.safetensors`, each written atomically. Tensors keep the module's dtype.
-pub fn save_causal_lm<B: Backend>(
-    model: &Glm5ForCausalLM<B>,
-    config_json: &Value,
-    dir: impl AsRef<Path>,
-) -> Result<PathBuf, CheckpointError> {
+pub fn save_causal_lm<B: Backend>(model: &Glm5ForCausalLM<B>, config_json: &Value, dir: impl AsRef<Path>) -> Result<PathBuf, CheckpointError> {
     let dir = dir.as_ref();
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
     let n_experts = model.num_experts;
@@ -351,25 +332,25 @@ pub fn save_causal_lm<B: Backend>(
     let mut seen = BTreeSet::new();
     for snap in model.collect(None, None, true) {
         let path = snap.full_path();
-        let resolved = resolve(&path)
-            .ok_or_else(|| CheckpointError::Other(format!("internal: module tensor {path} has no checkpoint rule")))?;
-        let data = snap.to_data().map_err(|e| CheckpointError::Other(format!("{path}: {e}")))?;
+        let resolved = resolve(&path).ok_or_else(|| CheckpointError::Internal(format!("module tensor {path} has no checkpoint rule")))?;
+        let data = snap.to_data().map_err(|e| CheckpointError::ModuleTensor { path: path.to_string(), message: e.to_string() })?;
         let dtype = st_dtype(data.dtype);
         let shape = data.shape.clone();
-        let values: Vec<f32> = data
-            .convert::<f32>()
-            .into_vec()
-            .map_err(|e| CheckpointError::Other(format!("{path}: {e:?}")))?;
+        let values: Vec<f32> =
+            data.convert::<f32>().into_vec().map_err(|e| CheckpointError::ModuleTensor { path: path.to_string(), message: format!("{e:?}") })?;
         let names = resolved.hf_names(n_experts);
         let hf_shape = match resolved.rule.transform {
-            Transform::FlattenTranspose => resolved.hf_names(n_experts).first().and_then(|n| kernel_shapes.get(n)).cloned().ok_or_else(|| {
-                CheckpointError::Other(format!("{path}: kernel shape unknown (config.json does not describe this vision tower)"))
-            })?,
+            Transform::FlattenTranspose => {
+                resolved.hf_names(n_experts).first().and_then(|n| kernel_shapes.get(n)).cloned().ok_or_else(|| CheckpointError::ModuleTensor {
+                    path: path.to_string(),
+                    message: "kernel shape unknown (config.json does not describe this vision tower)".into(),
+                })?
+            }
             _ => resolved.hf_shape(&shape),
         };
         for (name, vals) in names.into_iter().zip(to_checkpoint_layout(resolved.rule.transform, &values, &shape)) {
             if !seen.insert(name.clone()) {
-                return Err(CheckpointError::Other(format!("internal: {name} produced twice")));
+                return Err(CheckpointError::Internal(format!("{name} produced twice")));
             }
             tensors.insert(name, OwnedTensor { dtype, shape: hf_shape.clone(), data: encode(&vals, dtype) });
         }
@@ -377,7 +358,7 @@ pub fn save_causal_lm<B: Backend>(
     let bytes = serialize(&tensors)?;
     let st_path = dir.join("model.safetensors");
     write_atomic(&st_path, &bytes)?;
-    let cfg = serde_json::to_vec_pretty(config_json).map_err(|e| CheckpointError::Other(e.to_string()))?;
+    let cfg = serde_json::to_vec_pretty(config_json).map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
     write_atomic(&dir.join("config.json"), &cfg)?;
     Ok(st_path)
 }

@@ -64,10 +64,7 @@ impl SafetensorsFiles {
         }
         let single = dir.join("model.safetensors");
         if !single.exists() {
-            return Err(CheckpointError::Other(format!(
-                "{}: no model.safetensors or model.safetensors.index.json",
-                dir.display()
-            )));
+            return Err(CheckpointError::NoModelFiles { dir: dir.to_path_buf() });
         }
         let mut files = Self::empty();
         files.add_shard(&single)?;
@@ -81,15 +78,10 @@ impl SafetensorsFiles {
         let text = std::fs::read_to_string(index).map_err(|e| io_err(index, e))?;
         let bad = |message: String| CheckpointError::Index { path: index.to_path_buf(), message };
         let value: Value = serde_json::from_str(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
-        let map = value
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| bad("missing the \"weight_map\" object".into()))?;
+        let map = value.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("missing the \"weight_map\" object".into()))?;
         let mut by_file: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for (name, file) in map {
-            let file = file
-                .as_str()
-                .ok_or_else(|| bad(format!("weight_map[{name:?}] is not a file name")))?;
+            let file = file.as_str().ok_or_else(|| bad(format!("weight_map[{name:?}] is not a file name")))?;
             if file.contains('/') || file.contains("..") {
                 return Err(bad(format!("weight_map[{name:?}] = {file:?} points outside the directory")));
             }
@@ -98,11 +90,7 @@ impl SafetensorsFiles {
         // every shard the index names must exist before any is read
         for (file, names) in &by_file {
             if !dir.join(file).exists() {
-                return Err(bad(format!(
-                    "shard {file} (holding {} tensors, e.g. {:?}) does not exist",
-                    names.len(),
-                    names[0]
-                )));
+                return Err(bad(format!("shard {file} (holding {} tensors, e.g. {:?}) does not exist", names.len(), names[0])));
             }
         }
         let mut files = Self::empty();
@@ -112,9 +100,7 @@ impl SafetensorsFiles {
             for name in names {
                 match files.tensors.get(name) {
                     Some(e) if e.shard == shard => {}
-                    _ => {
-                        return Err(bad(format!("the index places tensor {name:?} in {file}, which does not contain it")))
-                    }
+                    _ => return Err(bad(format!("the index places tensor {name:?} in {file}, which does not contain it"))),
                 }
             }
             let extra: Vec<&String> = files
@@ -165,9 +151,11 @@ impl SafetensorsFiles {
         if let Some(b) = config.get("quantization_config").and_then(|q| q.get("weight_block_size")) {
             let v: Vec<usize> = b.as_array().map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect()).unwrap_or_default();
             if v.len() != 2 || v.contains(&0) {
-                return Err(CheckpointError::Other(format!(
-                    "config.json: quantization_config.weight_block_size must be two positive integers, got {b}"
-                )));
+                return Err(crate::error::ConfigError::invalid(
+                    "quantization_config.weight_block_size",
+                    format!("must be two positive integers, got {b}"),
+                )
+                .into());
             }
             self.fp8_block = [v[0], v[1]];
         }
@@ -189,35 +177,25 @@ impl SafetensorsFiles {
         // SAFETY: the map is read-only; the file is not expected to change while loading.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| io_err(path, e))?;
         validate_header(path, &map)?;
-        let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|e| CheckpointError::Safetensors {
-            path: path.to_path_buf(),
-            message: format!("{e:?} (truncated or corrupt file?)"),
-        })?;
+        let (header_len, meta) = SafeTensors::read_metadata(&map)
+            .map_err(|e| CheckpointError::Safetensors { path: path.to_path_buf(), message: format!("{e:?} (truncated or corrupt file?)") })?;
         let data_start = 8 + header_len;
-        let st = SafeTensors::deserialize(&map).map_err(|e| CheckpointError::Safetensors {
-            path: path.to_path_buf(),
-            message: format!("{e:?} (truncated or corrupt file?)"),
-        })?;
+        let st = SafeTensors::deserialize(&map)
+            .map_err(|e| CheckpointError::Safetensors { path: path.to_path_buf(), message: format!("{e:?} (truncated or corrupt file?)") })?;
         let shard = self.shards.len();
         for (name, view) in st.tensors() {
-            let info = meta.info(&name).ok_or_else(|| CheckpointError::Safetensors {
-                path: path.to_path_buf(),
-                message: format!("tensor {name:?} has no header entry"),
-            })?;
+            let info = meta
+                .info(&name)
+                .ok_or_else(|| CheckpointError::Safetensors { path: path.to_path_buf(), message: format!("tensor {name:?} has no header entry") })?;
             let (a, b) = info.data_offsets;
             if let Some(prev) = self.tensors.get(&name) {
                 return Err(CheckpointError::Safetensors {
                     path: path.to_path_buf(),
-                    message: format!(
-                        "tensor {name:?} also appears in {}",
-                        self.shards[prev.shard].path.display()
-                    ),
+                    message: format!("tensor {name:?} also appears in {}", self.shards[prev.shard].path.display()),
                 });
             }
-            self.tensors.insert(
-                name,
-                TensorEntry { dtype: view.dtype(), shape: view.shape().to_vec(), shard, bytes: data_start + a..data_start + b },
-            );
+            self.tensors
+                .insert(name, TensorEntry { dtype: view.dtype(), shape: view.shape().to_vec(), shard, bytes: data_start + a..data_start + b });
         }
         self.shards.push(Shard { path: path.to_path_buf(), map });
         Ok(shard)
@@ -229,9 +207,7 @@ impl SafetensorsFiles {
     }
 
     fn entry(&self, name: &str) -> Result<&TensorEntry, CheckpointError> {
-        self.tensors
-            .get(name)
-            .ok_or_else(|| CheckpointError::Other(format!("tensor {name:?} is not in the checkpoint")))
+        self.tensors.get(name).ok_or_else(|| CheckpointError::MissingTensor { name: name.to_string() })
     }
 
     /// The raw bytes of rows `rows` (dim 0) of a tensor, counted in [`Self::bytes_read`].
@@ -239,7 +215,7 @@ impl SafetensorsFiles {
         let e = self.entry(name)?;
         let n_rows = e.shape.first().copied().unwrap_or(1);
         if rows.start > rows.end || rows.end > n_rows {
-            return Err(CheckpointError::Other(format!("tensor {name:?}: rows {rows:?} outside 0..{n_rows}")));
+            return Err(CheckpointError::Rows { name: name.to_string(), start: rows.start, end: rows.end, rows: n_rows });
         }
         let row_len = (e.bytes.end - e.bytes.start) / n_rows.max(1);
         let range = e.bytes.start + rows.start * row_len..e.bytes.start + rows.end * row_len;
@@ -297,8 +273,10 @@ impl SafetensorsFiles {
             })?;
             let codes = self.row_bytes(name, rows.clone())?;
             let mut out = vec![0f32; codes.len()];
-            super::fp8::dequantize_rows(codes, &scales, grid, rows.start, self.fp8_round_bf16, &mut out).map_err(|err| {
-                CheckpointError::Tensor { path: path.clone(), name: name.to_string(), message: err.to_string() }
+            super::fp8::dequantize_rows(codes, &scales, grid, rows.start, self.fp8_round_bf16, &mut out).map_err(|err| CheckpointError::Tensor {
+                path: path.clone(),
+                name: name.to_string(),
+                message: err.to_string(),
             })?;
             return Ok(out);
         }
@@ -314,10 +292,7 @@ impl SafetensorsFiles {
     pub fn fp8_grid(&self, name: &str) -> Result<super::fp8::BlockGrid, CheckpointError> {
         let e = self.entry(name)?;
         let path = self.shards[e.shard].path.clone();
-        let scale_name = self
-            .fp8_scales
-            .get(name)
-            .ok_or_else(|| CheckpointError::Other(format!("tensor {name:?} is not FP8")))?;
+        let scale_name = self.fp8_scales.get(name).ok_or_else(|| CheckpointError::NotFp8 { name: name.to_string() })?;
         if e.dtype != Dtype::F8_E4M3 || e.shape.len() != 2 {
             return Err(CheckpointError::Tensor {
                 path,
@@ -333,7 +308,11 @@ impl SafetensorsFiles {
                 name: scale_name.clone(),
                 message: format!(
                     "shape {:?}, but a {:?} weight in {}×{} blocks needs a scale grid of {:?}",
-                    s.shape, e.shape, grid.block_rows, grid.block_cols, grid.scale_shape()
+                    s.shape,
+                    e.shape,
+                    grid.block_rows,
+                    grid.block_cols,
+                    grid.scale_shape()
                 ),
             });
         }
@@ -353,16 +332,15 @@ fn validate_header(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     if n > bytes.len() - 8 {
         return Err(bad(format!("header claims {n} bytes but the file has {} after the length (truncated?)", bytes.len() - 8)));
     }
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n])
-        .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
     let obj = header.as_object().ok_or_else(|| bad("header is not a JSON object".into()))?;
     let mut spans = Vec::new();
     for (name, info) in obj.iter().filter(|(k, _)| k.as_str() != "__metadata__") {
         let t = |m: String| CheckpointError::Tensor { path: path.to_path_buf(), name: name.clone(), message: m };
         let dtype: Dtype = serde_json::from_value(info["dtype"].clone()).map_err(|_| t(format!("unknown dtype {}", info["dtype"])))?;
         let shape: Vec<usize> = serde_json::from_value(info["shape"].clone()).map_err(|_| t(format!("invalid shape {}", info["shape"])))?;
-        let offs: Vec<usize> = serde_json::from_value(info["data_offsets"].clone())
-            .map_err(|_| t(format!("invalid data_offsets {}", info["data_offsets"])))?;
+        let offs: Vec<usize> =
+            serde_json::from_value(info["data_offsets"].clone()).map_err(|_| t(format!("invalid data_offsets {}", info["data_offsets"])))?;
         if offs.len() != 2 || offs[0] > offs[1] {
             return Err(t(format!("invalid data_offsets {offs:?}")));
         }
@@ -444,5 +422,5 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
 pub fn serialize(tensors: &BTreeMap<String, OwnedTensor>) -> Result<Vec<u8>, CheckpointError> {
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
     safetensors::tensor::serialize(tensors.iter().map(|(k, v)| (k.as_str(), v)), Some(meta))
-        .map_err(|e| CheckpointError::Other(format!("serialising safetensors: {e:?}")))
+        .map_err(|e| CheckpointError::Encode { what: "safetensors".into(), message: format!("{e:?}") })
 }

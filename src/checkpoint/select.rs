@@ -30,10 +30,7 @@ pub struct ExpertShard {
 impl ExpertShard {
     pub fn range(&self, n_experts: usize) -> Result<Range<usize>, CheckpointError> {
         if self.size == 0 || n_experts % self.size != 0 || self.rank >= self.size {
-            return Err(CheckpointError::Other(format!(
-                "expert-parallel rank {} of {}: the size must divide the {n_experts} experts and the rank be below it",
-                self.rank, self.size
-            )));
+            return Err(CheckpointError::ExpertShard { rank: self.rank, size: self.size, experts: n_experts });
         }
         let per = n_experts / self.size;
         Ok(self.rank * per..(self.rank + 1) * per)
@@ -72,8 +69,7 @@ pub fn load_selected(
     // module path -> (resolved rule, checkpoint sources in order)
     let mut groups: BTreeMap<String, (super::hf_map::ResolvedHf, Vec<String>, Vec<usize>)> = BTreeMap::new();
     for e in inventory(config, false, false).into_iter().filter(|e| e.part == Part::Trunk) {
-        let r = resolve_hf(&e.name)
-            .ok_or_else(|| CheckpointError::Other(format!("internal: {} has no checkpoint rule", e.name)))?;
+        let r = resolve_hf(&e.name).ok_or_else(|| CheckpointError::Internal(format!("{} has no checkpoint rule", e.name)))?;
         let wanted = match r.layer {
             None => selection.embeddings_and_head,
             Some(i) => selection.layers.as_ref().is_none_or(|set| set.contains(&i)),
@@ -92,10 +88,11 @@ pub fn load_selected(
     for (path, (r, sources, hf_shape)) in groups {
         for s in &sources {
             if files.shape(s) != Some(hf_shape.as_slice()) {
-                return Err(CheckpointError::Other(format!(
-                    "{s}: checkpoint shape {:?}, config expects {hf_shape:?}",
-                    files.shape(s)
-                )));
+                return Err(CheckpointError::Shape {
+                    name: s.to_string(),
+                    checkpoint: files.shape(s).map(|v| v.to_vec()).unwrap_or_default(),
+                    expected: hf_shape.to_vec(),
+                });
             }
         }
         let shape = match r.rule.transform {
@@ -107,8 +104,7 @@ pub fn load_selected(
         };
         let values = to_module_layout(r.rule.transform, &sources, &shape, |s| files.read_f32_finite(s, false))?;
         let target = if r.rule.keep_f32 { DType::F32 } else { dtype };
-        let experts = (r.rule.transform == Transform::ExpertSlice)
-            .then(|| owned.clone().unwrap_or(0..c.n_routed_experts));
+        let experts = (r.rule.transform == Transform::ExpertSlice).then(|| owned.clone().unwrap_or(0..c.n_routed_experts));
         out.insert(path, LoadedTensor { data: TensorData::new(values, shape).convert_dtype(target), experts });
     }
     Ok(out)
@@ -124,19 +120,11 @@ pub fn dim0_shard(rows: usize, rank: usize, world: usize) -> Range<usize> {
 
 /// Read only rows `dim0_shard(rows, rank, world)` of a checkpoint tensor (checkpoint layout,
 /// FP8 dequantised), returning the slice and its row range.
-pub fn read_dim0_shard(
-    files: &SafetensorsFiles,
-    name: &str,
-    rank: usize,
-    world: usize,
-) -> Result<(TensorData, Range<usize>), CheckpointError> {
+pub fn read_dim0_shard(files: &SafetensorsFiles, name: &str, rank: usize, world: usize) -> Result<(TensorData, Range<usize>), CheckpointError> {
     if world == 0 || rank >= world {
-        return Err(CheckpointError::Other(format!("data-parallel rank {rank} of {world} is not a valid shard")));
+        return Err(CheckpointError::DataShard { rank, world });
     }
-    let shape = files
-        .shape(name)
-        .ok_or_else(|| CheckpointError::Other(format!("tensor {name:?} is not in the checkpoint")))?
-        .to_vec();
+    let shape = files.shape(name).ok_or_else(|| CheckpointError::MissingTensor { name: name.to_string() })?.to_vec();
     let rows = dim0_shard(shape.first().copied().unwrap_or(1), rank, world);
     let values = files.read_rows_f32(name, rows.clone())?;
     files.check_finite(name, &values)?;

@@ -48,7 +48,8 @@ where
         header.insert(t.name.clone(), json!({"dtype": dtype_str(t.dtype), "shape": t.shape, "data_offsets": [offset, offset + n]}));
         offset += n;
     }
-    let mut text = serde_json::to_vec(&Value::Object(header)).map_err(|e| CheckpointError::Other(e.to_string()))?;
+    let mut text = serde_json::to_vec(&Value::Object(header))
+        .map_err(|e| CheckpointError::Encode { what: "a safetensors header".into(), message: e.to_string() })?;
     while text.len() % 8 != 0 {
         text.push(b' ');
     }
@@ -64,12 +65,7 @@ where
             let mut counting = CountingWriter { inner: &mut w, n: 0 };
             produce(i, &mut counting)?;
             if counting.n != t.n_bytes() {
-                return Err(CheckpointError::Other(format!(
-                    "internal: {} produced {} bytes, expected {}",
-                    t.name,
-                    counting.n,
-                    t.n_bytes()
-                )));
+                return Err(CheckpointError::Internal(format!("{} produced {} bytes, expected {}", t.name, counting.n, t.n_bytes())));
             }
         }
         let file = w.into_inner().map_err(|e| io_err(&tmp, e.into_error()))?;
@@ -117,11 +113,7 @@ pub fn plan_shards(tensors: Vec<PlannedTensor>, max_bytes: usize) -> Vec<(String
     if total == 1 {
         return vec![("model.safetensors".to_string(), shards.pop().expect("one shard"))];
     }
-    shards
-        .into_iter()
-        .enumerate()
-        .map(|(k, s)| (format!("model-{:05}-of-{total:05}.safetensors", k + 1), s))
-        .collect()
+    shards.into_iter().enumerate().map(|(k, s)| (format!("model-{:05}-of-{total:05}.safetensors", k + 1), s)).collect()
 }
 
 /// `model.safetensors.index.json` for a sharded checkpoint.
@@ -149,10 +141,7 @@ impl Staging {
     /// Refuses an existing non-empty `dest`.
     pub fn new(dest: &Path) -> Result<Self, CheckpointError> {
         if dest.exists() && std::fs::read_dir(dest).map_err(|e| io_err(dest, e))?.next().is_some() {
-            return Err(CheckpointError::Other(format!(
-                "{}: output directory exists and is not empty; refusing to overwrite it",
-                dest.display()
-            )));
+            return Err(CheckpointError::OutputNotEmpty { dir: dest.to_path_buf() });
         }
         let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
@@ -166,7 +155,8 @@ impl Staging {
     /// Move the finished staging directory to the destination.
     pub fn commit(mut self) -> Result<PathBuf, CheckpointError> {
         if self.dest.exists() {
-            std::fs::remove_dir(&self.dest).map_err(|e| io_err(&self.dest, e))?; // empty, checked in new()
+            std::fs::remove_dir(&self.dest).map_err(|e| io_err(&self.dest, e))?;
+            // empty, checked in new()
         }
         std::fs::rename(&self.dir, &self.dest).map_err(|e| io_err(&self.dest, e))?;
         self.done = true;

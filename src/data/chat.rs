@@ -55,10 +55,8 @@ impl ChatFormat {
             std::fs::read_to_string(&jinja).map_err(|e| ChatError::File { path: jinja.display().to_string(), message: e.to_string() })?
         } else {
             let cfg = dir.join("tokenizer_config.json");
-            let text = std::fs::read_to_string(&cfg).map_err(|e| ChatError::File {
-                path: cfg.display().to_string(),
-                message: format!("{e} (and no chat_template.jinja beside it)"),
-            })?;
+            let text = std::fs::read_to_string(&cfg)
+                .map_err(|e| ChatError::File { path: cfg.display().to_string(), message: format!("{e} (and no chat_template.jinja beside it)") })?;
             let v: Value = serde_json::from_str(&text).map_err(|e| ChatError::File { path: cfg.display().to_string(), message: e.to_string() })?;
             v.get("chat_template")
                 .and_then(|t| t.as_str())
@@ -150,9 +148,7 @@ impl ChatFormat {
             rest = &rest[at + self.image_token.len()..];
         }
         expanded.push_str(rest);
-        let shift = |pos: usize| -> usize {
-            pos + shifts.iter().filter(|(end, _)| *end <= pos).map(|(_, g)| g).sum::<usize>()
-        };
+        let shift = |pos: usize| -> usize { pos + shifts.iter().filter(|(end, _)| *end <= pos).map(|(_, g)| g).sum::<usize>() };
         let spans: Vec<Range<usize>> = spans.into_iter().map(|r| shift(r.start)..shift(r.end)).collect();
 
         let enc = self.tokenizer.encode(expanded.as_str(), false).map_err(|e| ChatError::Tokenizer(e.to_string()))?;

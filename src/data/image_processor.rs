@@ -60,11 +60,7 @@ impl RgbImage {
             D::ImageLuma16(i) => i.as_raw().iter().flat_map(|&g| [g.min(255) as u8; 3]).collect(),
             D::ImageLumaA16(i) => i.as_raw().chunks_exact(2).flat_map(|p| [over_white(hi(p[0]) as u16, hi(p[1]) as u16); 3]).collect(),
             D::ImageRgb16(i) => i.as_raw().iter().map(|&v| hi(v)).collect(),
-            D::ImageRgba16(i) => i
-                .as_raw()
-                .chunks_exact(4)
-                .flat_map(|p| [0, 1, 2].map(|c| over_white(hi(p[c]) as u16, hi(p[3]) as u16)))
-                .collect(),
+            D::ImageRgba16(i) => i.as_raw().chunks_exact(4).flat_map(|p| [0, 1, 2].map(|c| over_white(hi(p[c]) as u16, hi(p[3]) as u16))).collect(),
             other => other.to_rgb8().into_raw(),
         };
         Ok(Self { width: w, height: h, data })

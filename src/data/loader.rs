@@ -6,14 +6,14 @@
 //! the packs are reshuffled every epoch with `(seed, epoch)`. The sampler's position is just
 //! `(epoch, cursor)`, which is what a checkpoint stores to resume on the same batch.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
+use super::batch::{Images, MicroBatch};
 use super::chat::ChatFormat;
 use super::image_processor::ImageProcessor;
 use super::medpix::{read_split, DatasetError, ReadReport, VqaRecord};
 use super::packing::{encode_record, pack_greedy, Pack, PackReport, SampleError, SftSample};
 use super::DatasetFormat;
-use super::batch::{Images, MicroBatch};
 
 /// Errors building or serving the dataset.
 #[derive(Debug, thiserror::Error)]
@@ -22,8 +22,12 @@ pub enum DataError {
     Dataset(#[from] DatasetError),
     #[error(transparent)]
     Sample(#[from] SampleError),
-    #[error("{0}")]
-    Other(String),
+    #[error("{dir}: the tokenizer never produces the image token id {id} (config.json `image_token_id`): tokenizer and model disagree")]
+    NoImageToken { dir: PathBuf, id: i64 },
+    #[error("{dir}: split `{split}`: every sample is longer than packed_sequence_size {max_length} ({dropped} dropped); {hint}")]
+    AllTooLong { dir: PathBuf, split: String, max_length: usize, dropped: usize, hint: &'static str },
+    #[error("pack {index} out of range ({packs} packs)")]
+    PackIndex { index: usize, packs: usize },
 }
 
 /// SplitMix64: a small, fully specified generator, so a data order is reproducible from
@@ -100,30 +104,26 @@ impl PackedDataset {
         if records.is_empty() {
             return Err(read_report.no_usable_records(dir, split).into());
         }
-        let mut samples: Vec<SftSample> =
-            records.iter().enumerate().map(|(i, r)| encode_record(chat, &processor, r, i)).collect::<Result<_, _>>()?;
+        let mut samples: Vec<SftSample> = records.iter().enumerate().map(|(i, r)| encode_record(chat, &processor, r, i)).collect::<Result<_, _>>()?;
         if !samples.iter().any(|s| s.ids.contains(&image_token_id)) {
-            return Err(DataError::Other(format!(
-                "{}: the tokenizer never produces the image token id {image_token_id} (config.json `image_token_id`): tokenizer and model disagree",
-                dir.display()
-            )));
+            return Err(DataError::NoImageToken { dir: dir.to_path_buf(), id: image_token_id });
         }
         let order = SplitMix64(packing.seed).permutation(samples.len());
         let mut shuffled: Vec<Option<SftSample>> = samples.drain(..).map(Some).collect();
         let samples: Vec<SftSample> = order.iter().filter_map(|&i| shuffled[i].take()).collect();
         let (packs, pack_report) = pack_greedy(samples, packing.max_length, packing.drop_long_samples, image_token_id);
         if packs.is_empty() {
-            return Err(DataError::Other(format!(
-                "{}: split `{split}`: every sample is longer than packed_sequence_size {} ({} dropped); {}",
-                dir.display(),
-                packing.max_length,
-                pack_report.dropped_long,
-                if packing.drop_long_samples {
+            return Err(DataError::AllTooLong {
+                dir: dir.to_path_buf(),
+                split: split.to_string(),
+                max_length: packing.max_length,
+                dropped: pack_report.dropped_long,
+                hint: if packing.drop_long_samples {
                     "raise it, or set drop_long_samples: false to truncate long samples"
                 } else {
                     "raise it (a sample is not truncated through its image placeholders, so one whose image alone is longer cannot fit)"
-                }
-            )));
+                },
+            });
         }
         Ok(Self { records, packs, read_report, pack_report, processor, image_token_id })
     }
@@ -137,15 +137,14 @@ impl PackedDataset {
         let mut grid_thw = Vec::new();
         let patch_dim = 3 * self.processor.temporal_patch_size * self.processor.patch_size * self.processor.patch_size;
         for &p in packs {
-            let pack = self.packs.get(p).ok_or_else(|| DataError::Other(format!("pack {p} out of range ({} packs)", self.packs.len())))?;
+            let pack = self.packs.get(p).ok_or(DataError::PackIndex { index: p, packs: self.packs.len() })?;
             for s in &pack.samples {
                 ids.extend_from_slice(&s.ids);
                 labels.extend_from_slice(&s.labels);
                 documents.push(s.ids.len());
                 let record = &self.records[s.record];
                 let image = record.image().map_err(|source| SampleError::Image { origin: record.origin.clone(), source })?;
-                let processed =
-                    self.processor.process(&image).map_err(|source| SampleError::Image { origin: record.origin.clone(), source })?;
+                let processed = self.processor.process(&image).map_err(|source| SampleError::Image { origin: record.origin.clone(), source })?;
                 pixel_values.extend_from_slice(&processed.pixel_values);
                 grid_thw.push(processed.grid_thw);
             }

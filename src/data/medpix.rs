@@ -91,12 +91,7 @@ fn file_err(path: &Path, message: impl std::fmt::Display) -> DatasetError {
 }
 
 /// Read one split. `max_samples` stops after that many usable records.
-pub fn read_split(
-    dir: &Path,
-    format: DatasetFormat,
-    split: &str,
-    max_samples: Option<usize>,
-) -> Result<(Vec<VqaRecord>, ReadReport), DatasetError> {
+pub fn read_split(dir: &Path, format: DatasetFormat, split: &str, max_samples: Option<usize>) -> Result<(Vec<VqaRecord>, ReadReport), DatasetError> {
     let mut report = ReadReport::default();
     let mut out = Vec::new();
     let limit = max_samples.unwrap_or(usize::MAX);

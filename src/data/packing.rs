@@ -45,13 +45,11 @@ pub fn conversation(record: &VqaRecord) -> serde_json::Value {
 
 /// Tokenise and label one record (the image's placeholder count comes from its size alone).
 pub fn encode_record(chat: &ChatFormat, processor: &ImageProcessor, record: &VqaRecord, index: usize) -> Result<SftSample, SampleError> {
-    let ((gh, gw), _) = processor
-        .geometry(record.height, record.width)
-        .map_err(|source| SampleError::Image { origin: record.origin.clone(), source })?;
+    let ((gh, gw), _) =
+        processor.geometry(record.height, record.width).map_err(|source| SampleError::Image { origin: record.origin.clone(), source })?;
     let image_tokens = (gh / processor.patch_size) * (gw / processor.patch_size) / (processor.merge_size * processor.merge_size);
-    let enc = chat
-        .encode(&conversation(record), false, &[image_tokens])
-        .map_err(|source| SampleError::Chat { origin: record.origin.clone(), source })?;
+    let enc =
+        chat.encode(&conversation(record), false, &[image_tokens]).map_err(|source| SampleError::Chat { origin: record.origin.clone(), source })?;
     Ok(SftSample { ids: enc.ids.iter().map(|&x| x as i64).collect(), labels: enc.labels, record: index })
 }
 

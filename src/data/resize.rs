@@ -76,7 +76,11 @@ fn taps(input: usize, output: usize, arith: Arithmetic) -> Taps {
                 .map(|x| {
                     let v = x * (1u64 << precision) as f64;
                     // round half away from zero
-                    if v < 0.0 { (v - 0.5) as i32 } else { (v + 0.5) as i32 }
+                    if v < 0.0 {
+                        (v - 0.5) as i32
+                    } else {
+                        (v + 0.5) as i32
+                    }
                 })
                 .collect()
         })

@@ -77,17 +77,14 @@ pub(crate) fn host(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: Ad
     let (b1, f1, b2, f2) = (s.beta_1, 1.0 - s.beta_1, s.beta_2, 1.0 - s.beta_2);
     let keep = (1.0 - decay) as f32;
     let lr = s.lr as f32;
-    p.par_chunks_mut(BLOCK)
-        .zip(g.par_chunks(BLOCK))
-        .zip(m.par_chunks_mut(BLOCK).zip(v.par_chunks_mut(BLOCK)))
-        .for_each(|((p, g), (m, v))| {
-            for i in 0..p.len() {
-                let gi = g[i];
-                m[i] = m[i] * b1 + gi * f1;
-                v[i] = v[i] * b2 + (gi * gi) * f2;
-                let delta = (m[i] / c1) / ((v[i] / c2).sqrt() + s.epsilon);
-                let pi = if decay == 0.0 { p[i] } else { p[i] * keep };
-                p[i] = pi - delta * lr;
-            }
-        });
+    p.par_chunks_mut(BLOCK).zip(g.par_chunks(BLOCK)).zip(m.par_chunks_mut(BLOCK).zip(v.par_chunks_mut(BLOCK))).for_each(|((p, g), (m, v))| {
+        for i in 0..p.len() {
+            let gi = g[i];
+            m[i] = m[i] * b1 + gi * f1;
+            v[i] = v[i] * b2 + (gi * gi) * f2;
+            let delta = (m[i] / c1) / ((v[i] / c2).sqrt() + s.epsilon);
+            let pi = if decay == 0.0 { p[i] } else { p[i] * keep };
+            p[i] = pi - delta * lr;
+        }
+    });
 }

@@ -42,9 +42,7 @@ pub fn reference_backward<B: Backend>(x: Tensor<B, 3>, w: Tensor<B, 2>, grad: Te
         })
         .reduce(|a, b| a + b)
         .expect("conv kernel has at least one tap");
-    let dw = (0..taps)
-        .map(|i| (xp.clone().slice([0..b, i..i + t, 0..c]) * grad.clone()).sum_dim(0).sum_dim(1).reshape([c, 1]))
-        .collect();
+    let dw = (0..taps).map(|i| (xp.clone().slice([0..b, i..i + t, 0..c]) * grad.clone()).sum_dim(0).sum_dim(1).reshape([c, 1])).collect();
     (dx, Tensor::cat(dw, 1))
 }
 

@@ -101,25 +101,12 @@ pub(crate) fn host_post(post: &[f32], comb: &[f32], y: &[f32], res: &[f32], n: u
 }
 
 /// Host backward of the post: `(∂post, ∂C, ∂y, ∂X)`.
-pub(crate) fn host_post_backward(
-    post: &[f32],
-    comb: &[f32],
-    y: &[f32],
-    res: &[f32],
-    grad: &[f32],
-    n: usize,
-    d: usize,
-) -> [Vec<f32>; 4] {
+pub(crate) fn host_post_backward(post: &[f32], comb: &[f32], y: &[f32], res: &[f32], grad: &[f32], n: usize, d: usize) -> [Vec<f32>; 4] {
     let t = post.len() / n.max(1);
     let (mut dpost, mut dcomb, mut dy, mut dres) = (vec![0f32; t * n], vec![0f32; t * n * n], vec![0f32; t * d], vec![0f32; t * n * d]);
     let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
-    dpost
-        .par_chunks_mut(n)
-        .zip(dcomb.par_chunks_mut(n * n))
-        .zip(dy.par_chunks_mut(d))
-        .zip(dres.par_chunks_mut(n * d))
-        .enumerate()
-        .for_each(|(ti, (((dp, dc), dyt), dx))| {
+    dpost.par_chunks_mut(n).zip(dcomb.par_chunks_mut(n * n)).zip(dy.par_chunks_mut(d)).zip(dres.par_chunks_mut(n * d)).enumerate().for_each(
+        |(ti, (((dp, dc), dyt), dx))| {
             let (g, yt, xt, c) = (&grad[ti * n * d..][..n * d], &y[ti * d..][..d], &res[ti * n * d..][..n * d], &comb[ti * n * n..][..n * n]);
             for j in 0..n {
                 let gj = &g[j * d..][..d];
@@ -132,6 +119,7 @@ pub(crate) fn host_post_backward(
                     dx[i * d..][..d].iter_mut().zip(gj).for_each(|(v, gv)| *v += cij * gv);
                 }
             }
-        });
+        },
+    );
     [dpost, dcomb, dy, dres]
 }

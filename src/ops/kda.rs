@@ -53,7 +53,6 @@ fn l2_reference<B: Backend>(x: Tensor<B, 4>, scale: f64) -> Tensor<B, 4> {
     }
 }
 
-
 struct Prepared<B: Backend> {
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -84,14 +83,7 @@ fn prepare<B: Backend>(
         Some(s) => s.cast(DType::F32),
         None => Tensor::zeros([b, h, dk, dv], (&device, DType::F32)),
     };
-    Prepared {
-        q,
-        k,
-        v: f(v),
-        g: f(g),
-        beta: beta.cast(DType::F32).swap_dims(1, 2),
-        state,
-    }
+    Prepared { q, k, v: f(v), g: f(g), beta: beta.cast(DType::F32).swap_dims(1, 2), state }
 }
 
 /// `Γ_C`, the last row of every chunk: `[x, C, d]` → `[x, 1, d]`, as a fresh tensor. (Taken

@@ -83,14 +83,7 @@ impl<'a> Inputs<'a> {
     fn head(&self, d: Dims, x: usize) -> Head<'a> {
         let (bi, hi) = (x / d.h, x % d.h);
         let (ok, ov) = ((bi * d.t * d.h + hi) * d.dk, (bi * d.t * d.h + hi) * d.dv);
-        Head {
-            q: &self.q[ok..],
-            k: &self.k[ok..],
-            v: &self.v[ov..],
-            g: &self.g[ok..],
-            beta: &self.beta[bi * d.t * d.h + hi..],
-            heads: d.h,
-        }
+        Head { q: &self.q[ok..], k: &self.k[ok..], v: &self.v[ov..], g: &self.g[ok..], beta: &self.beta[bi * d.t * d.h + hi..], heads: d.h }
     }
 }
 

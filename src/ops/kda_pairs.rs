@@ -73,9 +73,7 @@ fn pair_sums_block<B: Backend>(k: Tensor<B, 3>, q: Tensor<B, 3>, gam: Tensor<B, 
     let k_s = at(&k, &s_rows);
     let pair = |a: Tensor<B, 2>| {
         let sums = (a * k_s.clone() * decay.clone()).sum_dim(1).reshape([x * per]);
-        Tensor::<B, 1>::zeros([x * c * c], (&device, DType::F32))
-            .select_assign(0, at_rs.clone(), sums, IndexingUpdateOp::Add)
-            .reshape([x, c, c])
+        Tensor::<B, 1>::zeros([x * c * c], (&device, DType::F32)).select_assign(0, at_rs.clone(), sums, IndexingUpdateOp::Add).reshape([x, c, c])
     };
     Tensor::cat(vec![pair(at(&k, &r_rows)), pair(at(&q, &r_rows))], 2)
 }
@@ -115,9 +113,7 @@ fn pair_sums_backward_block<B: Backend>(
     let per = c * (c + 1) / 2;
     let [r_rows, s_rows, at_rs] = pair_rows::<B>(x, c, &device);
     let at = |a: &Tensor<B, 3>, rows: &Tensor<B, 1, Int>| a.clone().reshape([x * c, d]).select(0, rows.clone());
-    let half = |lo: usize| {
-        grad.clone().slice([0..x, 0..c, lo..lo + c]).reshape([x * c * c]).select(0, at_rs.clone()).reshape([x * per, 1])
-    };
+    let half = |lo: usize| grad.clone().slice([0..x, 0..c, lo..lo + c]).reshape([x * c * c]).select(0, at_rs.clone()).reshape([x * per, 1]);
     let (g, h) = (half(0), half(c));
     let diff = at(&gam, &r_rows) - at(&gam, &s_rows);
     let live = diff.clone().lower_equal_elem(0.0).float();
@@ -163,33 +159,31 @@ pub(crate) fn host_backward(k: &[f32], q: &[f32], g: &[f32], gr_all: &[f32], x: 
     let mut dk = vec![0f32; x * c * d];
     let mut dq = vec![0f32; x * c * d];
     let mut dg = vec![0f32; x * c * d];
-    dk.par_chunks_mut(c * d).zip(dq.par_chunks_mut(c * d)).zip(dg.par_chunks_mut(c * d)).enumerate().for_each(
-        |(xi, ((dk, dq), dg))| {
-            let base = xi * c * d;
-            let gb = &gr_all[xi * c * 2 * c..][..c * 2 * c];
-            for r in 0..c {
-                for s in 0..=r {
-                    let (gl, hp) = (gb[r * 2 * c + s], gb[r * 2 * c + c + s]);
-                    if gl == 0.0 && hp == 0.0 {
-                        continue;
-                    }
-                    for j in 0..d {
-                        let (kr, ks, qr) = (k[base + r * d + j], k[base + s * d + j], q[base + r * d + j]);
-                        let diff = g[base + r * d + j] - g[base + s * d + j];
-                        let e = diff.min(0.0).exp();
-                        let u = gl * kr + hp * qr;
-                        dk[r * d + j] += gl * ks * e;
-                        dk[s * d + j] += u * e;
-                        dq[r * d + j] += hp * ks * e;
-                        if diff <= 0.0 {
-                            let t = u * ks * e;
-                            dg[r * d + j] += t;
-                            dg[s * d + j] -= t;
-                        }
+    dk.par_chunks_mut(c * d).zip(dq.par_chunks_mut(c * d)).zip(dg.par_chunks_mut(c * d)).enumerate().for_each(|(xi, ((dk, dq), dg))| {
+        let base = xi * c * d;
+        let gb = &gr_all[xi * c * 2 * c..][..c * 2 * c];
+        for r in 0..c {
+            for s in 0..=r {
+                let (gl, hp) = (gb[r * 2 * c + s], gb[r * 2 * c + c + s]);
+                if gl == 0.0 && hp == 0.0 {
+                    continue;
+                }
+                for j in 0..d {
+                    let (kr, ks, qr) = (k[base + r * d + j], k[base + s * d + j], q[base + r * d + j]);
+                    let diff = g[base + r * d + j] - g[base + s * d + j];
+                    let e = diff.min(0.0).exp();
+                    let u = gl * kr + hp * qr;
+                    dk[r * d + j] += gl * ks * e;
+                    dk[s * d + j] += u * e;
+                    dq[r * d + j] += hp * ks * e;
+                    if diff <= 0.0 {
+                        let t = u * ks * e;
+                        dg[r * d + j] += t;
+                        dg[s * d + j] -= t;
                     }
                 }
             }
-        },
-    );
+        }
+    });
     (dk, dq, dg)
 }

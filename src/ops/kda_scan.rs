@@ -55,7 +55,11 @@ pub fn unit_lower_inverse<B: Backend>(l: Tensor<B, 3>) -> Tensor<B, 3> {
 
 /// [`Glm5Backend::kda_unit_lower_solve`] on tensors.
 fn solve<B: Glm5Backend>(l: Tensor<B, 3>, rhs: Tensor<B, 3>, transposed: bool) -> Tensor<B, 3> {
-    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(B::kda_unit_lower_solve(l.into_primitive().tensor(), rhs.into_primitive().tensor(), transposed)))
+    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(B::kda_unit_lower_solve(
+        l.into_primitive().tensor(),
+        rhs.into_primitive().tensor(),
+        transposed,
+    )))
 }
 
 /// Chunk `i` of `[bh, n, r, d]` as `[bh, r, d]`.
@@ -200,7 +204,10 @@ pub fn forward<B: Glm5Backend>(
     let dv = v.dims()[2];
     let c = chunk;
     assert!(c > 0 && t % c == 0, "kda_chunk_scan: T = {t} is not a multiple of the chunk {c}");
-    assert!(resets.iter().all(|&r| r > 0 && r < t && r % c == 0), "kda_chunk_scan: document starts {resets:?} must be chunk multiples inside (0, {t})");
+    assert!(
+        resets.iter().all(|&r| r > 0 && r < t && r % c == 0),
+        "kda_chunk_scan: document starts {resets:?} must be chunk multiples inside (0, {t})"
+    );
     let n = t / c;
     let device = q.device();
     let x = bh * n;
@@ -233,25 +240,7 @@ pub fn forward<B: Glm5Backend>(
     let (states, v_new, s) = states_forward_op::<B>(w.clone(), u, kd.clone(), a.clone(), h0);
     // every chunk's output at once, from the state before it
     let o = (qg.clone().matmul(states.clone()) + p.clone().matmul(v_new.clone())).reshape([bh, t, dv]);
-    let saved = ScanSaved {
-        q,
-        k,
-        v,
-        beta,
-        gam,
-        sums,
-        l,
-        wu,
-        w,
-        qg,
-        kd,
-        a,
-        p,
-        states,
-        v_new,
-        chunk: c,
-        keep,
-    };
+    let saved = ScanSaved { q, k, v, beta, gam, sums, l, wu, w, qg, kd, a, p, states, v_new, chunk: c, keep };
     (o, s, saved)
 }
 
@@ -315,12 +304,5 @@ pub fn backward<B: Glm5Backend>(
     // Γ = cumsum(g) within the chunk: ∂g_t = Σ_{t' ≥ t} ∂Γ_t'
     let dg = dgam.flip([1]).cumsum(1).flip([1]);
     let bt = n * c;
-    (
-        dq_out.reshape([bh, bt, dk]),
-        dk_out.reshape([bh, bt, dk]),
-        dv_out.reshape([bh, bt, dv]),
-        dg.reshape([bh, bt, dk]),
-        dbeta.reshape([bh, bt]),
-        ds,
-    )
+    (dq_out.reshape([bh, bt, dk]), dk_out.reshape([bh, bt, dk]), dv_out.reshape([bh, bt, dv]), dg.reshape([bh, bt, dk]), dbeta.reshape([bh, bt]), ds)
 }

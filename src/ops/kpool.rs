@@ -57,7 +57,14 @@ pub fn reference_compress<B: Backend>(k: Tensor<B, 3>, gate: Tensor<B, 3>, ape: 
 
 /// The reference indexer selection: [`reference_scores`], then [`KpoolSelect::select`] and
 /// [`KpoolSelect::boundary_margin`] on the host. Returns (indices `[B, S, width]`, margin).
-pub fn reference_select<B: Backend>(q: Tensor<B, 4>, w: Tensor<B, 3>, pooled: Tensor<B, 3>, mask: &[bool], sel: KpoolSelect, scale: f32) -> (Vec<i64>, f32) {
+pub fn reference_select<B: Backend>(
+    q: Tensor<B, 4>,
+    w: Tensor<B, 3>,
+    pooled: Tensor<B, 3>,
+    mask: &[bool],
+    sel: KpoolSelect,
+    scale: f32,
+) -> (Vec<i64>, f32) {
     let scores = reference_scores(q, w, pooled, scale);
     let [b, s, _] = scores.dims();
     let host: Vec<f32> = scores.into_data().convert::<f32>().into_vec().expect("pool scores are f32");
@@ -109,10 +116,7 @@ pub fn pool_layouts(mask: &[bool], batch: usize, seq: usize, kpool: usize) -> Ve
         .map(|b| {
             let row = &mask[b * seq..(b + 1) * seq];
             let first = row.iter().position(|&m| m).unwrap_or(seq);
-            PoolLayout {
-                first,
-                n_pools: seq.div_ceil(kpool),
-            }
+            PoolLayout { first, n_pools: seq.div_ceil(kpool) }
         })
         .collect()
 }
@@ -127,9 +131,7 @@ pub fn pool_token(layout: &PoolLayout, kpool: usize, p: usize, j: usize) -> usiz
 /// valid (`row_mask`, one row of the `[B, S]` mask). Only complete pools are ever selected.
 pub fn complete_pools(layout: &PoolLayout, row_mask: &[bool], kpool: usize) -> Vec<bool> {
     let seq = row_mask.len();
-    (0..layout.n_pools)
-        .map(|p| (0..kpool).all(|j| pool_token(layout, kpool, p, j) < seq && row_mask[pool_token(layout, kpool, p, j)]))
-        .collect()
+    (0..layout.n_pools).map(|p| (0..kpool).all(|j| pool_token(layout, kpool, p, j) < seq && row_mask[pool_token(layout, kpool, p, j)])).collect()
 }
 
 /// Selection parameters.
@@ -171,10 +173,13 @@ impl KpoolSelect {
             let row_mask = &mask[b * seq..(b + 1) * seq];
             let complete = complete_pools(lay, row_mask, kp);
             // valid tokens up to and including each position
-            let visible: Vec<usize> = row_mask.iter().scan(0usize, |n, &m| {
-                *n += m as usize;
-                Some(*n)
-            }).collect();
+            let visible: Vec<usize> = row_mask
+                .iter()
+                .scan(0usize, |n, &m| {
+                    *n += m as usize;
+                    Some(*n)
+                })
+                .collect();
             // queries are independent: in parallel, each with its own candidate buffer
             out[b * seq * width..(b + 1) * seq * width].par_chunks_mut(width.max(1)).enumerate().for_each_init(
                 || Vec::with_capacity(n_pools),
@@ -237,10 +242,7 @@ impl KpoolSelect {
                 .filter(|&t| row_mask[t])
                 .map(|t| {
                     let srow = &scores[(b * seq + t) * n_pools..(b * seq + t + 1) * n_pools];
-                    let mut c: Vec<f32> = (0..n_pools)
-                        .filter(|&p| complete[p] && pool_token(lay, kp, p, kp - 1) <= t)
-                        .map(|p| srow[p])
-                        .collect();
+                    let mut c: Vec<f32> = (0..n_pools).filter(|&p| complete[p] && pool_token(lay, kp, p, kp - 1) <= t).map(|p| srow[p]).collect();
                     if c.len() > budget && budget > 0 {
                         // the budget-th best and the best rejected score
                         let (_, last, rest) = c.select_nth_unstable_by(budget - 1, |a, b| b.total_cmp(a));

@@ -42,8 +42,8 @@ pub fn index_mask<B: Backend>(indices: &[i64], batch: usize, seq: usize, width: 
 /// Softmax over the last dim restricted to `visible`; rows with nothing visible give zeros.
 fn masked_softmax<B: Backend, const D: usize>(scores: Tensor<B, D>, visible: Tensor<B, D, Bool>) -> Tensor<B, D> {
     let any = visible.clone().any_dim(D - 1); // [.., 1]
-    // A large finite fill rather than −∞: fully masked rows stay finite (uniform) in the
-    // forward and in the softmax backward, and are zeroed below.
+                                              // A large finite fill rather than −∞: fully masked rows stay finite (uniform) in the
+                                              // forward and in the softmax backward, and are zeroed below.
     let p = softmax(scores.mask_fill(visible.bool_not(), MASKED), D - 1);
     let dims = p.dims();
     p.mask_fill(any.bool_not().expand(dims), 0.0)
@@ -53,14 +53,7 @@ fn masked_softmax<B: Backend, const D: usize>(scores: Tensor<B, D>, visible: Ten
 const MASKED: f32 = -1.0e30;
 
 /// Reference dense form. `k`: `[B, S, H, dq]`, `v`: `[B, S, H, dv]` (already expanded).
-pub fn dense_masked<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    indices: &[i64],
-    width: usize,
-    scale: f64,
-) -> Tensor<B, 4> {
+pub fn dense_masked<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, indices: &[i64], width: usize, scale: f64) -> Tensor<B, 4> {
     let [b, s, h, _] = q.dims();
     let device = q.device();
     let visible = index_mask::<B>(indices, b, s, width, &device).unsqueeze_dim::<4>(1).expand([b, h, s, s]);
@@ -210,13 +203,13 @@ pub fn sparse_absorbed<B: Glm5Backend>(
         let pos = Tensor::<B, 1, Int>::from_data(TensorData::new(pos, [b * n * width]), &device);
         let valid = Tensor::<B, 3, Bool>::from_data(TensorData::new(valid, [b * n, 1, width]), &device);
         let kv = lat_flat.clone().select(0, pos).reshape([b * n, width, r]); // [B·n, W, R]
-        // (K q̃ᵀ)ᵀ rather than q̃ Kᵀ: the gathered rows then reach both matmuls untransposed, so
-        // their two gradients add as contiguous tensors (the transposed form's strided gradient
-        // add of every [B·n, W, R] block was ~5 % of Flex's train step at 2048 tokens)
+                                                                             // (K q̃ᵀ)ᵀ rather than q̃ Kᵀ: the gathered rows then reach both matmuls untransposed, so
+                                                                             // their two gradients add as contiguous tensors (the transposed form's strided gradient
+                                                                             // add of every [B·n, W, R] block was ~5 % of Flex's train step at 2048 tokens)
         let scores = kv.clone().matmul(qb.swap_dims(1, 2)).swap_dims(1, 2) * scale; // [B·n, H, W]
         let p = masked_softmax(scores, valid.expand([b * n, h, width])).cast(kv.dtype());
         let o_lat = p.matmul(kv); // [B·n, H, R]
-        // o = W_UV õ per head: [H, B·n, R] @ [H, R, dv]
+                                  // o = W_UV õ per head: [H, B·n, R] @ [H, R, dv]
         let o = o_lat.swap_dims(0, 1).matmul(w_uv.clone().swap_dims(1, 2)); // [H, B·n, dv]
         outs.push(o.swap_dims(0, 1).reshape([b, n, h, dv]));
     }
@@ -258,10 +251,13 @@ mod tests {
         }
         // k_h = W_UK,h c, v_h = W_UV,h c, expanded per token: [B, S, H, d]
         let expand = |wm: Tensor<Flex, 3>, d: usize| {
-            latent.clone().reshape([b * s, 1, r, 1]).expand([b * s, h, r, 1]).swap_dims(2, 3).matmul(
-                wm.swap_dims(1, 2).unsqueeze_dim::<4>(0).expand([b * s, h, r, d]),
-            )
-            .reshape([b, s, h, d])
+            latent
+                .clone()
+                .reshape([b * s, 1, r, 1])
+                .expand([b * s, h, r, 1])
+                .swap_dims(2, 3)
+                .matmul(wm.swap_dims(1, 2).unsqueeze_dim::<4>(0).expand([b * s, h, r, d]))
+                .reshape([b, s, h, d])
         };
         let k = expand(w_uk.clone(), dq);
         let v = expand(w_uv.clone(), dv);

@@ -60,9 +60,7 @@ impl<B: Backend> DecoderLayer<B> {
         let d = c.hidden_size;
         let self_attn = match c.layer_types[i] {
             LayerType::LinearAttention => Mixer::Kda(KdaAttention::new(c, device)),
-            LayerType::IndexedAttention => {
-                Mixer::Mla(MlaAttention::new(c, c.indexer_types[i] == IndexerType::Full, device))
-            }
+            LayerType::IndexedAttention => Mixer::Mla(MlaAttention::new(c, c.indexer_types[i] == IndexerType::Full, device)),
         };
         let mlp = match c.mlp_layer_types[i] {
             MlpType::Dense => Ffn::Dense(Mlp::new(d, c.intermediate_size, c.hidden_act, c.swiglu_limit, device)),
@@ -81,13 +79,7 @@ impl<B: Backend> DecoderLayer<B> {
 
     /// `streams` `[B, S, n, D]`; `indices` holds the most recent full DSA selection and is
     /// replaced when this layer runs its own indexer.
-    pub fn forward(
-        &self,
-        streams: Tensor<B, 4>,
-        mask: &TokenMask<B>,
-        indices: &mut Option<Vec<i64>>,
-        opts: &ForwardOptions,
-    ) -> LayerOutput<B>
+    pub fn forward(&self, streams: Tensor<B, 4>, mask: &TokenMask<B>, indices: &mut Option<Vec<i64>>, opts: &ForwardOptions) -> LayerOutput<B>
     where
         B: crate::ops::backend::Glm5Backend,
     {
@@ -131,10 +123,6 @@ impl<B: Backend> DecoderLayer<B> {
             }
         };
         let _t = profile::scope("mhc");
-        LayerOutput {
-            streams: HyperConnection::post(w, y, streams),
-            router_logits,
-            index_margin,
-        }
+        LayerOutput { streams: HyperConnection::post(w, y, streams), router_logits, index_margin }
     }
 }

@@ -83,11 +83,7 @@ impl<B: Backend> Indexer<B> {
     }
 
     pub fn selector(&self) -> KpoolSelect {
-        KpoolSelect {
-            kpool: self.kpool,
-            index_topk: self.index_topk,
-            always_select_tail: self.always_select_tail,
-        }
+        KpoolSelect { kpool: self.kpool, index_topk: self.index_topk, always_select_tail: self.always_select_tail }
     }
 
     /// The scoring inputs, fp32: queries `[B, S, H, d]`, head weights `[B, S, H]` (× `H^{-1/2}`)

@@ -77,7 +77,8 @@ impl<B: Backend> KdaAttention<B> {
     pub fn new(c: &TextConfig, device: &B::Device) -> Self {
         let (d, h, hd, w) = (c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim);
         let p = h * hd;
-        let conv = || DepthwiseConv { weight: Initializer::KaimingUniform { gain: 1.0, fan_out_only: false }.init_with([p, w], Some(w), None, device) };
+        let conv =
+            || DepthwiseConv { weight: Initializer::KaimingUniform { gain: 1.0, fan_out_only: false }.init_with([p, w], Some(w), None, device) };
         Self {
             q_proj: linear(d, p, false, device),
             k_proj: linear(d, p, false, device),
@@ -158,9 +159,7 @@ impl<B: Backend> KdaAttention<B> {
     where
         B: Glm5Backend,
     {
-        let KdaImpl::Chunked(chunk) = opts.kda else {
-            unreachable!("forward_packed is the chunked form's path")
-        };
+        let KdaImpl::Chunked(chunk) = opts.kda else { unreachable!("forward_packed is the chunked form's path") };
         let [_, s, d] = u.dims();
         let (h, hd) = (self.num_heads, self.head_dim);
         let taps = self.q_conv1d.weight.dims()[1];

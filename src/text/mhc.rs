@@ -54,7 +54,6 @@ impl<B: Backend> HyperConnection<B> {
             iters,
         }
     }
-
 }
 
 impl<B: Glm5Backend> HyperConnection<B> {

@@ -83,9 +83,8 @@ impl<B: Backend> MlaAttention<B> {
         let mut outs = Vec::with_capacity(docs.len());
         let mut margin: Option<f32> = None;
         for r in docs {
-            let local: Option<Vec<i64>> = shared_indices.map(|idx| {
-                idx[r.start * w..r.end * w].iter().map(|&i| if i >= 0 { i - r.start as i64 } else { -1 }).collect()
-            });
+            let local: Option<Vec<i64>> =
+                shared_indices.map(|idx| idx[r.start * w..r.end * w].iter().map(|&i| if i >= 0 { i - r.start as i64 } else { -1 }).collect());
             let part = x.clone().slice([0..1, r.clone(), 0..d]);
             let (y, idx, m) = self.forward(part, &TokenMask::all(1, r.len(), &device), local.as_deref(), opts);
             for (dst, &i) in all[r.start * w..r.end * w].iter_mut().zip(&idx) {

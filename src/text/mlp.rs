@@ -28,12 +28,7 @@ pub(crate) fn linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, device: 
 /// `act(min(gate, L)) ⊙ clamp(up, −L, L)`: with `silu` (every GLM-5 config) the backend op
 /// [`Glm5Backend::swiglu`] (`ops::swiglu`; one fused pass on Flex), other activations as tensor
 /// ops.
-pub fn clamped_swiglu<B: Glm5Backend, const D: usize>(
-    gate: Tensor<B, D>,
-    up: Tensor<B, D>,
-    limit: f64,
-    act: Activation,
-) -> Tensor<B, D> {
+pub fn clamped_swiglu<B: Glm5Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>, limit: f64, act: Activation) -> Tensor<B, D> {
     match act {
         Activation::Silu => swiglu(gate, up, limit),
         _ => act.apply(gate.clamp_max(limit)) * up.clamp(-limit, limit),

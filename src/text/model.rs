@@ -67,13 +67,7 @@ impl<B: Backend> TextModel<B> {
     }
 
     /// Run the decoder on input embeddings `[B, S, D]`.
-    pub fn forward_embeds(
-        &self,
-        embeds: Tensor<B, 3>,
-        mask: &TokenMask<B>,
-        opts: &ForwardOptions,
-        record: bool,
-    ) -> TextOutput<B>
+    pub fn forward_embeds(&self, embeds: Tensor<B, 3>, mask: &TokenMask<B>, opts: &ForwardOptions, record: bool) -> TextOutput<B>
     where
         B: crate::ops::backend::Glm5Backend,
     {

@@ -98,11 +98,7 @@ impl<B: Backend> Router<B> {
         if self.norm_topk_prob {
             weights = weights.clone() / (weights.sum_dim(1) + 1e-20);
         }
-        Routing {
-            logits,
-            weights: weights * self.scaling,
-            experts,
-        }
+        Routing { logits, weights: weights * self.scaling, experts }
     }
 }
 
@@ -164,7 +160,8 @@ impl<B: Backend> Experts<B> {
             let gate = rows.clone().matmul(self.gate_proj.val());
             let up = rows.matmul(self.up_proj.val());
             let h = clamped_swiglu(gate, up, self.limit, Activation::Silu);
-            h.matmul(self.down_proj.val()).reshape([e * cap, d]).select(0, back) // [N·K, D]
+            h.matmul(self.down_proj.val()).reshape([e * cap, d]).select(0, back)
+        // [N·K, D]
         } else {
             // skewed routing: one group at a time, so padding never multiplies the work
             let xs = x.clone().select(0, tok_t.clone()); // [N·K, D]
@@ -213,7 +210,15 @@ impl<B: AutodiffBackend> Router<B> {
         let mean = load.iter().sum::<f64>() / e as f64;
         let delta: Vec<f32> = load
             .iter()
-            .map(|&l| if l < mean { rate as f32 } else if l > mean { -rate as f32 } else { 0.0 })
+            .map(|&l| {
+                if l < mean {
+                    rate as f32
+                } else if l > mean {
+                    -rate as f32
+                } else {
+                    0.0
+                }
+            })
             .collect();
         let device = self.e_score_correction_bias.device();
         let d = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(delta, [e]), &device);

@@ -38,10 +38,7 @@ pub struct RmsNorm<B: Backend> {
 
 impl<B: Backend> RmsNorm<B> {
     pub fn new(dim: usize, eps: f64, device: &B::Device) -> Self {
-        Self {
-            weight: Initializer::Ones.init([dim], device),
-            eps,
-        }
+        Self { weight: Initializer::Ones.init([dim], device), eps }
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D>
@@ -68,10 +65,7 @@ pub struct GatedRmsNorm<B: Backend> {
 
 impl<B: Backend> GatedRmsNorm<B> {
     pub fn new(dim: usize, eps: f64, device: &B::Device) -> Self {
-        Self {
-            weight: Initializer::Ones.init([dim], device),
-            eps,
-        }
+        Self { weight: Initializer::Ones.init([dim], device), eps }
     }
 
     /// `x`, `gate`: `[..., d]`; returns the input dtype.
@@ -95,11 +89,7 @@ pub struct LayerNorm<B: Backend> {
 
 impl<B: Backend> LayerNorm<B> {
     pub fn new(dim: usize, eps: f64, device: &B::Device) -> Self {
-        Self {
-            weight: Initializer::Ones.init([dim], device),
-            bias: Initializer::Zeros.init([dim], device),
-            eps,
-        }
+        Self { weight: Initializer::Ones.init([dim], device), bias: Initializer::Zeros.init([dim], device), eps }
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {

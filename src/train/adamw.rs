@@ -7,9 +7,9 @@
 //! parameter, each a single-threaded pass with its own allocation on Flex — 9 % of a train step
 //! of `configs/bench_small.json` at 512 tokens; the fused op is one parallel pass.
 
+use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamWState, AdaptiveMomentumState, LearningRate, SimpleOptimizer};
-use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::Device;
 use burn::tensor::{Tensor, TensorPrimitive};

@@ -278,13 +278,18 @@ fn set_path(root: &mut Value, dotted: &str, value: Value, source: &str) -> Resul
 impl Recipe {
     /// Parse YAML text, apply `section.key=value` overrides, type and validate it.
     pub fn from_yaml(text: &str, source: &str, overrides: &[String]) -> Result<Self, RecipeError> {
-        let mut value: Value =
-            serde_yaml::from_str(text).map_err(|e| RecipeError::File { path: source.into(), message: e.to_string() })?;
+        let mut value: Value = serde_yaml::from_str(text).map_err(|e| RecipeError::File { path: source.into(), message: e.to_string() })?;
         if value.is_null() {
-            return Err(RecipeError::File { path: source.into(), message: "the recipe is empty (expected the sections step_scheduler, model, dataset, …)".into() });
+            return Err(RecipeError::File {
+                path: source.into(),
+                message: "the recipe is empty (expected the sections step_scheduler, model, dataset, …)".into(),
+            });
         }
         if !value.is_mapping() {
-            return Err(RecipeError::File { path: source.into(), message: "a recipe is a YAML mapping of sections (step_scheduler:, model:, …)".into() });
+            return Err(RecipeError::File {
+                path: source.into(),
+                message: "a recipe is a YAML mapping of sections (step_scheduler:, model:, …)".into(),
+            });
         }
         let mut given: Vec<(String, String)> = Vec::new();
         for o in overrides {
@@ -301,7 +306,8 @@ impl Recipe {
         let attribute = |e: RecipeError| match e {
             RecipeError::Key { key, message, source_name } => {
                 // (an unknown key is reported at its section, naming the key in the message)
-                let unknown_here = |k: &str| k.starts_with(&format!("{key}.")) && message.contains(&format!("`{}`", k.rsplit('.').next().unwrap_or(k)));
+                let unknown_here =
+                    |k: &str| k.starts_with(&format!("{key}.")) && message.contains(&format!("`{}`", k.rsplit('.').next().unwrap_or(k)));
                 let from = given.iter().rev().find(|(k, _)| key == *k || key.starts_with(&format!("{k}.")) || unknown_here(k));
                 RecipeError::Key { source_name: from.map(|(_, o)| format!("override --{o} (on {source})")).unwrap_or(source_name), key, message }
             }
@@ -316,8 +322,7 @@ impl Recipe {
 
     /// Read a recipe file.
     pub fn from_file(path: &Path, overrides: &[String]) -> Result<Self, RecipeError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| RecipeError::File { path: path.display().to_string(), message: e.to_string() })?;
+        let text = std::fs::read_to_string(path).map_err(|e| RecipeError::File { path: path.display().to_string(), message: e.to_string() })?;
         Self::from_yaml(&text, &path.display().to_string(), overrides)
     }
 
@@ -330,10 +335,7 @@ impl Recipe {
         let bad = |key: &str, message: String| Err(RecipeError::Key { source_name: source.into(), key: key.into(), message });
         let s = &self.step_scheduler;
         if s.local_batch_size == 0 || s.global_batch_size == 0 || s.global_batch_size % s.local_batch_size != 0 {
-            return bad(
-                "step_scheduler.global_batch_size",
-                format!("must be a positive multiple of local_batch_size ({})", s.local_batch_size),
-            );
+            return bad("step_scheduler.global_batch_size", format!("must be a positive multiple of local_batch_size ({})", s.local_batch_size));
         }
         for (key, v) in [
             ("distributed.dp_size", self.distributed.dp_size),

@@ -16,8 +16,8 @@ use burn::tensor::{ElementConversion, Tensor, TensorData};
 use super::clip::{clip_global_norm, global_norm};
 use crate::data::batch::MicroBatch;
 use crate::error::ModelError;
-use crate::ops::backend::Glm5Backend;
 use crate::model::{CausalLmOutput, Glm5ForCausalLM};
+use crate::ops::backend::Glm5Backend;
 use crate::text::{ForwardOptions, TokenMask};
 
 /// What a micro-batch must satisfy before it reaches the model: a [`TrainError::Batch`]
@@ -50,14 +50,17 @@ pub enum TrainError {
     Batch(String),
     #[error("step {step}: non-finite {what} (loss {loss}, gradient norm {grad_norm}); the update was not applied")]
     NonFinite { step: usize, what: &'static str, loss: f64, grad_norm: f64 },
-    #[error("{0}")]
-    Checkpoint(String),
-}
-
-impl From<super::checkpoint::CheckpointIoError> for TrainError {
-    fn from(e: super::checkpoint::CheckpointIoError) -> Self {
-        TrainError::Checkpoint(e.to_string())
-    }
+    /// The model inside a training checkpoint could not be written or read.
+    #[error("{dir}: {source}")]
+    Checkpoint { dir: std::path::PathBuf, source: crate::error::CheckpointError },
+    /// The checkpoint directory itself (lock, staging, rename, state file).
+    #[error(transparent)]
+    CheckpointDir(#[from] super::checkpoint::CheckpointIoError),
+    /// One file of a training checkpoint beside the model (optimizer state, copied files).
+    #[error("{path}: {message}")]
+    CheckpointFile { path: std::path::PathBuf, message: String },
+    #[error("saving step {step}: {source}")]
+    Saving { step: usize, source: Box<TrainError> },
 }
 
 /// What a step did.

@@ -40,8 +40,8 @@ use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, param_
 use super::recipe::{FreezeConfig, NonFinitePolicy, Precision, Recipe};
 use super::schedule::LrSchedule;
 use super::step::{accumulate, micro_loss_sum, non_finite, StepMetrics, TrainError};
-use crate::data::batch::MicroBatch;
 use crate::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
+use crate::data::batch::MicroBatch;
 use crate::data::fingerprint::DataFingerprint;
 use crate::model::Glm5ForCausalLM;
 use crate::ops::backend::Glm5Backend;
@@ -86,11 +86,7 @@ impl TrainOptions {
             precision: r.model.dtype,
             on_nonfinite: r.step_scheduler.on_nonfinite,
             freeze: r.freeze_config.clone(),
-            forward: ForwardOptions {
-                attn_path: r.model.backend.attn,
-                linear_path: r.model.backend.linear,
-                ..ForwardOptions::default()
-            },
+            forward: ForwardOptions { attn_path: r.model.backend.attn, linear_path: r.model.backend.linear, ..ForwardOptions::default() },
         }
     }
 }
@@ -100,7 +96,11 @@ impl TrainOptions {
 pub enum StepOutcome {
     Applied(StepMetrics),
     /// Non-finite loss or gradient under `on_nonfinite: skip`: nothing was applied.
-    Skipped { loss: f64, grad_norm: f64, what: &'static str },
+    Skipped {
+        loss: f64,
+        grad_norm: f64,
+        what: &'static str,
+    },
 }
 
 type Adam<B> = OptimizerAdaptor<FusedAdamW, Glm5ForCausalLM<B>, B>;
@@ -256,55 +256,52 @@ where
             param_ids: ids,
             data: self.data_fingerprint.clone(),
         };
-        let cerr = |e: String| TrainError::Checkpoint(e);
+        let file = |path: &Path, message: String| TrainError::CheckpointFile { path: path.to_path_buf(), message };
         ckpt::write(root, &state, keep_last, |dir: &Path| -> Result<(), TrainError> {
             let model_dir = dir.join("model");
-            save_causal_lm(self.model(), config_json, &model_dir).map_err(|e| cerr(e.to_string()))?;
+            save_causal_lm(self.model(), config_json, &model_dir).map_err(|source| TrainError::Checkpoint { dir: model_dir.clone(), source })?;
             for f in extra_files {
-                let name = f.file_name().ok_or_else(|| cerr(format!("{}: not a file name", f.display())))?;
-                std::fs::copy(f, model_dir.join(name)).map_err(|e| cerr(format!("{}: {e}", f.display())))?;
+                let name = f.file_name().ok_or_else(|| file(f, "not a file name".into()))?;
+                std::fs::copy(f, model_dir.join(name)).map_err(|e| file(f, e.to_string()))?;
             }
             // encoded in memory, written by us: a full disk then reads as the I/O error it is
             // (the file recorder reported it as a MessagePack encoding error)
             let path = dir.join("optimizer.mpk");
             let bytes = NamedMpkBytesRecorder::<FullPrecisionSettings>::new()
                 .record(self.optim.to_record(), ())
-                .map_err(|e| cerr(format!("{}: encoding the optimizer state: {e}", path.display())))?;
-            std::fs::write(&path, bytes).map_err(|e| cerr(format!("{}: {e}", path.display())))?;
+                .map_err(|e| file(&path, format!("encoding the optimizer state: {e}")))?;
+            std::fs::write(&path, bytes).map_err(|e| file(&path, e.to_string()))?;
             Ok(())
         })
-        .map_err(|e| match e {
-            TrainError::Checkpoint(m) => TrainError::Checkpoint(format!("saving step {}: {m}", self.step)),
-            other => other,
-        })
+        .map_err(|e| TrainError::Saving { step: self.step, source: Box::new(e) })
     }
 
     /// Continue from a checkpoint directory written by [`Self::save_checkpoint`]: weights,
     /// optimizer moments, step counter. Returns the trainer and the saved state (whose data
     /// position the caller's sampler resumes at).
     pub fn resume(dir: &Path, options: TrainOptions, vision: bool, device: &B::Device) -> Result<(Self, TrainerState), TrainError> {
-        let cerr = |m: String| TrainError::Checkpoint(format!("{}: {m}", dir.display()));
-        let state = ckpt::read_state(dir).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+        let file = |name: &str, message: String| TrainError::CheckpointFile { path: dir.join(name), message };
+        let state = ckpt::read_state(dir)?;
         let load = LoadOptions { vision, ..LoadOptions::default() };
-        let loaded = load_causal_lm::<B>(dir.join("model"), device, &load).map_err(|e| cerr(e.to_string()))?;
+        let model_dir = dir.join("model");
+        let loaded = load_causal_lm::<B>(&model_dir, device, &load).map_err(|source| TrainError::Checkpoint { dir: model_dir.clone(), source })?;
         let ids: BTreeMap<String, ParamId> = state.param_ids.iter().map(|(k, &v)| (k.clone(), ParamId::from(v))).collect();
         let (model, missing) = assign_param_ids(loaded.model, &ids);
         if !missing.is_empty() {
-            return Err(cerr(format!(
-                "trainer_state.json has no parameter id for {} module tensors (first: {}); the checkpoint is from another model",
-                missing.len(),
-                missing[0]
-            )));
+            return Err(file(
+                "trainer_state.json",
+                format!("no parameter id for {} module tensors (first: {}); the checkpoint is from another model", missing.len(), missing[0]),
+            ));
         }
         let path = dir.join("optimizer.mpk");
-        let bytes = std::fs::read(&path).map_err(|e| cerr(format!("optimizer.mpk: {e}")))?;
+        let bytes = std::fs::read(&path).map_err(|e| file("optimizer.mpk", e.to_string()))?;
         let n = bytes.len();
         let record: OptimRecord<B> = NamedMpkBytesRecorder::<FullPrecisionSettings>::new().load(bytes, device).map_err(|e| {
             // the decoder's own text blames a format change; say what it almost always is
             let detail = e.to_string();
             let first = detail.split("\\n").next().and_then(|l| l.lines().next()).unwrap_or_default();
             let first = first.trim_start_matches("Unknown(\"").trim_end_matches("\")");
-            cerr(format!("optimizer.mpk ({n} bytes) is truncated or corrupt and cannot be decoded (decoder: {first})"))
+            file("optimizer.mpk", format!("({n} bytes) is truncated or corrupt and cannot be decoded (decoder: {first})"))
         })?;
         let mut trainer = Self::new(model, options, device);
         trainer.optim = trainer.optim.load_record(record);
@@ -328,10 +325,8 @@ fn update_router_bias<B: AutodiffBackend>(
         _ => None,
     });
     for (moe_index, moe) in moes.enumerate() {
-        let batches: Vec<(&[f32], &[bool])> = router_logits
-            .iter()
-            .filter_map(|(layers, valid)| layers.get(moe_index).map(|l| (l.as_slice(), valid.as_slice())))
-            .collect();
+        let batches: Vec<(&[f32], &[bool])> =
+            router_logits.iter().filter_map(|(layers, valid)| layers.get(moe_index).map(|l| (l.as_slice(), valid.as_slice()))).collect();
         moe.gate.update_bias(&batches, rate);
     }
     model

@@ -39,7 +39,12 @@ pub struct PatchConv<B: Backend> {
 impl<B: Backend> PatchConv<B> {
     fn new(d_in: usize, d_out: usize, device: &B::Device) -> Self {
         Self {
-            weight: Initializer::KaimingUniform { gain: 1.0 / 3f64.sqrt(), fan_out_only: false }.init_with([d_in, d_out], Some(d_in), Some(d_out), device),
+            weight: Initializer::KaimingUniform { gain: 1.0 / 3f64.sqrt(), fan_out_only: false }.init_with(
+                [d_in, d_out],
+                Some(d_in),
+                Some(d_out),
+                device,
+            ),
             bias: Initializer::Zeros.init([d_out], device),
         }
     }
@@ -152,10 +157,7 @@ impl<B: Backend> VisionModel<B> {
         let mut total = 0;
         for (k, &[t, h, w]) in grid_thw.iter().enumerate() {
             if t == 0 || h == 0 || w == 0 || h % self.merge != 0 || w % self.merge != 0 {
-                return err(
-                    "image_grid_thw",
-                    format!("image {k}: grid [{t}, {h}, {w}] must be positive with h and w multiples of {}", self.merge),
-                );
+                return err("image_grid_thw", format!("image {k}: grid [{t}, {h}, {w}] must be positive with h and w multiples of {}", self.merge));
             }
             total += t * h * w;
         }

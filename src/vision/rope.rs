@@ -41,10 +41,7 @@ pub fn cos_sin<B: Backend>(grid_thw: &[[usize; 3]], merge: usize, head_dim: usiz
         }
     }
     let n = pos.len();
-    (
-        Tensor::from_data(TensorData::new(c, [n, head_dim]), device),
-        Tensor::from_data(TensorData::new(s, [n, head_dim]), device),
-    )
+    (Tensor::from_data(TensorData::new(c, [n, head_dim]), device), Tensor::from_data(TensorData::new(s, [n, head_dim]), device))
 }
 
 /// Rotate `x` `[N, heads, d]` (returned in fp32).

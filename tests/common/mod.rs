@@ -65,7 +65,9 @@ pub fn read_all(path: &Path) -> std::collections::BTreeMap<String, glm5_burn::ch
     let st = SafeTensors::deserialize(&bytes).unwrap();
     st.tensors()
         .into_iter()
-        .map(|(n, v)| (n, glm5_burn::checkpoint::safetensors_io::OwnedTensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data().to_vec() }))
+        .map(|(n, v)| {
+            (n, glm5_burn::checkpoint::safetensors_io::OwnedTensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data().to_vec() })
+        })
         .collect()
 }
 

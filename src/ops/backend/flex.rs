@@ -122,7 +122,12 @@ impl Glm5Backend for Flex {
         flex_tensor(swiglu::host_forward(&g, &u, limit as f32), [n])
     }
 
-    fn swiglu_backward(gate: FloatTensor<Self>, up: FloatTensor<Self>, grad: FloatTensor<Self>, limit: f64) -> (FloatTensor<Self>, FloatTensor<Self>) {
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        limit: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         if !all_f32(&[Some(&gate), Some(&up), Some(&grad)]) {
             let (dg, du) = swiglu::reference_backward(f1::<Self>(gate), f1::<Self>(up), f1::<Self>(grad), limit);
             return (dg.into_primitive().tensor(), du.into_primitive().tensor());
@@ -198,7 +203,8 @@ impl Glm5Backend for Flex {
         grad: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         if !all_f32(&[Some(&post), Some(&comb), Some(&y), Some(&res), Some(&grad)]) {
-            let (a, b, c, d) = hc_streams::reference_post_backward(f2::<Self>(post), f3::<Self>(comb), f2::<Self>(y), f3::<Self>(res), f3::<Self>(grad));
+            let (a, b, c, d) =
+                hc_streams::reference_post_backward(f2::<Self>(post), f3::<Self>(comb), f2::<Self>(y), f3::<Self>(res), f3::<Self>(grad));
             return (a.into_primitive().tensor(), b.into_primitive().tensor(), c.into_primitive().tensor(), d.into_primitive().tensor());
         }
         let ((post, _), (comb, _), (y, _), (res, [t, n, d]), (g, _)) = (host_n::<2>(post), host(comb), host_n::<2>(y), host(res), host(grad));

@@ -104,7 +104,16 @@ pub trait Glm5Backend: Backend {
         resets: &[usize],
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let [b, _, h, _] = f4::<Self>(q.clone()).dims();
-        let (o, s, _) = kda_scan::forward::<Self>(heads_major(q), heads_major(k), heads_major(v), heads_major(g), beta_heads_major(beta), f4::<Self>(h0).flatten(0, 1), chunk, resets);
+        let (o, s, _) = kda_scan::forward::<Self>(
+            heads_major(q),
+            heads_major(k),
+            heads_major(v),
+            heads_major(g),
+            beta_heads_major(beta),
+            f4::<Self>(h0).flatten(0, 1),
+            chunk,
+            resets,
+        );
         let [_, dk, dv] = s.dims();
         (model_layout(o, b, h).into_primitive().tensor(), s.reshape([b, h, dk, dv]).into_primitive().tensor())
     }
@@ -126,7 +135,16 @@ pub trait Glm5Backend: Backend {
         resets: &[usize],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let [b, _, h, _] = f4::<Self>(q.clone()).dims();
-        let (_, _, saved) = kda_scan::forward::<Self>(heads_major(q), heads_major(k), heads_major(v), heads_major(g), beta_heads_major(beta), f4::<Self>(h0).flatten(0, 1), chunk, resets);
+        let (_, _, saved) = kda_scan::forward::<Self>(
+            heads_major(q),
+            heads_major(k),
+            heads_major(v),
+            heads_major(g),
+            beta_heads_major(beta),
+            f4::<Self>(h0).flatten(0, 1),
+            chunk,
+            resets,
+        );
         let (dq, dk, dv, dg, db, dh) = kda_scan::backward(saved, heads_major(d_o), f4::<Self>(d_final).flatten(0, 1));
         let back = |t: Tensor<Self, 3>| model_layout(t, b, h).into_primitive().tensor();
         let [_, dk_, dv_] = dh.dims();
@@ -236,15 +254,7 @@ pub trait Glm5Backend: Backend {
         d_o: FloatTensor<Self>,
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (dq, dkv) = sparse_attn::latent_reference_backward::<Self>(
-            f3(q),
-            f2(kv),
-            Tensor::from_primitive(idx),
-            f3(o),
-            f2(lse),
-            f3(d_o),
-            scale,
-        );
+        let (dq, dkv) = sparse_attn::latent_reference_backward::<Self>(f3(q), f2(kv), Tensor::from_primitive(idx), f3(o), f2(lse), f3(d_o), scale);
         (dq.into_primitive().tensor(), dkv.into_primitive().tensor())
     }
 
@@ -284,7 +294,12 @@ pub trait Glm5Backend: Backend {
     }
 
     /// Backward of [`Self::swiglu`]: `(∂gate, ∂up)`. Default: the reference tensor ops.
-    fn swiglu_backward(gate: FloatTensor<Self>, up: FloatTensor<Self>, grad: FloatTensor<Self>, limit: f64) -> (FloatTensor<Self>, FloatTensor<Self>) {
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        limit: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (dg, du) = swiglu::reference_backward(f1::<Self>(gate), f1::<Self>(up), f1::<Self>(grad), limit);
         (dg.into_primitive().tensor(), du.into_primitive().tensor())
     }

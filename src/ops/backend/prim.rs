@@ -33,7 +33,6 @@ pub(crate) fn f3<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 3> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
-
 pub(crate) fn f2<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 2> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
