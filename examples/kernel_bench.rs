@@ -103,7 +103,7 @@ enum Work {
 
 fn path_name(path: PathKind) -> &'static str {
     match path {
-        PathKind::Kernel => "kernel",
+        PathKind::Op => "kernel",
         PathKind::Reference => "reference",
     }
 }
@@ -130,7 +130,7 @@ fn kda<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
         let g = rand([1, s, h, d], Distribution::Uniform(-0.5, 0.0));
         let beta = Tensor::<Autodiff<B>, 3>::random([1, s, h], Distribution::Uniform(0.0, 1.0), device);
         let wts = rand([1, s, h, d], Distribution::Normal(0.0, 1.0));
-        for path in [PathKind::Kernel, PathKind::Reference] {
+        for path in [PathKind::Op, PathKind::Reference] {
             let inner = |t: &Tensor<Autodiff<B>, 4>| t.clone().inner();
             let ms = median_ms::<B>(device, a.reps, || {
                 let (o, _) = kda_chunked::<B>(inner(&q), inner(&k), inner(&v), inner(&g), beta.clone().inner(), None, 64, path);
@@ -170,9 +170,9 @@ fn kpool<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
         let gate = Tensor::<B, 3>::random([1, s, d], Distribution::Normal(0.0, 1.0), device);
         let ape = Tensor::<B, 2>::random([kp, d], Distribution::Normal(0.0, 1.0), device);
         let bytes = 4.0 * (2 * s * d + p * d) as f64;
-        for path in [PathKind::Kernel, PathKind::Reference] {
+        for path in [PathKind::Op, PathKind::Reference] {
             let ms = median_ms::<B>(device, a.reps, || {
-                let out = if path == PathKind::Kernel {
+                let out = if path == PathKind::Op {
                     let prim = |t: Tensor<B, 3>| t.into_primitive().tensor();
                     Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(B::kpool_compress(
                         prim(k.clone()),
@@ -189,9 +189,9 @@ fn kpool<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
         }
         let sel = KpoolSelect { kpool: kp, index_topk: a.topk, always_select_tail: true };
         let scale = (d as f32).powf(-0.5);
-        for path in [PathKind::Kernel, PathKind::Reference] {
+        for path in [PathKind::Op, PathKind::Reference] {
             let ms = median_ms::<B>(device, a.reps, || {
-                let out = if path == PathKind::Kernel {
+                let out = if path == PathKind::Op {
                     let prim = |t: Tensor<B, 3>| t.into_primitive().tensor();
                     B::kpool_select(q.clone().into_primitive().tensor(), prim(w.clone()), prim(pooled.clone()), &mask, sel, scale)
                 } else {
@@ -246,14 +246,14 @@ fn sparse<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
                     let qb = q.clone().slice([lo..hi, 0..h, 0..r]);
                     let ib = Tensor::<Autodiff<B>, 2, Int>::from_inner(idx.clone().slice([lo..hi, 0..w]));
                     match path {
-                        PathKind::Kernel => sparse_latent_attention(qb, kv.clone(), ib, scale).0,
+                        PathKind::Op => sparse_latent_attention(qb, kv.clone(), ib, scale).0,
                         PathKind::Reference => latent_reference(qb, kv.clone(), ib, scale).0,
                     }
                 })
                 .collect();
             Tensor::cat(outs, 0)
         };
-        for path in [PathKind::Kernel, PathKind::Reference] {
+        for path in [PathKind::Op, PathKind::Reference] {
             let ms = median_ms::<B>(device, a.reps, || drop(attend(path, q.clone(), kv.clone())));
             emit(name, "sparse_attention", path_name(path), "fwd", s, ms, Work::Flop(flop));
             let ms = median_ms::<B>(device, a.reps, || {

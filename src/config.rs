@@ -173,7 +173,7 @@ pub struct VisionConfig {
     pub in_channels: usize,
     /// Patch side in pixels.
     pub patch_size: usize,
-    /// RMSNorm ε of the tower (see MODEL_SPEC §12 on the 1e-6 claim).
+    /// RMSNorm ε of the tower (`Glm5NextVisionConfig`'s value; some serving stacks assume 1e-6).
     pub rms_norm_eps: f64,
     /// Merge block side.
     pub spatial_merge_size: usize,
@@ -517,7 +517,7 @@ impl TextConfig {
         }
     }
 
-    /// A tiny configuration that keeps every path alive (MODEL_SPEC §2.2).
+    /// A tiny configuration that keeps every path alive (every layer, MLP and indexer kind).
     pub fn tiny() -> Self {
         let mut c = Self::full();
         c.vocab_size = 512;
@@ -548,55 +548,10 @@ impl TextConfig {
         c
     }
 
-    /// The release configuration of `zai-org/GLM-5.3-Flash` (MODEL_SPEC §2.1).
+    /// The release configuration of `zai-org/GLM-5.3-Flash`: the `text_config` of
+    /// [`Glm5Config::full`].
     pub fn full() -> Self {
-        let n = 45;
-        TextConfig {
-            vocab_size: 154880,
-            hidden_size: 4096,
-            intermediate_size: 12288,
-            moe_intermediate_size: 2048,
-            num_hidden_layers: n,
-            num_attention_heads: 64,
-            num_key_value_heads: 64,
-            n_shared_experts: 1,
-            n_routed_experts: 288,
-            routed_scaling_factor: 2.5,
-            kv_lora_rank: 512,
-            q_lora_rank: 1536,
-            qk_rope_head_dim: 0,
-            v_head_dim: 256,
-            qk_nope_head_dim: 256,
-            n_group: 1,
-            topk_group: 1,
-            num_experts_per_tok: 8,
-            norm_topk_prob: true,
-            hidden_act: Activation::Silu,
-            max_position_embeddings: 1048576,
-            initializer_range: 0.02,
-            rms_norm_eps: 1e-5,
-            pad_token_id: Some(154820),
-            tie_word_embeddings: false,
-            mlp_layer_types: (0..n).map(|i| if i < 3 { MlpType::Dense } else { MlpType::Sparse }).collect(),
-            attention_bias: false,
-            index_topk: 2048,
-            index_head_dim: 128,
-            index_n_heads: 32,
-            layer_types: (0..n).map(|i| if i % 4 == 3 { LayerType::IndexedAttention } else { LayerType::LinearAttention }).collect(),
-            indexer_types: vec![IndexerType::Full; n],
-            swiglu_limit: 10.0,
-            linear_head_dim: 128,
-            linear_num_heads: 64,
-            linear_conv_kernel_dim: 4,
-            linear_lower_bound: Some(-5.0),
-            hc_mult: 4,
-            hc_eps: 1e-6,
-            hc_sinkhorn_iters: 20,
-            router_aux_loss_coef: 0.001,
-            index_kpool: 4,
-            index_kpool_always_select_tail: true,
-            num_nextn_predict_layers: 1,
-        }
+        Glm5Config::full().text_config
     }
 }
 
@@ -647,28 +602,12 @@ impl VisionConfig {
         Ok(cfg)
     }
 
-    /// Release vision tower (MODEL_SPEC §2.1).
+    /// The release vision tower: the `vision_config` of [`Glm5Config::full`].
     pub fn full() -> Self {
-        VisionConfig {
-            depth: 24,
-            hidden_size: 1024,
-            hidden_act: Activation::Silu,
-            attention_bias: true,
-            num_heads: 16,
-            in_channels: 3,
-            patch_size: 14,
-            rms_norm_eps: 1e-5,
-            spatial_merge_size: 2,
-            temporal_patch_size: 2,
-            out_hidden_size: 4096,
-            intermediate_size: 4096,
-            projection_intermediate_size: 10240,
-            swiglu_limit: 10.0,
-            rope_theta: 10000.0,
-        }
+        Glm5Config::full().vision_config
     }
 
-    /// Tiny tower of MODEL_SPEC §2.2.
+    /// Tiny tower with the release's structure.
     pub fn tiny() -> Self {
         VisionConfig {
             depth: 2,
@@ -723,22 +662,15 @@ impl Glm5Config {
         })
     }
 
-    /// Release configuration.
+    /// The release configuration: the published `config.json` of `zai-org/GLM-5.3-Flash`,
+    /// bundled as `configs/glm5_3_flash.json` and read through the same parser as any other
+    /// (one set of defaults, no second copy of the numbers).
     pub fn full() -> Self {
-        Glm5Config {
-            text_config: TextConfig::full(),
-            vision_config: VisionConfig::full(),
-            image_token_id: 154854,
-            video_token_id: 154855,
-            image_start_token_id: 154830,
-            image_end_token_id: 154831,
-            video_start_token_id: 154832,
-            video_end_token_id: 154833,
-            tie_word_embeddings: false,
-        }
+        const RELEASE: &str = include_str!("../configs/glm5_3_flash.json");
+        Self::from_json_str(RELEASE, "configs/glm5_3_flash.json").expect("the bundled release config.json parses (tests/config.rs)")
     }
 
-    /// Tiny configuration (MODEL_SPEC §2.2).
+    /// Tiny configuration with every path of the release alive.
     pub fn tiny() -> Self {
         Glm5Config {
             text_config: TextConfig::tiny(),

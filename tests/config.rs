@@ -75,8 +75,13 @@ fn nested_and_bad_values_are_reported_with_their_path() {
 
 #[test]
 fn presets_are_valid_and_match_the_release() {
+    // the release's numbers as published (model card / config.json), spelled out here so a
+    // bundled file that drifted from them fails
     let full = TextConfig::full();
     full.validate().unwrap();
+    assert_eq!((full.num_hidden_layers, full.hidden_size, full.vocab_size), (45, 4096, 154880));
+    assert_eq!((full.n_routed_experts, full.num_experts_per_tok, full.n_shared_experts), (288, 8, 1));
+    assert_eq!(full.mlp_layer_types.iter().filter(|t| **t == glm5_burn::config::MlpType::Dense).count(), 3);
     assert_eq!(full.index_kpool, 4);
     assert_eq!(full.index_width(), 2051);
     assert_eq!(full.layer_types.iter().filter(|t| **t == glm5_burn::config::LayerType::IndexedAttention).count(), 11);

@@ -7,7 +7,7 @@
 //! E_rsd = e^{min(Γ_rd − Γ_sd, 0)}            (s ≤ r; 0 above the diagonal)
 //! ```
 //!
-//! Only non-positive differences are exponentiated (MODEL_SPEC §5.4). Backward, with the
+//! Only non-positive differences are exponentiated (as FLA's chunked KDA does). Backward, with the
 //! upstream gradient split into `G = grad[.., :C]`, `H = grad[.., C:]` and
 //! `u_rsd = G_rs k_rd + H_rs q_rd`:
 //!

@@ -1,5 +1,5 @@
 //! KPool indexer selection: pool scoring, per-query top-k with the library's tie rule, and the
-//! expansion to token indices (MODEL_SPEC §6.3; HF `Glm5NextTextIndexer.forward`).
+//! expansion to token indices (HF `Glm5NextTextIndexer.forward`).
 //!
 //! For a tile of `N` queries (query `n` is token `t_n` of batch row `b_n`), pooled keys
 //! `K̄` `[Bp, P, d]`, indexer queries `q` `[N, H, d]` and head weights `w` `[N, H]`:

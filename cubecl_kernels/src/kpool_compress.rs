@@ -1,5 +1,5 @@
 //! KPool pooled keys: the softmax-gated compression of every `kpool` consecutive indexer keys
-//! into one (MODEL_SPEC §6.3 step 2; HF `Glm5NextTextIndexer.get_pooled_states`).
+//! into one (HF `Glm5NextTextIndexer.get_pooled_states`).
 //!
 //! For keys `k` and gate logits `γ` `[B, S, d]`, the learned position bias `ape` `[kpool, d]`
 //! and per row the first valid token `f_b` (pools are anchored there, so left padding never

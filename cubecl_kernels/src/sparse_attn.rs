@@ -1,5 +1,5 @@
 //! Sparse attention of `H` query heads over selected rows of a shared latent (MLA's absorbed
-//! form, MODEL_SPEC §6.2), forward and backward.
+//! form; HF `Glm5NextTextAttention.forward`), forward and backward.
 //!
 //! Shapes: `q` `[N, H, R]` (queries already pulled into the latent, `q̃ = W_UKᵀ q`), `kv`
 //! `[M, R]` (the normalised latents `c`, keys and values at once), `idx` `[N, W]` i32 rows of

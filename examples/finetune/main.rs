@@ -34,6 +34,7 @@ use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::fingerprint::DataFingerprint;
 use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions, Sampler};
+use glm5_burn::ops::OpImpl;
 use glm5_burn::train::checkpoint as ckpt;
 use glm5_burn::train::params::trainable_counts;
 use glm5_burn::train::recipe::{DatasetSection, PathKind, Recipe};
@@ -239,17 +240,18 @@ where
     let device: B::Device = Default::default();
     let seed = recipe.rng.seed;
     B::seed(&device, seed);
-    let path = |kind: PathKind, has: bool| match (kind, has) {
-        (PathKind::Reference, _) => "reference",
-        (PathKind::Kernel, true) => "kernel",
-        (PathKind::Kernel, false) => "reference (no kernel on this backend)",
+    let path = |kind: PathKind, runs: OpImpl| match (kind, runs) {
+        (PathKind::Reference, _) => "reference tensor ops (recipe)",
+        (PathKind::Op, OpImpl::Reference) => "reference tensor ops (nothing more on this backend)",
+        (PathKind::Op, runs) => runs.describe(),
     };
     let be = &recipe.model.backend;
     println!(
-        "paths: KDA pair terms {}, KPool indexer {}, sparse attention {}",
-        path(be.linear, B::has_kda_kernel()),
-        path(be.attn, B::has_kpool_kernel()),
-        path(be.attn, B::has_sparse_attention_kernel())
+        "paths: KDA scan {}, KDA pair terms {}, KPool indexer {}, sparse attention {}",
+        path(be.linear, B::kda_scan_impl()),
+        path(be.linear, B::kda_pairs_impl()),
+        path(be.attn, B::kpool_impl()),
+        path(be.attn, B::sparse_attention_impl())
     );
 
     // model description and tokenizer

@@ -1,4 +1,4 @@
-//! Block-FP8 dequantisation (DeepSeek-V3 convention, MODEL_SPEC §9.3).
+//! Block-FP8 dequantisation (DeepSeek-V3 convention: `weight_scale_inv` per 128×128 block, `quantization_config.weight_block_size`).
 //!
 //! A 2-D weight `W_q ∈ e4m3fn^{R×C}` with a scale grid `S ∈ R^{⌈R/b_r⌉×⌈C/b_c⌉}`
 //! (`weight_scale_inv`, which *multiplies*) dequantises as

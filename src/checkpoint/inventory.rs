@@ -1,4 +1,4 @@
-//! Every tensor a published checkpoint holds for a config (MODEL_SPEC §9.1), with shapes,
+//! Every tensor a published checkpoint holds for a config (the `Glm5NextForConditionalGeneration` state dict as published), with shapes,
 //! and the parameter counts derived from them (total, per part, active per token).
 //!
 //! The trunk part agrees with what [`crate::checkpoint::load_causal_lm`] expects (tested); the
@@ -242,7 +242,7 @@ mod tests {
     fn release_counts_reproduce_the_spec_arithmetic() {
         let p = ParamCounts::of(&Glm5Config::full());
         let b = |x: u64| x as f64 / 1e9;
-        // MODEL_SPEC §0/§9: trunk 313.33B, MTP 7.43B, vision 0.564B, total 321.3B, ~17.4B active
+        // the release's published counts: trunk 313.33B, MTP 7.43B, vision 0.564B, total 321.3B, ~17.4B active
         assert!((b(p.trunk) - 313.33).abs() < 0.005, "trunk {}", b(p.trunk));
         assert!((b(p.mtp) - 7.43).abs() < 0.005, "mtp {}", b(p.mtp));
         assert!((b(p.vision) - 0.5636).abs() < 0.0005, "vision {}", b(p.vision));

@@ -43,7 +43,7 @@ pub struct LoadOptions {
     pub strict: bool,
     /// Also load the vision tower (`model.visual.*` must then be present).
     pub vision: bool,
-    /// Override of the vision RMSNorm ε (MODEL_SPEC §12; `None` = `vision_config.rms_norm_eps`).
+    /// Override of the vision RMSNorm ε (`None` = `vision_config.rms_norm_eps`).
     pub vision_rms_eps: Option<f64>,
     /// Load weights holding NaN or ±inf. Off by default: such a weight is an error naming
     /// the tensor and its shard, since the model would only compute NaN; turn it on to

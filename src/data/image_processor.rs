@@ -1,4 +1,4 @@
-//! The image processor (HF `Glm5NextImageProcessor`, MODEL_SPEC §8.1): decode → RGB →
+//! The image processor (HF `Glm5NextImageProcessor`, `image_processing_glm5_next.py`): decode → RGB →
 //! `smart_resize` canvas (28-pixel factor, 16…8000 tokens of 2·28² pixels) → aspect-preserving
 //! antialiased bicubic resize of the content → zero padding right/bottom → rescale + CLIP
 //! normalisation → two identical frames → patches `[gh·gw, 3·2·14·14]` in merge-block-major

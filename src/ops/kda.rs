@@ -9,7 +9,7 @@
 //!
 //! [`kda_recurrent`] is that loop (HF `recurrent_kimi_delta_attention`), the oracle.
 //! [`kda_chunked`] is the WY/UT-transform chunk form (HF `chunk_kimi_delta_attention`,
-//! FLA `naive_chunk_kda`, MODEL_SPEC §5.4), the default path. Inside a chunk of `C` tokens
+//! FLA `naive_chunk_kda`; HF `chunk_kimi_delta_attention` in `modeling_glm5_next.py`), the default path. Inside a chunk of `C` tokens
 //! with cumulative log decay `Γ`:
 //!
 //! ```text
@@ -32,6 +32,7 @@ use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 
 use super::backend::{kda_chunk_scan, kda_pair_sums, Glm5Backend};
 use super::kda_pairs as reference;
+use super::OpImpl;
 use super::PathKind;
 
 /// `x / sqrt(Σ x² + ε)` over the last dim (FLA `l2norm`, ε inside the sqrt).
@@ -159,7 +160,7 @@ pub fn kda_recurrent<B: Backend>(
 /// causal pairs `s ≤ r` only: with `path = Kernel` by the backend op
 /// [`Glm5Backend::kda_pair_sums`] (Flex: fused loops; CubeCL backends: a kernel), otherwise
 /// by the gathered tensor-op form [`reference::kda_pair_sums`]. On a backend with a scan op
-/// ([`Glm5Backend::has_kda_scan_kernel`]: CubeCL, whose state recurrences are kernels, and
+/// ([`Glm5Backend::kda_scan_impl`]: CubeCL, whose state recurrences are kernels, and
 /// Flex, whose scan is the fused host recurrence) `path = Kernel` runs [`kda_chunked_op`]
 /// instead: the same result as one op with a hand-written backward.
 #[allow(clippy::too_many_arguments)]
@@ -174,7 +175,7 @@ pub fn kda_chunked<B: Glm5Backend>(
     path: PathKind,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
     assert!(chunk > 0, "KDA chunk size must be positive");
-    if path == PathKind::Kernel && B::has_kda_scan_kernel() {
+    if path == PathKind::Op && B::kda_scan_impl() != OpImpl::Reference {
         // the backend runs the whole scan with kernels (CubeCL: pair terms + state recurrences)
         return kda_chunked_op(q, k, v, g, beta, initial_state, chunk);
     }
@@ -196,7 +197,7 @@ pub fn kda_chunked<B: Glm5Backend>(
 
     let t_pair = crate::profile::scope("kda scan: pair terms");
     // Σ_d a_rd k_sd e^{Γ_rd − Γ_sd} for s ≤ r: [L | P] before masking and β (ops::backend)
-    let sums = if path.use_kernel::<B>("KDA pair sums", B::has_kda_kernel()) {
+    let sums = if path.use_op::<B>("KDA pair sums", B::kda_pairs_impl()) {
         kda_pair_sums(k.clone(), q.clone(), gam.clone())
     } else {
         reference::kda_pair_sums(k.clone(), q.clone(), gam.clone())

@@ -1,4 +1,4 @@
-//! KPool top-k selection of the DSA indexer (MODEL_SPEC §6.3 steps 3–8; HF
+//! KPool top-k selection of the DSA indexer (HF
 //! `Glm5NextTextIndexer.forward`, `get_pooled_states`, `append_visible_tail`).
 //!
 //! Given per-query pool scores `I[b, t, p]`, this picks, for every non-padding query `t`,

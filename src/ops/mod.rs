@@ -40,6 +40,29 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
+/// What a backend runs for one of the model's ops ([`backend::Glm5Backend`]'s `*_impl`
+/// queries).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpImpl {
+    /// Only the reference tensor ops (the trait's default body).
+    Reference,
+    /// Fused host loops (Flex): one pass over host memory instead of a chain of tensor ops.
+    Fused,
+    /// A CubeCL kernel (`glm5-cubecl-kernels`, on `Vulkan`/`Cuda`).
+    Kernel,
+}
+
+impl OpImpl {
+    /// Words for logs and the `finetune` example's paths line.
+    pub fn describe(self) -> &'static str {
+        match self {
+            OpImpl::Reference => "reference tensor ops",
+            OpImpl::Fused => "fused host loops",
+            OpImpl::Kernel => "CubeCL kernel",
+        }
+    }
+}
+
 /// Which implementation of a hot spot the model runs (recipe `model.backend.attn` / `.linear`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -48,24 +71,27 @@ pub enum PathKind {
     Reference,
     /// The backend's own implementation of the op where it has one — CubeCL kernels on
     /// `Vulkan`/`Cuda`, fused host loops on Flex for KDA — and the reference elsewhere, with a
-    /// one-time warning (`log`) naming the op and the backend.
+    /// one-time warning (`log`) naming the op and the backend. Recipe value `op`; `kernel`, its
+    /// name before Flex's fused loops were told apart from kernels, is still read.
     #[default]
-    Kernel,
+    #[serde(alias = "kernel")]
+    Op,
 }
 
 impl PathKind {
-    /// Whether to call the backend op: `Kernel` and the backend has one. Warns once per
-    /// (op, backend) when `Kernel` falls back.
-    pub fn use_kernel<B: burn::tensor::backend::Backend>(self, op: &'static str, available: bool) -> bool {
+    /// Whether to call the backend op: `Op` and the backend has more than the reference for
+    /// it. Warns once per (op, backend) when `Op` falls back.
+    pub fn use_op<B: burn::tensor::backend::Backend>(self, op: &'static str, available: OpImpl) -> bool {
         if self == PathKind::Reference {
             return false;
         }
+        let available = available != OpImpl::Reference;
         if !available {
             static WARNED: Mutex<BTreeSet<(&'static str, String)>> = Mutex::new(BTreeSet::new());
             let key = (op, std::any::type_name::<B>().to_string());
             let mut warned = WARNED.lock().unwrap_or_else(|e| e.into_inner());
             if !warned.contains(&key) {
-                log::warn!("{op}: no kernel on backend `{}`; running the reference path", key.1);
+                log::warn!("{op}: backend `{}` has only the reference tensor ops for it", key.1);
                 warned.insert(key);
             }
         }

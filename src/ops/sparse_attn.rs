@@ -1,4 +1,4 @@
-//! Multi-head latent attention over selected key indices (MODEL_SPEC §6.2).
+//! Multi-head latent attention over selected key indices (HF `modeling_glm5_next.py`, `Glm5NextTextAttention.forward`).
 //!
 //! Per query `t`, head `h`, over the selected set `Sel(t)` (indices ≥ 0 of its index row):
 //!
@@ -157,7 +157,7 @@ pub fn sparse_absorbed<B: Glm5Backend>(
     block: usize,
     path: PathKind,
 ) -> Tensor<B, 4> {
-    let kernel = path.use_kernel::<B>("sparse attention", B::has_sparse_attention_kernel());
+    let kernel = path.use_op::<B>("sparse attention", B::sparse_attention_impl());
     let [b, s, h, dq] = q.dims();
     let r = latent.dims()[2];
     let dv = w_uv.dims()[1];

@@ -132,7 +132,7 @@ impl<B: Backend> Indexer<B> {
     {
         let _t = crate::profile::scope("indexer");
         let sel = self.selector();
-        let kernel = path.use_kernel::<B>("KPool indexer", B::has_kpool_kernel());
+        let kernel = path.use_op::<B>("KPool indexer", B::kpool_impl());
         let (q, w, pooled) = self.pool_inputs(x, q_resid, mask, kernel);
         if kernel {
             let p = |t: Tensor<B, 3>| t.into_primitive().tensor();

@@ -129,7 +129,7 @@ impl<B: Backend> KdaAttention<B> {
         B: Glm5Backend,
     {
         match &mask.documents {
-            Some(docs) if docs.len() > 1 && opts.linear_path == PathKind::Kernel && matches!(opts.kda, KdaImpl::Chunked(_)) => {
+            Some(docs) if docs.len() > 1 && opts.linear_path == PathKind::Op && matches!(opts.kda, KdaImpl::Chunked(_)) => {
                 self.forward_packed(u, docs, opts)
             }
             Some(docs) => {

@@ -10,7 +10,7 @@
 //!
 //! `Sel(t)` comes from this layer's indexer, or — for an `indexer_types[i] == "shared"`
 //! layer — from the most recent full DSA layer (the reference only supports that directly
-//! after a full layer; we also carry it across KDA layers, see MODEL_SPEC §6.3).
+//! after a full layer; we also carry it across KDA layers, see `Glm5NextTextModel.forward`).
 //! HF: `Glm5NextTextAttention.forward`. The two attention forms are in
 //! [`crate::ops::sparse_attn`]; [`crate::text::AttentionImpl`] picks one.
 

@@ -59,8 +59,8 @@ impl Default for ForwardOptions {
             attention: AttentionImpl::Auto { dense_max_len: 1024 },
             kda: KdaImpl::Chunked(64),
             sparse_block: 256,
-            attn_path: PathKind::Kernel,
-            linear_path: PathKind::Kernel,
+            attn_path: PathKind::Op,
+            linear_path: PathKind::Op,
         }
     }
 }

@@ -1,4 +1,4 @@
-//! The vision tower (HF `Glm5NextVisionModel`, MODEL_SPEC §8.2–8.5).
+//! The vision tower (HF `Glm5NextVisionModel` in `modeling_glm5_next.py`).
 //!
 //! ```text
 //! x   = W_patch · p + b                        p: one [C·T·P·P] = 1176-value patch (Conv3d as a matmul)
@@ -106,7 +106,7 @@ pub struct VisionModel<B: Backend> {
 }
 
 impl<B: Backend> VisionModel<B> {
-    /// Build from a config; `rms_eps_override` replaces `rms_norm_eps` (MODEL_SPEC §12: vLLM
+    /// Build from a config; `rms_eps_override` replaces `rms_norm_eps` (vLLM
     /// runs the tower with 1e-6).
     pub fn new(c: &VisionConfig, rms_eps_override: Option<f64>, device: &B::Device) -> Self {
         let (h, i, o) = (c.hidden_size, c.intermediate_size, c.out_hidden_size);

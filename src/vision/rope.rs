@@ -1,4 +1,4 @@
-//! Axial 2D rotary embedding of the vision tower (MODEL_SPEC §8.4; HF
+//! Axial 2D rotary embedding of the vision tower (HF
 //! `Glm5NextVisionRotaryEmbedding`, `get_vision_position_ids`, `apply_rotary_pos_emb_vision`).
 //!
 //! With `d` = head dim and `f_i = θ^{−4i/d}` for `i < d/4`, a patch at (row, col) gets the

@@ -17,6 +17,7 @@ use super::prim::*;
 use super::Glm5Backend;
 use crate::ops::adamw::AdamWScalars;
 use crate::ops::kpool::KpoolSelect;
+use crate::ops::OpImpl;
 
 /// Adds each computed gradient to its parent's, skipping parents that are not tracked (the
 /// bookkeeping every backward below shares).
@@ -262,20 +263,20 @@ impl<B: Glm5Backend> Backward<B, 3> for BlockAttentionBackward {
 }
 
 impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
-    fn has_kda_kernel() -> bool {
-        B::has_kda_kernel()
+    fn kda_pairs_impl() -> OpImpl {
+        B::kda_pairs_impl()
     }
 
-    fn has_sparse_attention_kernel() -> bool {
-        B::has_sparse_attention_kernel()
+    fn sparse_attention_impl() -> OpImpl {
+        B::sparse_attention_impl()
     }
 
-    fn has_kpool_kernel() -> bool {
-        B::has_kpool_kernel()
+    fn kpool_impl() -> OpImpl {
+        B::kpool_impl()
     }
 
-    fn has_kda_scan_kernel() -> bool {
-        B::has_kda_scan_kernel()
+    fn kda_scan_impl() -> OpImpl {
+        B::kda_scan_impl()
     }
 
     fn kda_chunk_scan(

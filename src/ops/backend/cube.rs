@@ -8,24 +8,25 @@ use super::prim::*;
 use super::Glm5Backend;
 use crate::ops::kpool::{self, KpoolSelect};
 use crate::ops::sparse_attn;
+use crate::ops::OpImpl;
 
 use glm5_cubecl_kernels::{kda_pairs, sparse_attn as sa, BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> Glm5Backend for CubeBackend<R, F, I, BT> {
-    fn has_kda_kernel() -> bool {
-        true
+    fn kda_pairs_impl() -> OpImpl {
+        OpImpl::Kernel
     }
 
-    fn has_sparse_attention_kernel() -> bool {
-        true
+    fn sparse_attention_impl() -> OpImpl {
+        OpImpl::Kernel
     }
 
-    fn has_kpool_kernel() -> bool {
-        true
+    fn kpool_impl() -> OpImpl {
+        OpImpl::Kernel
     }
 
-    fn has_kda_scan_kernel() -> bool {
-        true
+    fn kda_scan_impl() -> OpImpl {
+        OpImpl::Kernel
     }
 
     fn kda_states_forward(

@@ -8,6 +8,7 @@ use burn::tensor::DType;
 use super::prim::*;
 use super::Glm5Backend;
 use crate::ops::adamw::{self, AdamWScalars};
+use crate::ops::OpImpl;
 use crate::ops::{conv, hc_streams, kda_host, kda_pairs, rms, sinkhorn, swiglu};
 
 /// A Flex tensor as contiguous fp32 host memory — the tensor's own buffer when it already
@@ -63,12 +64,12 @@ fn all_f32(ts: &[Option<&FloatTensor<Flex>>]) -> bool {
 /// Flex: the pair sums as host loops over each chunk, in parallel over chunks — no `[pairs, d]`
 /// intermediates, one `exp` per pair and channel shared by both halves.
 impl Glm5Backend for Flex {
-    fn has_kda_kernel() -> bool {
-        true
+    fn kda_pairs_impl() -> OpImpl {
+        OpImpl::Fused
     }
 
-    fn has_kda_scan_kernel() -> bool {
-        true
+    fn kda_scan_impl() -> OpImpl {
+        OpImpl::Fused
     }
 
     fn causal_conv1d(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -30,9 +30,10 @@
 //! tested against its reference and against autodiff through it (`tests/fused_ops.rs`,
 //! `tests/kda_scan.rs`).
 //!
-//! The `has_*_kernel` methods tell the model whether an op is more than its reference here;
-//! the recipe's `model.backend.attn`/`.linear: kernel` uses the op where it is and the
-//! reference tensor ops elsewhere (with a one-time `log` warning; [`super::PathKind`]).
+//! The `*_impl` queries tell the model what an op runs here ([`super::OpImpl`]: reference,
+//! fused host loops or a CubeCL kernel); the recipe's `model.backend.attn`/`.linear: op` uses
+//! the op where it is more than the reference and the reference tensor ops elsewhere (with a
+//! one-time `log` warning; [`super::PathKind`]).
 //!
 //! ## Layout
 //!
@@ -59,6 +60,7 @@ use burn::tensor::{Int, Tensor, TensorPrimitive};
 
 use super::adamw::{self, AdamWScalars};
 use super::kpool::{self, KpoolSelect};
+use super::OpImpl;
 use super::{block_attn, conv, hc_streams, kda_pairs, kda_scan, rms, sinkhorn, sparse_attn, swiglu};
 use prim::*;
 
@@ -70,16 +72,15 @@ pub(crate) mod prim;
 
 /// The library's backend requirements: Burn's `Backend` plus the model's custom ops.
 pub trait Glm5Backend: Backend {
-    /// Whether [`Self::kda_pair_sums`] is more than its reference default here (Flex: fused
-    /// host loops; CubeCL backends: a kernel). `kernel` paths fall back to the reference
-    /// tensor ops where this is false.
-    fn has_kda_kernel() -> bool {
-        false
+    /// What [`Self::kda_pair_sums`] runs here (Flex: fused host loops; CubeCL backends: a
+    /// kernel). The `op` path falls back to the reference tensor ops where it is the reference.
+    fn kda_pairs_impl() -> OpImpl {
+        OpImpl::Reference
     }
 
-    /// Whether [`Self::sparse_latent_attention`] runs a kernel here (CubeCL backends).
-    fn has_sparse_attention_kernel() -> bool {
-        false
+    /// What [`Self::sparse_latent_attention`] runs here (CubeCL backends: a kernel).
+    fn sparse_attention_impl() -> OpImpl {
+        OpImpl::Reference
     }
 
     /// The KDA scan on prepared inputs in the model's layout: `q, k, g` `[B, T, H, dk]`, `v`
@@ -152,11 +153,11 @@ pub trait Glm5Backend: Backend {
         (back(dq), back(dk), back(dv), back(dg), db.into_primitive().tensor(), dh.reshape([b, h, dk_, dv_]).into_primitive().tensor())
     }
 
-    /// Whether [`Self::kda_chunk_scan`] is more than its reference here (CubeCL backends: the
-    /// state recurrences below as kernels; Flex: the fused host recurrence); the model then
-    /// takes the scan op for KDA's `kernel` path.
-    fn has_kda_scan_kernel() -> bool {
-        false
+    /// What [`Self::kda_chunk_scan`] runs here (CubeCL backends: the state recurrences below as
+    /// kernels; Flex: the fused host recurrence); the model takes the scan op for KDA's `op`
+    /// path unless this is the reference.
+    fn kda_scan_impl() -> OpImpl {
+        OpImpl::Reference
     }
 
     /// KDA's inter-chunk state recurrence (`ops::kda_scan::states_forward`): `w`, `kd`
@@ -199,9 +200,9 @@ pub trait Glm5Backend: Backend {
         (s.into_primitive().tensor(), v.into_primitive().tensor(), f.into_primitive().tensor())
     }
 
-    /// Whether [`Self::kpool_select`] runs a kernel here (CubeCL backends).
-    fn has_kpool_kernel() -> bool {
-        false
+    /// What [`Self::kpool_select`] runs here (CubeCL backends: a kernel).
+    fn kpool_impl() -> OpImpl {
+        OpImpl::Reference
     }
 
     /// KPool indexer scoring and selection (`ops::kpool`): queries `q` `[B, S, H, d]`, head
