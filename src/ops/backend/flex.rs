@@ -61,8 +61,8 @@ fn all_f32(ts: &[Option<&FloatTensor<Flex>>]) -> bool {
     ts.iter().flatten().all(|t| t.dtype() == DType::F32)
 }
 
-/// Flex: the pair sums as host loops over each chunk, in parallel over chunks — no `[pairs, d]`
-/// intermediates, one `exp` per pair and channel shared by both halves.
+/// Flex: each op as host loops over its buffers (the equations and loops live with the op in
+/// `ops::*`); fp32 only, other dtypes take the reference bodies.
 impl Glm5Backend for Flex {
     fn kda_pairs_impl() -> OpImpl {
         OpImpl::Fused
