@@ -93,3 +93,76 @@ fn presets_are_valid_and_match_the_release() {
     .unwrap();
     assert_eq!(cfg.vision_config.out_hidden_size, 24);
 }
+
+/// Every field of the resolved configs, read from an empty `config.json`, equals what
+/// `Glm5NextConfig()` resolves to in transformers 5.23.0 (`tests/fixtures/config_defaults.json`):
+/// the serde mirror's one set of defaults is the reference classes'.
+#[test]
+fn empty_config_resolves_to_the_reference_class_defaults() {
+    let text = std::fs::read_to_string(common::fixtures().join("config_defaults.json")).unwrap();
+    let reference: Value = serde_json::from_str(&text).unwrap();
+    let cfg = Glm5Config::from_hf_value(&json!({"text_config": {}, "vision_config": {}})).unwrap();
+    let same = |a: &Value, b: &Value| match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => x == y,
+        _ => a == b,
+    };
+    let mut vision_ref = reference["vision_config"].clone();
+    vision_ref["rope_theta"] = vision_ref["rope_parameters"]["rope_theta"].clone();
+    for (ours, theirs, section) in [
+        (serde_json::to_value(&cfg.text_config).unwrap(), reference["text_config"].clone(), "text_config"),
+        (serde_json::to_value(&cfg.vision_config).unwrap(), vision_ref, "vision_config"),
+    ] {
+        for (k, o) in ours.as_object().unwrap() {
+            // a key of the published config.json that the class keeps only as an extra
+            // attribute; we read it to skip the stored MTP layer on load
+            if k == "num_nextn_predict_layers" {
+                assert_eq!(o, &json!(0));
+                continue;
+            }
+            let t = theirs.get(k).unwrap_or_else(|| panic!("{section}.{k}: not a field of the reference class"));
+            assert!(same(o, t), "{section}.{k}: ours {o}, reference {t}");
+        }
+    }
+    for (k, t) in reference["top"].as_object().unwrap() {
+        let o = &serde_json::to_value(&cfg).unwrap()[k];
+        assert!(same(o, t), "{k}: ours {o}, reference {t}");
+    }
+    // the flat form and a fully empty file resolve to the same text config
+    assert_eq!(Glm5Config::from_hf_value(&json!({})).unwrap(), cfg);
+}
+
+#[test]
+fn null_means_the_default_except_where_the_reference_gives_it_a_meaning() {
+    let cfg = Glm5Config::from_hf_value(&json!({"text_config": {"hidden_size": null, "pad_token_id": null, "linear_lower_bound": null},
+        "vision_config": null}))
+    .unwrap();
+    assert_eq!(cfg.text_config.hidden_size, 4096);
+    assert_eq!(cfg.text_config.pad_token_id, None);
+    assert_eq!(cfg.text_config.linear_lower_bound, None, "null selects the softplus gate");
+    assert_eq!(cfg.vision_config, Glm5Config::from_hf_value(&json!({})).unwrap().vision_config);
+    let err = Glm5Config::from_hf_value(&json!({"text_config": {"q_lora_rank": null}})).unwrap_err();
+    assert!(err.to_string().contains("text_config.q_lora_rank") && err.to_string().contains("strictly required"), "{err}");
+    // num_local_experts (the Mixtral-style name) feeds n_routed_experts; an explicit n_routed_experts wins
+    let t = |v: Value| Glm5Config::from_hf_value(&json!({ "text_config": v })).unwrap().text_config;
+    assert_eq!(t(json!({"num_local_experts": 16})).n_routed_experts, 16);
+    assert_eq!(t(json!({"num_local_experts": 16, "n_routed_experts": 32})).n_routed_experts, 32);
+    // unmodelled keys are ignored, as `from_dict` keeps them as attributes nobody reads
+    assert_eq!(t(json!({"scoring_func": "sigmoid", "mhc": true})), t(json!({})));
+}
+
+#[test]
+fn vision_values_are_read_and_reported_with_their_path() {
+    let v = |x: Value| Glm5Config::from_hf_value(&json!({ "vision_config": x }));
+    let cfg = v(json!({"patch_size": [16, 16], "temporal_patch_size": [1], "rope_parameters": {"rope_theta": 500.0}})).unwrap().vision_config;
+    assert_eq!((cfg.patch_size, cfg.temporal_patch_size, cfg.rope_theta), (16, 1, 500.0));
+    let err = v(json!({"patch_size": []})).unwrap_err().to_string();
+    assert!(err.contains("vision_config.patch_size"), "{err}");
+    let err = v(json!({"depth": -1})).unwrap_err().to_string();
+    assert!(err.contains("vision_config.depth"), "{err}");
+    let err = v(json!({"num_heads": 5})).unwrap_err().to_string();
+    assert!(err.contains("vision_config.num_heads") && err.contains("multiple"), "{err}");
+    let err = v(json!({"hidden_act": "mish"})).unwrap_err().to_string();
+    assert!(err.contains("vision_config.hidden_act") && err.contains("mish"), "{err}");
+    let err = Glm5Config::from_hf_value(&json!([1, 2])).unwrap_err().to_string();
+    assert!(err.contains("<root>"), "{err}");
+}

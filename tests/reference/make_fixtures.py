@@ -975,6 +975,18 @@ def config_fixture():
     print(f"config_cases: {len(cases)} cases")
 
 
+def config_defaults_fixture():
+    """What `Glm5NextConfig()` resolves to with no arguments: the class defaults (and the
+    defaults derived from them) that our serde mirror must reproduce."""
+    c = Glm5NextConfig()
+    out = {"text_config": c.text_config.to_dict(), "vision_config": c.vision_config.to_dict(),
+           "top": {k: getattr(c, k) for k in ["image_token_id", "video_token_id", "image_start_token_id",
+                                              "image_end_token_id", "video_start_token_id", "video_end_token_id",
+                                              "tie_word_embeddings"]}}
+    (OUT / "config_defaults.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
+    print("config_defaults: written")
+
+
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
     torch.set_default_dtype(torch.float32)
@@ -1002,6 +1014,8 @@ def main():
         kda_fixture()
     if not only or "config" in only:
         config_fixture()
+    if not only or "config_defaults" in only:
+        config_defaults_fixture()
 
 
 if __name__ == "__main__":
