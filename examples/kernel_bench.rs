@@ -41,7 +41,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use clap::Parser;
 use glm5_burn::ops::backend::sparse_latent_attention;
-use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op};
+use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op, KdaInputs};
 use glm5_burn::ops::kpool::{reference_compress, reference_scores, KpoolSelect};
 use glm5_burn::ops::sparse_attn::latent_reference;
 use glm5_burn::{Glm5Backend, PathKind};
@@ -133,13 +133,14 @@ fn kda<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
         for path in [PathKind::Op, PathKind::Reference] {
             let inner = |t: &Tensor<Autodiff<B>, 4>| t.clone().inner();
             let ms = median_ms::<B>(device, a.reps, || {
-                let (o, _) = kda_chunked::<B>(inner(&q), inner(&k), inner(&v), inner(&g), beta.clone().inner(), None, 64, path);
+                let x = KdaInputs { q: inner(&q), k: inner(&k), v: inner(&v), g: inner(&g), beta: beta.clone().inner(), initial_state: None };
+                let (o, _) = kda_chunked::<B>(x, 64, path);
                 drop(o);
             });
             emit(name, "kda_chunked", path_name(path), "fwd", s, ms, Work::Flop(flop));
             let ms = median_ms::<B>(device, a.reps, || {
                 let [q, k, v] = [&q, &k, &v].map(|t| t.clone().require_grad());
-                let (o, _) = kda_chunked(q.clone(), k, v, g.clone(), beta.clone(), None, 64, path);
+                let (o, _) = kda_chunked(KdaInputs { q: q.clone(), k, v, g: g.clone(), beta: beta.clone(), initial_state: None }, 64, path);
                 let grads = (o * wts.clone()).sum().backward();
                 drop(q.grad(&grads));
             });
@@ -148,7 +149,7 @@ fn kda<B: Glm5Backend>(a: &Args, name: &str, device: &B::Device) {
         // the whole scan as one op with its hand-written backward (`ops::kda_scan`)
         let ms = median_ms::<B>(device, a.reps, || {
             let [q, k, v] = [&q, &k, &v].map(|t| t.clone().require_grad());
-            let (o, _) = kda_chunked_op(q.clone(), k, v, g.clone(), beta.clone(), None, 64);
+            let (o, _) = kda_chunked_op(KdaInputs { q: q.clone(), k, v, g: g.clone(), beta: beta.clone(), initial_state: None }, 64);
             let grads = (o * wts.clone()).sum().backward();
             drop(q.grad(&grads));
         });

@@ -13,7 +13,7 @@
 mod common;
 
 use common::*;
-use glm5_burn::ops::kda::{kda_chunked, kda_recurrent};
+use glm5_burn::ops::kda::{kda_chunked, kda_recurrent, KdaInputs};
 use glm5_burn::ops::PathKind;
 
 fn rel(truth: &[f32], b: &[f32]) -> f32 {
@@ -29,8 +29,9 @@ fn kda_matches_reference_both_forms() {
     for tag in ["a", "b", "c", "d"] {
         let t = |n: &str| io.tensor::<4>(&format!("{tag}.{n}"), &device);
         let beta = io.tensor::<3>(&format!("{tag}.beta"), &device);
-        let (oc, sc) = kda_chunked(t("q"), t("k"), t("v"), t("g"), beta.clone(), Some(t("h0")), 64, PathKind::Op);
-        let (or, sr) = kda_recurrent(t("q"), t("k"), t("v"), t("g"), beta, Some(t("h0")));
+        let x = KdaInputs { q: t("q"), k: t("k"), v: t("v"), g: t("g"), beta, initial_state: Some(t("h0")) };
+        let (oc, sc) = kda_chunked(x.clone(), 64, PathKind::Op);
+        let (or, sr) = kda_recurrent(x);
         let (oc, sc, or, sr) = (host(oc), host(sc), host(or), host(sr));
         let f = |n: &str| io.f32(&format!("{tag}.{n}"));
         let hf_o_err = rel(&f("o_f64"), &f("o_chunk"));
@@ -65,7 +66,8 @@ fn chunk_size_does_not_change_the_result() {
     let beta = io.tensor::<3>("a.beta", &device);
     let truth = io.f32("a.o_f64");
     for chunk in [16, 32, 64] {
-        let (o, _) = kda_chunked(t("q"), t("k"), t("v"), t("g"), beta.clone(), Some(t("h0")), chunk, PathKind::Op);
+        let x = KdaInputs { q: t("q"), k: t("k"), v: t("v"), g: t("g"), beta: beta.clone(), initial_state: Some(t("h0")) };
+        let (o, _) = kda_chunked(x, chunk, PathKind::Op);
         let r = rel(&truth, &host(o));
         assert!(r <= 1e-5, "chunk {chunk}: {r:e}");
     }

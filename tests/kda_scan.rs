@@ -15,8 +15,8 @@
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::Tensor;
 use glm5_burn::ops::backend::{kda_chunk_scan, Glm5Backend};
-use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op, kda_recurrent};
-use glm5_burn::ops::kda_scan;
+use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op, kda_recurrent, KdaInputs};
+use glm5_burn::ops::kda_scan::{self, ScanInputs};
 use glm5_burn::PathKind;
 
 mod common;
@@ -48,11 +48,11 @@ fn run(form: Form, d: [usize; 6], chunk: usize, seed: u64) -> (Vec<f32>, Vec<f32
     let h0 = t::<A, 4>(&r.vec(b * h * dk * dv, 0.5), [b, h, dk, dv]).require_grad();
     let wo = t::<A, 4>(&r.vec(b * s * h * dv, 1.0), [b, s, h, dv]);
     let ws = t::<A, 4>(&r.vec(b * h * dk * dv, 1.0), [b, h, dk, dv]);
-    let args = (q.clone(), k.clone(), v.clone(), g.clone(), beta.clone(), Some(h0.clone()));
+    let x = KdaInputs { q: q.clone(), k: k.clone(), v: v.clone(), g: g.clone(), beta: beta.clone(), initial_state: Some(h0.clone()) };
     let (o, st) = match form {
-        Form::Op => kda_chunked_op(args.0, args.1, args.2, args.3, args.4, args.5, chunk),
-        Form::Chunked => kda_chunked(args.0, args.1, args.2, args.3, args.4, args.5, chunk, PathKind::Reference),
-        Form::Recurrent => kda_recurrent(args.0, args.1, args.2, args.3, args.4, args.5),
+        Form::Op => kda_chunked_op(x, chunk),
+        Form::Chunked => kda_chunked(x, chunk, PathKind::Reference),
+        Form::Recurrent => kda_recurrent(x),
     };
     let grads = ((o.clone() * wo).sum() + (st.clone() * ws).sum()).backward();
     let gr = [host(q.grad(&grads).unwrap()), host(k.grad(&grads).unwrap()), host(v.grad(&grads).unwrap()), host(g.grad(&grads).unwrap())];
@@ -119,9 +119,9 @@ fn op_run<B: Glm5Backend>(x: &[Vec<f32>; 8], dims: [usize; 4], batch: usize, chu
     let h0 = t::<B, 3>(h0, [bh, dk, dv]);
     let (d_o, d_s) = (t::<B, 3>(d_o, [bh, tt, dv]), t::<B, 3>(d_s, [bh, dk, dv]));
     if reference {
-        let (o, s, saved) = kda_scan::forward(q, k, v, g, beta, h0, chunk, resets);
-        let (a, b, c, d, e, f) = kda_scan::backward(saved, d_o, d_s);
-        return (o, s, [host(a), host(b), host(c), host(d), host(e), host(f)]);
+        let (o, s, saved) = kda_scan::forward(ScanInputs { q, k, v, g, beta, h0 }, chunk, resets);
+        let d = kda_scan::backward(saved, d_o, d_s);
+        return (o, s, [host(d.q), host(d.k), host(d.v), host(d.g), host(d.beta), host(d.h0)]);
     }
     // the op takes the model's layout, [B, T, H, d], and [B, H, dk, dv] states
     let model = |x: Tensor<B, 3>| {
@@ -135,24 +135,13 @@ fn op_run<B: Glm5Backend>(x: &[Vec<f32>; 8], dims: [usize; 4], batch: usize, chu
     let states = |x: Tensor<B, 3>| x.reshape([batch, bh / batch, dk, dv]);
     let beta_m = beta.reshape([batch, bh / batch, tt]).swap_dims(1, 2);
     let p = |x: Tensor<B, 4>| x.into_primitive().tensor();
-    let (o, s) =
-        kda_chunk_scan(model(q.clone()), model(k.clone()), model(v.clone()), model(g.clone()), beta_m.clone(), states(h0.clone()), chunk, resets);
-    let (a, b, c, d, e, f) = B::kda_chunk_scan_backward(
-        p(model(q)),
-        p(model(k)),
-        p(model(v)),
-        p(model(g)),
-        beta_m.into_primitive().tensor(),
-        p(states(h0)),
-        p(model(d_o)),
-        p(states(d_s)),
-        chunk,
-        resets,
-    );
+    let x = ScanInputs { q: model(q), k: model(k), v: model(v), g: model(g), beta: beta_m, h0: states(h0) };
+    let (o, s) = kda_chunk_scan(x.clone(), chunk, resets);
+    let d = B::kda_chunk_scan_backward(x.map(p, |b| b.into_primitive().tensor()), p(model(d_o)), p(states(d_s)), chunk, resets);
     let f4 = |x| Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(x));
     let h4 = |x| host(heads_major(f4(x)));
-    let hb = host(Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(e)).swap_dims(1, 2).reshape([bh, tt]));
-    (heads_major(o), s.reshape([bh, dk, dv]), [h4(a), h4(b), h4(c), h4(d), hb, host(f4(f).reshape([bh, dk, dv]))])
+    let hb = host(Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(d.beta)).swap_dims(1, 2).reshape([bh, tt]));
+    (heads_major(o), s.reshape([bh, dk, dv]), [h4(d.q), h4(d.k), h4(d.v), h4(d.g), hb, host(f4(d.h0).reshape([bh, dk, dv]))])
 }
 
 /// Autodiff through the reference body's forward (its pair terms through the Autodiff op).
@@ -164,7 +153,8 @@ fn op_autodiff(x: &[Vec<f32>; 8], dims: [usize; 4], chunk: usize, resets: &[usiz
     let v = t::<A, 3>(v, [bh, tt, dv]).require_grad();
     let beta = t::<A, 2>(beta, [bh, tt]).require_grad();
     let h0 = t::<A, 3>(h0, [bh, dk, dv]).require_grad();
-    let (o, s, _) = kda_scan::forward(q.clone(), k.clone(), v.clone(), g.clone(), beta.clone(), h0.clone(), chunk, resets);
+    let x = ScanInputs { q: q.clone(), k: k.clone(), v: v.clone(), g: g.clone(), beta: beta.clone(), h0: h0.clone() };
+    let (o, s, _) = kda_scan::forward(x, chunk, resets);
     let loss = (o * t::<A, 3>(d_o, [bh, tt, dv])).sum() + (s * t::<A, 3>(d_s, [bh, dk, dv])).sum();
     let gr = loss.backward();
     [

@@ -401,7 +401,7 @@ fn tiny_model_kernel_paths_match_reference_paths() {
 
 #[test]
 fn kda_scan_with_state_kernels_matches_reference() {
-    use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op, kda_packed_op};
+    use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op, kda_packed_op, KdaInputs};
     use glm5_burn::PathKind;
     // Autodiff<Vulkan> through the scan op (pair-term and state-recurrence kernels, hand-written
     // backward) against Autodiff<Flex> through the chunked reference form (gathered pair terms,
@@ -437,13 +437,13 @@ fn kda_scan_with_state_kernels_matches_reference() {
             let g = t::<B, 4>(ins[3], [b, s, h, dk]).require_grad();
             let beta = t::<B, 3>(ins[4], [b, s, h]).require_grad();
             let h0 = t::<B, 4>(ins[5], [b, h, dk, dv]).require_grad();
-            let args = (q.clone(), k.clone(), v.clone(), g.clone(), beta.clone(), Some(h0.clone()));
+            let x = KdaInputs { q: q.clone(), k: k.clone(), v: v.clone(), g: g.clone(), beta: beta.clone(), initial_state: Some(h0.clone()) };
             let (o, st) = if !resets.is_empty() {
-                kda_packed_op(args.0, args.1, args.2, args.3, args.4, args.5, chunk, resets)
+                kda_packed_op(x, chunk, resets)
             } else if op {
-                kda_chunked_op(args.0, args.1, args.2, args.3, args.4, args.5, chunk)
+                kda_chunked_op(x, chunk)
             } else {
-                kda_chunked(args.0, args.1, args.2, args.3, args.4, args.5, chunk, PathKind::Reference)
+                kda_chunked(x, chunk, PathKind::Reference)
             };
             let grads = ((o.clone() * t::<B, 4>(ins[6], [b, s, h, dv])).sum() + (st.clone() * t::<B, 4>(ins[7], [b, h, dk, dv])).sum()).backward();
             vec![
@@ -475,7 +475,7 @@ fn kda_forms_agree_with_flex_on_vulkan() {
     // decays wrongly (a reshaped `swap_dims` view; `ops::kda::last_in_chunk`), giving garbage
     // on Vulkan that single-chunk, single-head cases do not show. The chunked reference, the
     // scan op (kernels) and the token recurrence on Vulkan against the chunked form on Flex.
-    use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op, kda_recurrent};
+    use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op, kda_recurrent, KdaInputs};
     use glm5_burn::PathKind;
     for (b, s, h, dk, dv, chunk) in [(1usize, 67usize, 3usize, 16usize, 16usize, 16usize), (2, 64, 2, 8, 6, 16), (1, 130, 3, 16, 16, 64)] {
         let mut r = Rng(2);
@@ -488,20 +488,21 @@ fn kda_forms_agree_with_flex_on_vulkan() {
         let (dkk, dvv) = ins([b, s, h, dk], [b, s, h, dv]);
         macro_rules! args {
             ($B:ty) => {
-                (t::<$B, 4>(&q, dkk), t::<$B, 4>(&k, dkk), t::<$B, 4>(&v, dvv), t::<$B, 4>(&g, dkk), t::<$B, 3>(&beta, [b, s, h]), None)
+                KdaInputs {
+                    q: t::<$B, 4>(&q, dkk),
+                    k: t::<$B, 4>(&k, dkk),
+                    v: t::<$B, 4>(&v, dvv),
+                    g: t::<$B, 4>(&g, dkk),
+                    beta: t::<$B, 3>(&beta, [b, s, h]),
+                    initial_state: None,
+                }
             };
         }
-        let (fo, fs) = {
-            let a = args!(Flex);
-            kda_chunked(a.0, a.1, a.2, a.3, a.4, a.5, chunk, PathKind::Reference)
-        };
+        let (fo, fs) = kda_chunked(args!(Flex), chunk, PathKind::Reference);
         let (fo, fs) = (host(fo), host(fs));
-        let a = args!(V);
-        let chunked = kda_chunked(a.0, a.1, a.2, a.3, a.4, a.5, chunk, PathKind::Reference);
-        let a = args!(V);
-        let op = kda_chunked_op(a.0, a.1, a.2, a.3, a.4, a.5, chunk);
-        let a = args!(V);
-        let rec = kda_recurrent(a.0, a.1, a.2, a.3, a.4, a.5);
+        let chunked = kda_chunked(args!(V), chunk, PathKind::Reference);
+        let op = kda_chunked_op(args!(V), chunk);
+        let rec = kda_recurrent(args!(V));
         for (name, (o, st)) in [("chunked", chunked), ("scan op", op), ("recurrent", rec)] {
             let (eo, es) = (rel(&host(o), &fo), rel(&host(st), &fs));
             println!("KDA on Vulkan, {name} [{b}, {s}, {h}, {dk}, {dv}] C={chunk}: o {eo:.2e}, final state {es:.2e} vs Flex");

@@ -32,6 +32,7 @@ use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 
 use super::backend::{kda_chunk_scan, kda_pair_sums, Glm5Backend};
 use super::kda_pairs as reference;
+use super::kda_scan::ScanInputs;
 use super::OpImpl;
 use super::PathKind;
 
@@ -54,6 +55,23 @@ fn l2_reference<B: Backend>(x: Tensor<B, 4>, scale: f64) -> Tensor<B, 4> {
     }
 }
 
+/// KDA's inputs in the model's layout (shapes in the module docs), any float dtype.
+#[derive(Debug, Clone)]
+pub struct KdaInputs<B: Backend> {
+    /// Queries `[B, T, H, d_k]` (normalised and scaled inside).
+    pub q: Tensor<B, 4>,
+    /// Keys `[B, T, H, d_k]` (normalised inside).
+    pub k: Tensor<B, 4>,
+    /// Values `[B, T, H, d_v]`.
+    pub v: Tensor<B, 4>,
+    /// Per-channel log decays `[B, T, H, d_k]` (≤ 0).
+    pub g: Tensor<B, 4>,
+    /// Write strengths `β` `[B, T, H]`.
+    pub beta: Tensor<B, 3>,
+    /// The state before the first token `[B, H, d_k, d_v]`; `None` starts from zero.
+    pub initial_state: Option<Tensor<B, 4>>,
+}
+
 struct Prepared<B: Backend> {
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -65,15 +83,8 @@ struct Prepared<B: Backend> {
 
 /// fp32, `[B, H, T, d]` layout, normalised and scaled q/k.
 /// `l2` normalises and scales rows: `l2(x, scale) = scale · x / sqrt(Σx² + 1e-6)`.
-fn prepare<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    g: Tensor<B, 4>,
-    beta: Tensor<B, 3>,
-    initial_state: Option<Tensor<B, 4>>,
-    l2: impl Fn(Tensor<B, 4>, f64) -> Tensor<B, 4>,
-) -> Prepared<B> {
+fn prepare<B: Backend>(x: KdaInputs<B>, l2: impl Fn(Tensor<B, 4>, f64) -> Tensor<B, 4>) -> Prepared<B> {
+    let KdaInputs { q, k, v, g, beta, initial_state } = x;
     let [b, _t, h, dk] = k.dims();
     let dv = v.dims()[3];
     let device = q.device();
@@ -123,18 +134,11 @@ fn pair_mask<B: Backend>(n: usize, f: impl Fn(usize, usize) -> bool, device: &B:
 }
 
 /// Token-by-token recurrence (the oracle). See the module docs for shapes.
-pub fn kda_recurrent<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    g: Tensor<B, 4>,
-    beta: Tensor<B, 3>,
-    initial_state: Option<Tensor<B, 4>>,
-) -> (Tensor<B, 4>, Tensor<B, 4>) {
-    let dtype = q.dtype();
-    let [b, t, h, dk] = k.dims();
-    let dv = v.dims()[3];
-    let Prepared { q, k, v, g, beta, mut state } = prepare(q, k, v, g, beta, initial_state, l2_reference);
+pub fn kda_recurrent<B: Backend>(x: KdaInputs<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let dtype = x.q.dtype();
+    let [b, t, h, dk] = x.k.dims();
+    let dv = x.v.dims()[3];
+    let Prepared { q, k, v, g, beta, mut state } = prepare(x, l2_reference);
     let mut outs = Vec::with_capacity(t);
     for i in 0..t {
         let qi = q.clone().slice([0..b, 0..h, i..i + 1, 0..dk]); // [B,H,1,dk]
@@ -163,28 +167,18 @@ pub fn kda_recurrent<B: Backend>(
 /// ([`Glm5Backend::kda_scan_impl`]: CubeCL, whose state recurrences are kernels, and
 /// Flex, whose scan is the fused host recurrence) `path = Kernel` runs [`kda_chunked_op`]
 /// instead: the same result as one op with a hand-written backward.
-#[allow(clippy::too_many_arguments)]
-pub fn kda_chunked<B: Glm5Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    g: Tensor<B, 4>,
-    beta: Tensor<B, 3>,
-    initial_state: Option<Tensor<B, 4>>,
-    chunk: usize,
-    path: PathKind,
-) -> (Tensor<B, 4>, Tensor<B, 4>) {
+pub fn kda_chunked<B: Glm5Backend>(x: KdaInputs<B>, chunk: usize, path: PathKind) -> (Tensor<B, 4>, Tensor<B, 4>) {
     assert!(chunk > 0, "KDA chunk size must be positive");
     if path == PathKind::Op && B::kda_scan_impl() != OpImpl::Reference {
         // the backend runs the whole scan with kernels (CubeCL: pair terms + state recurrences)
-        return kda_chunked_op(q, k, v, g, beta, initial_state, chunk);
+        return kda_chunked_op(x, chunk);
     }
-    let dtype = q.dtype();
-    let [b, t, h, dk] = k.dims();
-    let dv = v.dims()[3];
-    let device = q.device();
+    let dtype = x.q.dtype();
+    let [b, t, h, dk] = x.k.dims();
+    let dv = x.v.dims()[3];
+    let device = x.q.device();
     let t_prep = crate::profile::scope("kda scan: prepare");
-    let prepared = prepare(q, k, v, g, beta, initial_state, l2_reference);
+    let prepared = prepare(x, l2_reference);
     let (Prepared { q, k, v, g, beta, state }, chunk, tp) = pad_to_chunks(prepared, chunk);
     let n = tp / chunk;
     let (x, c) = (b * h * n, chunk); // every chunk of every head is one batch row
@@ -255,16 +249,8 @@ pub fn kda_chunked<B: Glm5Backend>(
 /// (gradients for q, k, v, g, β and the initial state) instead of autodiff through the chunk
 /// recurrence. Inputs stay in the model's `[B, T, H, d]` layout (a backend that wants
 /// heads-major transposes inside the op). Same shapes as [`kda_chunked`].
-pub fn kda_chunked_op<B: Glm5Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    g: Tensor<B, 4>,
-    beta: Tensor<B, 3>,
-    initial_state: Option<Tensor<B, 4>>,
-    chunk: usize,
-) -> (Tensor<B, 4>, Tensor<B, 4>) {
-    kda_packed_op(q, k, v, g, beta, initial_state, chunk, &[])
+pub fn kda_chunked_op<B: Glm5Backend>(x: KdaInputs<B>, chunk: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    kda_packed_op(x, chunk, &[])
 }
 
 /// [`kda_chunked_op`] over packed documents in one row (`cu_seqlens`-style varlen): `resets`
@@ -272,17 +258,8 @@ pub fn kda_chunked_op<B: Glm5Backend>(
 /// to whole chunks by the caller with inert tokens, β = g = 0); the state restarts from zero
 /// at each, so documents never share state, in one scan for the whole row. The final state
 /// is the last document's.
-#[allow(clippy::too_many_arguments)]
-pub fn kda_packed_op<B: Glm5Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    g: Tensor<B, 4>,
-    beta: Tensor<B, 3>,
-    initial_state: Option<Tensor<B, 4>>,
-    chunk: usize,
-    resets: &[usize],
-) -> (Tensor<B, 4>, Tensor<B, 4>) {
+pub fn kda_packed_op<B: Glm5Backend>(x: KdaInputs<B>, chunk: usize, resets: &[usize]) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let KdaInputs { q, k, v, g, beta, initial_state } = x;
     assert!(chunk > 0, "KDA chunk size must be positive");
     let dtype = q.dtype();
     let [b, t, h, dk] = k.dims();
@@ -307,7 +284,7 @@ pub fn kda_packed_op<B: Glm5Backend>(
         Tensor::cat(vec![x, Tensor::zeros([b, tp - t, h, d], (&device, DType::F32))], 1)
     };
     let beta = if tp == t { beta } else { Tensor::cat(vec![beta, Tensor::zeros([b, tp - t, h], (&device, DType::F32))], 1) };
-    let (o, s) = kda_chunk_scan(pad4(q), pad4(k), pad4(v), pad4(g), beta, state, chunk, resets);
+    let (o, s) = kda_chunk_scan(ScanInputs { q: pad4(q), k: pad4(k), v: pad4(v), g: pad4(g), beta, h0: state }, chunk, resets);
     let o = if tp == t { o } else { o.slice([0..b, 0..t, 0..h, 0..dv]) };
     (o.cast(dtype), s)
 }

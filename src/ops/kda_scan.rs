@@ -97,7 +97,6 @@ pub fn states_forward<B: Backend>(
 /// `∂S_n` `[bh, dk, dv]` → (`∂S_{i+1}` for each chunk `[bh, n, dk, dv]`, `∂V'` `[bh, n, C, dv]`,
 /// `∂h0`): `∂V'_i = P_iᵀ ∂O_i + Kd_i ∂S_{i+1}`,
 /// `∂S_i = a_i ⊙ ∂S_{i+1} + Qg_iᵀ ∂O_i − W_iᵀ ∂V'_i`.
-#[allow(clippy::too_many_arguments)]
 pub fn states_backward<B: Backend>(
     p: Tensor<B, 4>,
     qg: Tensor<B, 4>,
@@ -135,7 +134,6 @@ fn states_forward_op<B: Glm5Backend>(
     (f4(s), f4(v), Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(f)))
 }
 
-#[allow(clippy::too_many_arguments)]
 fn states_backward_op<B: Glm5Backend>(
     p: Tensor<B, 4>,
     qg: Tensor<B, 4>,
@@ -188,18 +186,42 @@ fn keep_mask<B: Backend>(bh: usize, n: usize, c: usize, resets: &[usize], device
     Some(Tensor::<B, 1>::from_data(TensorData::new(all, [bh * n]), device).reshape([bh * n, 1, 1]))
 }
 
-/// Forward (module docs): `(O [BH, T, dv], S_n [BH, dk, dv], saved)`.
-#[allow(clippy::too_many_arguments)]
+/// The inputs of a KDA scan — prepared as in [`crate::ops::kda`]: fp32, normalised and
+/// scaled `q`/`k` — and, with the same fields, their gradients. Generic over how they are
+/// held, so one struct serves the model's layout (`T = Tensor<B, 4>` `[B, T, H, d]`,
+/// `Tb = Tensor<B, 3>`, `h0` `[B, H, dk, dv]`), the heads-major reference of this file
+/// (`Tensor<B, 3>` `[BH, T, d]`, `Tensor<B, 2>`, `h0` `[BH, dk, dv]`) and backend primitives
+/// in [`Glm5Backend::kda_chunk_scan`] (`FloatTensor<B>` for all six).
+#[derive(Debug, Clone)]
+pub struct ScanInputs<T, Tb = T> {
+    /// Queries `[…, dk]`.
+    pub q: T,
+    /// Keys `[…, dk]`.
+    pub k: T,
+    /// Values `[…, dv]`.
+    pub v: T,
+    /// Per-channel log decays `[…, dk]` (≤ 0).
+    pub g: T,
+    /// Write strengths `β`, one per token and head.
+    pub beta: Tb,
+    /// The state before the first token, `[…, dk, dv]`.
+    pub h0: T,
+}
+
+impl<T, Tb> ScanInputs<T, Tb> {
+    /// Converts every field: `f` for the five tensors of type `T`, `fb` for `β`.
+    pub fn map<U, Ub>(self, mut f: impl FnMut(T) -> U, fb: impl FnOnce(Tb) -> Ub) -> ScanInputs<U, Ub> {
+        ScanInputs { q: f(self.q), k: f(self.k), v: f(self.v), g: f(self.g), beta: fb(self.beta), h0: f(self.h0) }
+    }
+}
+
+/// Forward (module docs) on heads-major inputs: `(O [BH, T, dv], S_n [BH, dk, dv], saved)`.
 pub fn forward<B: Glm5Backend>(
-    q: Tensor<B, 3>,
-    k: Tensor<B, 3>,
-    v: Tensor<B, 3>,
-    g: Tensor<B, 3>,
-    beta: Tensor<B, 2>,
-    h0: Tensor<B, 3>,
+    x: ScanInputs<Tensor<B, 3>, Tensor<B, 2>>,
     chunk: usize,
     resets: &[usize],
 ) -> (Tensor<B, 3>, Tensor<B, 3>, ScanSaved<B>) {
+    let ScanInputs { q, k, v, g, beta, h0 } = x;
     let [bh, t, dk] = k.dims();
     let dv = v.dims()[2];
     let c = chunk;
@@ -244,14 +266,9 @@ pub fn forward<B: Glm5Backend>(
     (o, s, saved)
 }
 
-/// Backward (module docs): `(∂q, ∂k, ∂v, ∂g, ∂β, ∂h0)` for upstream `∂O` `[BH, T, dv]` and
-/// `∂S_n` `[BH, dk, dv]`.
-#[allow(clippy::type_complexity)]
-pub fn backward<B: Glm5Backend>(
-    saved: ScanSaved<B>,
-    d_o: Tensor<B, 3>,
-    d_final: Tensor<B, 3>,
-) -> (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 2>, Tensor<B, 3>) {
+/// Backward (module docs): the gradients of the inputs (`∂q, ∂k, ∂v, ∂g, ∂β, ∂h0`) for
+/// upstream `∂O` `[BH, T, dv]` and `∂S_n` `[BH, dk, dv]`.
+pub fn backward<B: Glm5Backend>(saved: ScanSaved<B>, d_o: Tensor<B, 3>, d_final: Tensor<B, 3>) -> ScanInputs<Tensor<B, 3>, Tensor<B, 2>> {
     let ScanSaved { q, k, v, beta, gam, sums, l, wu, w, qg, kd, a, p, states, v_new, chunk: c, keep } = saved;
     let [bh, n, _, dk] = w.dims();
     let dv = v.dims()[2];
@@ -304,5 +321,12 @@ pub fn backward<B: Glm5Backend>(
     // Γ = cumsum(g) within the chunk: ∂g_t = Σ_{t' ≥ t} ∂Γ_t'
     let dg = dgam.flip([1]).cumsum(1).flip([1]);
     let bt = n * c;
-    (dq_out.reshape([bh, bt, dk]), dk_out.reshape([bh, bt, dk]), dv_out.reshape([bh, bt, dv]), dg.reshape([bh, bt, dk]), dbeta.reshape([bh, bt]), ds)
+    ScanInputs {
+        q: dq_out.reshape([bh, bt, dk]),
+        k: dk_out.reshape([bh, bt, dk]),
+        v: dv_out.reshape([bh, bt, dv]),
+        g: dg.reshape([bh, bt, dk]),
+        beta: dbeta.reshape([bh, bt]),
+        h0: ds,
+    }
 }

@@ -94,7 +94,6 @@ pub fn latent_reference<B: Backend>(q: Tensor<B, 3>, kv: Tensor<B, 2>, idx: Tens
 /// Backward of [`latent_reference`] in closed form, `(∂q, ∂kv)`, with
 /// `p = e^{s − lse}` on valid entries, `Δ = Σ_r ∂o ⊙ o`, `∂s = p ⊙ (∂o·c − Δ)`:
 /// `∂q = scale Σ_j ∂s_j c_j`, `∂c_j = Σ (p_j ∂o + scale ∂s_j q)` scattered to the rows of `kv`.
-#[allow(clippy::too_many_arguments)]
 pub fn latent_reference_backward<B: Backend>(
     q: Tensor<B, 3>,
     kv: Tensor<B, 2>,
@@ -141,18 +140,18 @@ pub fn entry_rows<B: Backend>(idx: Tensor<B, 2, Int>, m: usize) -> Tensor<B, 2, 
     valid_rows(idx, m, m as i64).1
 }
 
-/// Absorbed-latent sparse form, processed in blocks of `block` queries. With `path = Kernel`
-/// on a backend that has one, each block's attention is the backend op
+/// Absorbed-latent sparse form, processed in blocks of `block` queries: `q` `[B, S, H, dq]`,
+/// the normalised latent `[B, S, R]`, `w_ukv` = `kv_b_proj`'s weight per head
+/// `[H, dq + dv, R]` (`W_UK` rows first, then `W_UV`), `indices` `[B, S, W]` row-major
+/// (−1 = none) → `[B, S, H, dv]`. With `path = Op` on a backend that has one, each block's
+/// attention is the backend op
 /// [`crate::ops::backend::Glm5Backend::sparse_latent_attention`] (CubeCL kernel, hand-written
 /// backward); otherwise tensor ops (gather, masked softmax) under ordinary autodiff.
-#[allow(clippy::too_many_arguments)]
 pub fn sparse_absorbed<B: Glm5Backend>(
     q: Tensor<B, 4>,
     latent: Tensor<B, 3>,
-    w_uk: Tensor<B, 3>,
-    w_uv: Tensor<B, 3>,
+    w_ukv: Tensor<B, 3>,
     indices: &[i64],
-    width: usize,
     scale: f64,
     block: usize,
     path: PathKind,
@@ -160,7 +159,11 @@ pub fn sparse_absorbed<B: Glm5Backend>(
     let kernel = path.use_op::<B>("sparse attention", B::sparse_attention_impl());
     let [b, s, h, dq] = q.dims();
     let r = latent.dims()[2];
-    let dv = w_uv.dims()[1];
+    let dv = w_ukv.dims()[1] - dq;
+    let width = indices.len() / (b * s).max(1);
+    assert_eq!(indices.len(), b * s * width, "sparse attention: {} indices for {b}×{s} queries", indices.len());
+    let w_uk = w_ukv.clone().slice([0..h, 0..dq, 0..r]);
+    let w_uv = w_ukv.slice([0..h, dq..dq + dv, 0..r]);
     let device = q.device();
     let block = block.max(1);
     // q̃ = W_UKᵀ q per head: [H, B·S, dq] @ [H, dq, R] -> [H, B·S, R]
@@ -263,7 +266,8 @@ mod tests {
         let v = expand(w_uv.clone(), dv);
         let dense = dense_masked(q.clone(), k, v, &indices, w, 0.37);
         for block in [1, 4, 64] {
-            let sparse = sparse_absorbed(q.clone(), latent.clone(), w_uk.clone(), w_uv.clone(), &indices, w, 0.37, block, PathKind::Reference);
+            let w_ukv = Tensor::cat(vec![w_uk.clone(), w_uv.clone()], 1);
+            let sparse = sparse_absorbed(q.clone(), latent.clone(), w_ukv, &indices, 0.37, block, PathKind::Reference);
             let diff = (dense.clone() - sparse).abs().max().into_scalar();
             let scale = dense.clone().abs().max().into_scalar();
             assert!(diff <= 1e-5 * scale, "block {block}: max|Δ| {diff} vs scale {scale}");

@@ -28,7 +28,7 @@ use super::norm::GatedRmsNorm;
 use super::{ForwardOptions, KdaImpl, PathKind, TokenMask};
 use crate::config::{Activation, TextConfig};
 use crate::ops::backend::{causal_conv1d, Glm5Backend};
-use crate::ops::kda::{kda_chunked, kda_recurrent};
+use crate::ops::kda::{kda_chunked, kda_recurrent, KdaInputs};
 
 /// Causal depthwise conv taps (`weight` `[C, W]`; tap `W−1` multiplies the current token).
 #[derive(Module, Debug)]
@@ -203,7 +203,7 @@ impl<B: Backend> KdaAttention<B> {
         let g = self.forget_gate(u_pad.clone()) * real.clone().reshape([1, sp, 1, 1]);
         let beta = sigmoid(self.b_proj.forward(u_pad)) * real.reshape([1, sp, 1]).cast(dtype);
         drop(t_in);
-        let (o, _) = crate::ops::kda::kda_packed_op(q, k, v, g, beta, None, chunk, &resets);
+        let (o, _) = crate::ops::kda::kda_packed_op(KdaInputs { q, k, v, g, beta, initial_state: None }, chunk, &resets);
         let o = o.reshape([sp, h * hd]).select(0, back).reshape([1, s, h, hd]);
         let _t_out = crate::profile::scope("kda: output gate, norm, o_proj");
         let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([1, s, h, hd]);
@@ -239,9 +239,10 @@ impl<B: Backend> KdaAttention<B> {
         let g = self.forget_gate(u.clone());
         let beta = sigmoid(self.b_proj.forward(u.clone()));
         drop(t_in);
+        let x = KdaInputs { q, k, v, g, beta, initial_state };
         let (o, state) = match opts.kda {
-            KdaImpl::Chunked(c) => kda_chunked(q, k, v, g, beta, initial_state, c, opts.linear_path),
-            KdaImpl::Recurrent => kda_recurrent(q, k, v, g, beta, initial_state),
+            KdaImpl::Chunked(c) => kda_chunked(x, c, opts.linear_path),
+            KdaImpl::Recurrent => kda_recurrent(x),
         };
         let _t_out = crate::profile::scope("kda: output gate, norm, o_proj");
         let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([b, t, h, hd]);

@@ -133,10 +133,8 @@ impl<B: Backend> MlaAttention<B> {
         };
         let o = if sparse {
             // kv_b_proj weight is [R, H·(dq+dv)] (Burn layout): split per head
-            let wkv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]); // [H, dq+dv, R]
-            let w_uk = wkv.clone().slice([0..h, 0..dq, 0..r]);
-            let w_uv = wkv.slice([0..h, dq..dq + dv, 0..r]);
-            sparse_absorbed(q, latent, w_uk, w_uv, &indices, width, scale, opts.sparse_block, opts.attn_path)
+            let w_ukv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]); // [H, dq+dv, R]
+            sparse_absorbed(q, latent, w_ukv, &indices, scale, opts.sparse_block, opts.attn_path)
         } else {
             let kv = self.kv_b_proj.forward(latent).reshape([b, s, h, dq + dv]);
             let k = kv.clone().slice([0..b, 0..s, 0..h, 0..dq]);

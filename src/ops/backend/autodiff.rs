@@ -16,6 +16,7 @@ use burn::tensor::Tensor;
 use super::prim::*;
 use super::Glm5Backend;
 use crate::ops::adamw::AdamWScalars;
+use crate::ops::kda_scan::ScanInputs;
 use crate::ops::kpool::KpoolSelect;
 use crate::ops::OpImpl;
 
@@ -185,7 +186,7 @@ impl<B: Glm5Backend> Backward<B, 3> for KdaPairSumsBackward {
 /// extra forward instead of holding every chunk's `T`, `W`, states, … per layer).
 #[derive(Debug, Clone)]
 struct KdaScanState<B: Backend> {
-    inputs: [FloatTensor<B>; 6],
+    inputs: ScanInputs<FloatTensor<B>>,
     dims: [usize; 5], // b, t, h, dk, dv
     chunk: usize,
     resets: Vec<usize>,
@@ -203,10 +204,8 @@ impl<B: Glm5Backend> Backward<B, 6> for KdaScanBackward {
         let (no, ns) = (t * h * dv, h * dk * dv);
         let d_o = packed.clone().slice([0..b, 0..no]).reshape([b, t, h, dv]);
         let d_final = packed.slice([0..b, no..no + ns]).reshape([b, h, dk, dv]);
-        let [q, k, v, g, beta, h0] = inputs;
-        let (dq, dk_, dv_, dg, db, dh) =
-            B::kda_chunk_scan_backward(q, k, v, g, beta, h0, d_o.into_primitive().tensor(), d_final.into_primitive().tensor(), chunk, &resets);
-        register!(grads, ops.parents, [dq, dk_, dv_, dg, db, dh]);
+        let d = B::kda_chunk_scan_backward(inputs, d_o.into_primitive().tensor(), d_final.into_primitive().tensor(), chunk, &resets);
+        register!(grads, ops.parents, [d.q, d.k, d.v, d.g, d.beta, d.h0]);
     }
 }
 
@@ -279,23 +278,13 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
         B::kda_scan_impl()
     }
 
-    fn kda_chunk_scan(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        g: FloatTensor<Self>,
-        beta: FloatTensor<Self>,
-        h0: FloatTensor<Self>,
-        chunk: usize,
-        resets: &[usize],
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+    fn kda_chunk_scan(x: ScanInputs<FloatTensor<Self>>, chunk: usize, resets: &[usize]) -> (FloatTensor<Self>, FloatTensor<Self>) {
         use burn::tensor::TensorMetadata;
-        let [b, t, h, dk] = q.primitive.shape().dims::<4>();
-        let dv = v.primitive.shape().dims::<4>()[3];
-        let nodes = [&q, &k, &v, &g, &beta, &h0].map(|x| x.node.clone());
-        let prims = [&q, &k, &v, &g, &beta, &h0].map(|x| x.primitive.clone());
-        let [pq, pk, pv, pg, pb, ph] = prims.clone();
-        let (o, s) = B::kda_chunk_scan(pq, pk, pv, pg, pb, ph, chunk, resets);
+        let [b, t, h, dk] = x.q.primitive.shape().dims::<4>();
+        let dv = x.v.primitive.shape().dims::<4>()[3];
+        let nodes = [&x.q, &x.k, &x.v, &x.g, &x.beta, &x.h0].map(|t| t.node.clone());
+        let prims = x.map(|t| t.primitive, |t| t.primitive);
+        let (o, s) = B::kda_chunk_scan(prims.clone(), chunk, resets);
         // one tracked output: [B, T·H·dv + H·dk·dv] = (O | S_T), split below
         let (no, ns) = (t * h * dv, h * dk * dv);
         let packed = Tensor::cat(vec![f4::<B>(o).reshape([b, no]), f4::<B>(s).reshape([b, ns])], 1).into_primitive().tensor();

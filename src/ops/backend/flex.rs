@@ -8,6 +8,7 @@ use burn::tensor::DType;
 use super::prim::*;
 use super::Glm5Backend;
 use crate::ops::adamw::{self, AdamWScalars};
+use crate::ops::kda_scan::ScanInputs;
 use crate::ops::OpImpl;
 use crate::ops::{conv, hc_streams, kda_host, kda_pairs, rms, sinkhorn, swiglu};
 
@@ -224,18 +225,9 @@ impl Glm5Backend for Flex {
     }
 
     /// The token recurrence as fused host loops (`ops::kda_host`).
-    fn kda_chunk_scan(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        g: FloatTensor<Self>,
-        beta: FloatTensor<Self>,
-        h0: FloatTensor<Self>,
-        _chunk: usize,
-        resets: &[usize],
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (q, k, v, g) = (host_n::<4>(q), host_n::<4>(k), host_n::<4>(v), host_n::<4>(g));
-        let (beta, h0) = (host(beta), host_n::<4>(h0));
+    fn kda_chunk_scan(x: ScanInputs<FloatTensor<Self>>, _chunk: usize, resets: &[usize]) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (q, k, v, g) = (host_n::<4>(x.q), host_n::<4>(x.k), host_n::<4>(x.v), host_n::<4>(x.g));
+        let (beta, h0) = (host(x.beta), host_n::<4>(x.h0));
         let [b, t, h, dk] = q.1;
         let d = kda_host::Dims { b, t, h, dk, dv: v.1[3] };
         let x = kda_host::Inputs { q: &q.0, k: &k.0, v: &v.0, g: &g.0, beta: &beta.0, h0: &h0.0 };
@@ -244,25 +236,27 @@ impl Glm5Backend for Flex {
     }
 
     fn kda_chunk_scan_backward(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        g: FloatTensor<Self>,
-        beta: FloatTensor<Self>,
-        h0: FloatTensor<Self>,
+        x: ScanInputs<FloatTensor<Self>>,
         d_o: FloatTensor<Self>,
         d_final: FloatTensor<Self>,
         chunk: usize,
         resets: &[usize],
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (q, k, v, g) = (host_n::<4>(q), host_n::<4>(k), host_n::<4>(v), host_n::<4>(g));
-        let (beta, h0, d_o, d_final) = (host(beta), host_n::<4>(h0), host_n::<4>(d_o), host_n::<4>(d_final));
+    ) -> ScanInputs<FloatTensor<Self>> {
+        let (q, k, v, g) = (host_n::<4>(x.q), host_n::<4>(x.k), host_n::<4>(x.v), host_n::<4>(x.g));
+        let (beta, h0, d_o, d_final) = (host(x.beta), host_n::<4>(x.h0), host_n::<4>(d_o), host_n::<4>(d_final));
         let [b, t, h, dk] = q.1;
         let d = kda_host::Dims { b, t, h, dk, dv: v.1[3] };
         let x = kda_host::Inputs { q: &q.0, k: &k.0, v: &v.0, g: &g.0, beta: &beta.0, h0: &h0.0 };
         let [dq, dk_, dv, dg, db, dh] = kda_host::backward(&x, d, &d_o.0, &d_final.0, chunk, resets);
         let key = |x| flex_tensor(x, [b, t, h, dk]);
-        (key(dq), key(dk_), flex_tensor(dv, [b, t, h, d.dv]), key(dg), flex_tensor(db, [b, t, h]), flex_tensor(dh, [b, h, dk, d.dv]))
+        ScanInputs {
+            q: key(dq),
+            k: key(dk_),
+            v: flex_tensor(dv, [b, t, h, d.dv]),
+            g: key(dg),
+            beta: flex_tensor(db, [b, t, h]),
+            h0: flex_tensor(dh, [b, h, dk, d.dv]),
+        }
     }
 
     fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {

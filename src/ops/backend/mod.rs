@@ -59,6 +59,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Tensor, TensorPrimitive};
 
 use super::adamw::{self, AdamWScalars};
+use super::kda_scan::ScanInputs;
 use super::kpool::{self, KpoolSelect};
 use super::OpImpl;
 use super::{block_attn, conv, hc_streams, kda_pairs, kda_scan, rms, sinkhorn, sparse_attn, swiglu};
@@ -93,64 +94,31 @@ pub trait Glm5Backend: Backend {
     /// `resets`: sorted token offsets (multiples of `chunk`, > 0) where packed documents
     /// start — the state restarts from zero there, so documents never share state (`h0`
     /// applies to the first); the final state is the last document's.
-    #[allow(clippy::too_many_arguments)]
-    fn kda_chunk_scan(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        g: FloatTensor<Self>,
-        beta: FloatTensor<Self>,
-        h0: FloatTensor<Self>,
-        chunk: usize,
-        resets: &[usize],
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let [b, _, h, _] = f4::<Self>(q.clone()).dims();
-        let (o, s, _) = kda_scan::forward::<Self>(
-            heads_major(q),
-            heads_major(k),
-            heads_major(v),
-            heads_major(g),
-            beta_heads_major(beta),
-            f4::<Self>(h0).flatten(0, 1),
-            chunk,
-            resets,
-        );
+    fn kda_chunk_scan(x: ScanInputs<FloatTensor<Self>>, chunk: usize, resets: &[usize]) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let [b, _, h, _] = f4::<Self>(x.q.clone()).dims();
+        let (o, s, _) = kda_scan::forward::<Self>(heads_major_inputs(x), chunk, resets);
         let [_, dk, dv] = s.dims();
         (model_layout(o, b, h).into_primitive().tensor(), s.reshape([b, h, dk, dv]).into_primitive().tensor())
     }
 
-    /// Backward of [`Self::kda_chunk_scan`] for upstream `∂O`, `∂S_T` (same layouts):
-    /// `(∂q, ∂k, ∂v, ∂g, ∂β, ∂h0)`. Default: the reference forward (for its intermediates)
-    /// and the closed-form backward of `ops::kda_scan`.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    /// Backward of [`Self::kda_chunk_scan`] for upstream `∂O`, `∂S_T` (same layouts): the
+    /// inputs' gradients. Default: the reference forward (for its intermediates) and the
+    /// closed-form backward of `ops::kda_scan`.
     fn kda_chunk_scan_backward(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        g: FloatTensor<Self>,
-        beta: FloatTensor<Self>,
-        h0: FloatTensor<Self>,
+        x: ScanInputs<FloatTensor<Self>>,
         d_o: FloatTensor<Self>,
         d_final: FloatTensor<Self>,
         chunk: usize,
         resets: &[usize],
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let [b, _, h, _] = f4::<Self>(q.clone()).dims();
-        let (_, _, saved) = kda_scan::forward::<Self>(
-            heads_major(q),
-            heads_major(k),
-            heads_major(v),
-            heads_major(g),
-            beta_heads_major(beta),
-            f4::<Self>(h0).flatten(0, 1),
-            chunk,
-            resets,
-        );
-        let (dq, dk, dv, dg, db, dh) = kda_scan::backward(saved, heads_major(d_o), f4::<Self>(d_final).flatten(0, 1));
+    ) -> ScanInputs<FloatTensor<Self>> {
+        let [b, _, h, _] = f4::<Self>(x.q.clone()).dims();
+        let (_, _, saved) = kda_scan::forward::<Self>(heads_major_inputs(x), chunk, resets);
+        let grads = kda_scan::backward(saved, heads_major(d_o), f4::<Self>(d_final).flatten(0, 1));
+        let [_, dk, dv] = grads.h0.dims();
+        let beta = |db: Tensor<Self, 2>| model_layout(db.unsqueeze_dim::<3>(2), b, h).squeeze_dim::<3>(3).into_primitive().tensor();
+        let ScanInputs { q, k, v, g, beta: db, h0 } = grads;
         let back = |t: Tensor<Self, 3>| model_layout(t, b, h).into_primitive().tensor();
-        let [_, dk_, dv_] = dh.dims();
-        let db = model_layout(db.unsqueeze_dim::<3>(2), b, h).squeeze_dim::<3>(3);
-        (back(dq), back(dk), back(dv), back(dg), db.into_primitive().tensor(), dh.reshape([b, h, dk_, dv_]).into_primitive().tensor())
+        ScanInputs { q: back(q), k: back(k), v: back(v), g: back(g), beta: beta(db), h0: h0.reshape([b, h, dk, dv]).into_primitive().tensor() }
     }
 
     /// What [`Self::kda_chunk_scan`] runs here (CubeCL backends: the state recurrences below as
@@ -186,7 +154,6 @@ pub trait Glm5Backend: Backend {
 
     /// Its backward recurrence (`ops::kda_scan::states_backward`) → (`∂S_{i+1}` per chunk,
     /// `∂V'`, `∂h0`). Default: the reference loop.
-    #[allow(clippy::too_many_arguments)]
     fn kda_states_backward(
         p: FloatTensor<Self>,
         qg: FloatTensor<Self>,
@@ -245,7 +212,6 @@ pub trait Glm5Backend: Backend {
 
     /// Backward of [`Self::sparse_latent_attention`] given its outputs and `∂o`: `(∂q, ∂kv)`.
     /// Default: the reference tensor-op formulas.
-    #[allow(clippy::too_many_arguments)]
     fn sparse_latent_attention_backward(
         q: FloatTensor<Self>,
         kv: FloatTensor<Self>,
@@ -372,7 +338,6 @@ pub trait Glm5Backend: Backend {
         sinkhorn::reference_backward(f3::<Self>(z), f3::<Self>(grad), iters, eps).into_primitive().tensor()
     }
 
-    /// KDA pair sums (module docs). Default: the reference gather path.
     /// Unmasked attention per head, `q`, `k`, `v` `[H, N, d]` → (`softmax(scale·q kᵀ) v`
     /// `[H, N, d]`, row log-sum-exp `[H, N]` fp32), in blocks with an online softmax: memory
     /// linear in `N` ([`block_attn::forward`]).
@@ -382,7 +347,6 @@ pub trait Glm5Backend: Backend {
     }
 
     /// Gradients `(dq, dk, dv)` of [`Self::block_attention`] ([`block_attn::backward`]).
-    #[allow(clippy::too_many_arguments)]
     fn block_attention_backward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -396,6 +360,7 @@ pub trait Glm5Backend: Backend {
         (dq.into_primitive().tensor(), dk.into_primitive().tensor(), dv.into_primitive().tensor())
     }
 
+    /// KDA pair sums (module docs). Default: the reference gather path.
     fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
         let f = |t| Tensor::<Self, 3>::from_primitive(TensorPrimitive::Float(t));
         kda_pairs::kda_pair_sums(f(k), f(q), f(gam)).into_primitive().tensor()
@@ -425,20 +390,9 @@ pub fn sparse_latent_attention<B: Glm5Backend>(
     (f3(o), f2(lse))
 }
 
-/// [`Glm5Backend::kda_chunk_scan`] on tensors: `(O, S_T)`.
-#[allow(clippy::too_many_arguments)]
-pub fn kda_chunk_scan<B: Glm5Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    g: Tensor<B, 4>,
-    beta: Tensor<B, 3>,
-    h0: Tensor<B, 4>,
-    chunk: usize,
-    resets: &[usize],
-) -> (Tensor<B, 4>, Tensor<B, 4>) {
-    let p = |t: Tensor<B, 4>| t.into_primitive().tensor();
-    let (o, s) = B::kda_chunk_scan(p(q), p(k), p(v), p(g), beta.into_primitive().tensor(), p(h0), chunk, resets);
+/// [`Glm5Backend::kda_chunk_scan`] on tensors in the model's layout: `(O, S_T)`.
+pub fn kda_chunk_scan<B: Glm5Backend>(x: ScanInputs<Tensor<B, 4>, Tensor<B, 3>>, chunk: usize, resets: &[usize]) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let (o, s) = B::kda_chunk_scan(x.map(|t| t.into_primitive().tensor(), |b| b.into_primitive().tensor()), chunk, resets);
     (f4(o), f4(s))
 }
 
@@ -447,13 +401,13 @@ pub fn causal_conv1d<B: Glm5Backend>(x: Tensor<B, 3>, w: Tensor<B, 2>) -> Tensor
     f3(B::causal_conv1d(x.into_primitive().tensor(), w.into_primitive().tensor()))
 }
 
-/// [`Glm5Backend::rms_norm`] on tensors.
 /// [`Glm5Backend::block_attention`] on tensors `[H, N, d]` (the output only).
 pub fn block_attention<B: Glm5Backend>(q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>, scale: f32) -> Tensor<B, 3> {
     let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
     f3::<B>(B::block_attention(p(q), p(k), p(v), scale).0)
 }
 
+/// [`Glm5Backend::rms_norm`] on tensors.
 pub fn rms_norm<B: Glm5Backend>(x: Tensor<B, 2>, w: Option<Tensor<B, 1>>, eps: f64) -> Tensor<B, 2> {
     f2(B::rms_norm(x.into_primitive().tensor(), w.map(|w| w.into_primitive().tensor()), eps))
 }

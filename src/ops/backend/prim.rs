@@ -5,6 +5,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use crate::ops::kda_scan::ScanInputs;
+
 pub(crate) fn f4<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 4> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
@@ -35,4 +37,18 @@ pub(crate) fn f3<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 3> {
 
 pub(crate) fn f2<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 2> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// A scan's model-layout primitives as the heads-major tensors of `ops::kda_scan`
+/// (`h0` `[B, H, dk, dv]` → `[B·H, dk, dv]`).
+pub(crate) fn heads_major_inputs<B: Backend>(x: ScanInputs<FloatTensor<B>>) -> ScanInputs<Tensor<B, 3>, Tensor<B, 2>> {
+    let ScanInputs { q, k, v, g, beta, h0 } = x;
+    ScanInputs {
+        q: heads_major(q),
+        k: heads_major(k),
+        v: heads_major(v),
+        g: heads_major(g),
+        beta: beta_heads_major(beta),
+        h0: f4::<B>(h0).flatten(0, 1),
+    }
 }
