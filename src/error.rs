@@ -5,12 +5,30 @@ use std::path::PathBuf;
 /// Errors raised while reading or validating a configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The file could not be read.
     #[error("cannot read config file {path}: {error}")]
-    Io { path: PathBuf, error: std::io::Error },
+    Io {
+        /// The config file.
+        path: PathBuf,
+        /// The OS error.
+        error: std::io::Error,
+    },
+    /// The file is not valid JSON.
     #[error("config {path}: invalid JSON: {source}")]
-    Json { path: String, source: serde_json::Error },
+    Json {
+        /// Where the text came from (a path, or a caller's label).
+        path: String,
+        /// The parser's error, with line and column.
+        source: serde_json::Error,
+    },
+    /// A field is missing, mistyped or out of range; `field` is its path (`text_config.layer_types[3]`).
     #[error("config field `{field}`: {message}")]
-    Invalid { field: String, message: String },
+    Invalid {
+        /// The field's path.
+        field: String,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 impl ConfigError {
@@ -22,47 +40,164 @@ impl ConfigError {
 /// Errors raised while loading or saving a checkpoint.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
+    /// The checkpoint's `config.json` is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A checkpoint file could not be read or written.
     #[error("{path}: {error}")]
-    Io { path: PathBuf, error: std::io::Error },
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        error: std::io::Error,
+    },
+    /// A file is not a valid safetensors file (header, offsets, truncation).
     #[error("{path}: not a valid safetensors file: {message}")]
-    Safetensors { path: PathBuf, message: String },
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// `model.safetensors.index.json` is malformed or names a missing shard.
     #[error("{path}: invalid shard index: {message}")]
-    Index { path: PathBuf, message: String },
+    Index {
+        /// The index file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A tensor's bytes are unusable (size, offsets).
     #[error("{path}: tensor `{name}`: {message}")]
-    Tensor { path: PathBuf, name: String, message: String },
+    Tensor {
+        /// The shard holding it.
+        path: PathBuf,
+        /// The tensor's name in the checkpoint.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A tensor has a dtype the loader does not convert.
     #[error("tensor `{name}` in {path}: unsupported dtype {dtype} (expected F32, BF16 or F16)")]
-    Dtype { name: String, path: PathBuf, dtype: String },
+    Dtype {
+        /// The tensor's name.
+        name: String,
+        /// The shard holding it.
+        path: PathBuf,
+        /// The dtype as the header spells it.
+        dtype: String,
+    },
+    /// Checkpoint and model disagree; `report` lists every missing, unexpected and mis-shaped key.
     #[error("checkpoint {dir} does not match the model:\n{report}")]
-    Mismatch { dir: PathBuf, report: String },
+    Mismatch {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// One line per disagreement.
+        report: String,
+    },
     #[error(
         "tensor `{name}` in {path}: {count} non-finite value(s), the first {value} at flat index {index}; the model would \
          compute NaN (load with `LoadOptions::allow_non_finite` to inspect such a checkpoint anyway)"
     )]
-    NonFinite { name: String, path: PathBuf, count: usize, index: usize, value: f32 },
+    /// A tensor holds NaN or ±∞ values.
+    NonFinite {
+        /// The tensor's name.
+        name: String,
+        /// The shard holding it.
+        path: PathBuf,
+        /// How many values are non-finite.
+        count: usize,
+        /// The flat index of the first one.
+        index: usize,
+        /// Its value.
+        value: f32,
+    },
+    /// A directory holds neither a single-file nor a sharded checkpoint.
     #[error("{dir}: no model.safetensors or model.safetensors.index.json")]
-    NoModelFiles { dir: PathBuf },
+    NoModelFiles {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// A tensor the model needs is absent.
     #[error("tensor `{name}` is not in the checkpoint")]
-    MissingTensor { name: String },
+    MissingTensor {
+        /// The tensor's checkpoint name.
+        name: String,
+    },
+    /// A tensor's shape differs from the one `config.json` implies.
     #[error("tensor `{name}`: checkpoint shape {checkpoint:?}, config.json expects {expected:?}")]
-    Shape { name: String, checkpoint: Vec<usize>, expected: Vec<usize> },
+    Shape {
+        /// The tensor's checkpoint name.
+        name: String,
+        /// Its shape in the checkpoint.
+        checkpoint: Vec<usize>,
+        /// The shape the model expects.
+        expected: Vec<usize>,
+    },
+    /// A row range outside a tensor was requested (selective loads).
     #[error("tensor `{name}`: rows {start}..{end} outside 0..{rows}")]
-    Rows { name: String, start: usize, end: usize, rows: usize },
+    Rows {
+        /// The tensor's checkpoint name.
+        name: String,
+        /// First row requested.
+        start: usize,
+        /// End of the range (exclusive).
+        end: usize,
+        /// Rows the tensor has.
+        rows: usize,
+    },
+    /// FP8 dequantisation was asked of a tensor that is not FP8.
     #[error("tensor `{name}` is not FP8 (no `{name}_scale_inv` beside it)")]
-    NotFp8 { name: String },
+    NotFp8 {
+        /// The tensor's checkpoint name.
+        name: String,
+    },
+    /// A module tensor could not be converted or read back (saving).
     #[error("module tensor `{path}`: {message}")]
-    ModuleTensor { path: String, message: String },
+    ModuleTensor {
+        /// The module path (`model.layers.0.mlp…`).
+        path: String,
+        /// What failed.
+        message: String,
+    },
+    /// An expert-parallel shard that does not exist.
     #[error("expert-parallel rank {rank} of {size}: the size must divide the {experts} experts and the rank be below it")]
-    ExpertShard { rank: usize, size: usize, experts: usize },
+    ExpertShard {
+        /// This rank.
+        rank: usize,
+        /// The expert-parallel world size.
+        size: usize,
+        /// Routed experts per layer.
+        experts: usize,
+    },
+    /// A data-parallel shard that does not exist.
     #[error("data-parallel rank {rank} of {world} is not a valid shard")]
-    DataShard { rank: usize, world: usize },
+    DataShard {
+        /// This rank.
+        rank: usize,
+        /// The data-parallel world size.
+        world: usize,
+    },
+    /// A conversion would overwrite a non-empty directory.
     #[error("{dir}: output directory exists and is not empty; refusing to overwrite it")]
-    OutputNotEmpty { dir: PathBuf },
+    OutputNotEmpty {
+        /// The output directory.
+        dir: PathBuf,
+    },
+    /// A save was asked for a dtype other than BF16 or F32.
     #[error("output dtype must be BF16 or F32, not {dtype}")]
-    OutputDtype { dtype: String },
+    OutputDtype {
+        /// The dtype requested.
+        dtype: String,
+    },
+    /// A value could not be encoded for writing.
     #[error("encoding {what}: {message}")]
-    Encode { what: String, message: String },
+    Encode {
+        /// What was being encoded.
+        what: String,
+        /// The encoder's error.
+        message: String,
+    },
     /// A broken invariant of this library, not of the input: please report it.
     #[error("internal error (a bug in glm5-burn; please report it): {0}")]
     Internal(String),
@@ -71,22 +206,33 @@ pub enum CheckpointError {
 /// Errors raised by the model forward for inputs the caller supplied.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    /// An input tensor or argument is inconsistent (shapes, ids, images).
     #[error("input `{name}`: {message}")]
-    Input { name: String, message: String },
+    Input {
+        /// The input's name.
+        name: String,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 /// Any error of the library: each module's error converts into it (`?` in code that spans
 /// modules), and the module errors stay available for callers that match on one kind.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// A configuration error.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A checkpoint error.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// A model input error.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// A data pipeline error.
     #[error(transparent)]
     Data(#[from] crate::data::loader::DataError),
+    /// A training error.
     #[error(transparent)]
     Train(#[from] crate::train::step::TrainError),
 }

@@ -11,9 +11,13 @@ use crate::error::{CheckpointError, ModelError};
 /// `input_ids` `[B, S]` and the `[B, S]` validity mask (all true when absent).
 #[derive(Debug, Clone)]
 pub struct TokenInputs {
+    /// `[B·S]` row-major.
     pub ids: Vec<i64>,
+    /// `[B·S]`, true = token.
     pub mask: Vec<bool>,
+    /// Rows B.
     pub batch: usize,
+    /// Columns S.
     pub seq: usize,
     /// Reference logits `[B, S, V]` if the file carries them (the test fixtures do).
     pub reference_logits: Option<(Vec<f32>, usize)>,
@@ -24,9 +28,13 @@ pub struct TokenInputs {
 /// Preprocessed images, the reference's `pixel_values` / `image_grid_thw` forward arguments.
 #[derive(Debug, Clone)]
 pub struct ImageInputs {
+    /// `[N_patches·patch_dim]` row-major.
     pub pixel_values: Vec<f32>,
+    /// Patches.
     pub n_patches: usize,
+    /// Values per patch.
     pub patch_dim: usize,
+    /// `(t, h, w)` patches per image.
     pub grid_thw: Vec<[usize; 3]>,
 }
 

@@ -11,6 +11,8 @@
 //! * [`model`]: LM head and losses.
 //! * [`checkpoint`]: the HF name table, safetensors loading and saving.
 
+#![warn(missing_docs)]
+
 pub mod checkpoint;
 pub mod config;
 pub mod data;

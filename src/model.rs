@@ -28,17 +28,25 @@ use crate::vision::VisionModel;
 /// is optional, so text-only use loads no vision weights.
 #[derive(Module, Debug)]
 pub struct Glm5ForCausalLM<B: Backend> {
+    /// The text decoder.
     pub language_model: TextModel<B>,
     /// The vision tower (`model.visual`), when built with it.
     pub visual: Option<VisionModel<B>>,
     /// `None` when the head is tied to the embedding.
     pub lm_head: Option<Linear<B>>,
+    /// Vocabulary size V.
     pub vocab_size: usize,
+    /// Routed experts (for the load-balancing loss).
     pub num_experts: usize,
+    /// Experts per token.
     pub top_k: usize,
+    /// Weight of the load-balancing loss.
     pub router_aux_loss_coef: f64,
+    /// `<|image|>` placeholder id.
     pub image_token_id: i64,
+    /// `<|begin_of_video|>` id (video is refused).
     pub video_start_token_id: i64,
+    /// `<|end_of_video|>` id.
     pub video_end_token_id: i64,
 }
 
@@ -46,6 +54,7 @@ pub struct Glm5ForCausalLM<B: Backend> {
 pub struct CausalLmOutput<B: Backend> {
     /// `[B, S, V]`.
     pub logits: Tensor<B, 3>,
+    /// The decoder's output (hidden states, router logits, indexer margins).
     pub text: TextOutput<B>,
 }
 

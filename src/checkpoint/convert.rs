@@ -33,10 +33,15 @@ impl Default for ConvertOptions {
 /// What a conversion did.
 #[derive(Debug, Clone)]
 pub struct ConvertReport {
+    /// The output directory.
     pub output: PathBuf,
+    /// Tensors written.
     pub tensors: usize,
+    /// FP8 tensors dequantised on the way.
     pub dequantised: usize,
+    /// Bytes written, headers included.
     pub bytes_written: u64,
+    /// Safetensors shards written.
     pub shards: usize,
 }
 

@@ -80,9 +80,13 @@ pub fn decode_scales(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
 /// Block geometry of one FP8 weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockGrid {
+    /// Weight rows.
     pub rows: usize,
+    /// Weight columns.
     pub cols: usize,
+    /// Rows per scale block (128 in the release).
     pub block_rows: usize,
+    /// Columns per scale block (128 in the release).
     pub block_cols: usize,
 }
 
@@ -97,11 +101,28 @@ impl BlockGrid {
 #[derive(Debug, Clone, PartialEq)]
 pub enum DequantError {
     /// NaN E4M3 code or NaN scale at this element.
-    NaN { row: usize, col: usize },
+    NaN {
+        /// Row of the element.
+        row: usize,
+        /// Column of the element.
+        col: usize,
+    },
     /// The product overflowed (an absurd scale).
-    Inf { row: usize, col: usize },
+    Inf {
+        /// Row of the element.
+        row: usize,
+        /// Column of the element.
+        col: usize,
+    },
     /// A scale that is not finite and positive.
-    BadScale { block_row: usize, block_col: usize, value: f32 },
+    BadScale {
+        /// Block row.
+        block_row: usize,
+        /// Block column.
+        block_col: usize,
+        /// The scale.
+        value: f32,
+    },
 }
 
 impl std::fmt::Display for DequantError {

@@ -29,6 +29,7 @@ pub struct Rule {
     pub hf: &'static str,
     /// Module path pattern (Burn paths, enum variants skipped).
     pub ours: &'static str,
+    /// How the checkpoint tensor becomes the module tensor (transpose, reshape, stack).
     pub transform: Transform,
     /// Kept in fp32 whatever the model dtype (HF `_keep_in_fp32_modules_strict`).
     pub keep_f32: bool,
@@ -181,6 +182,7 @@ pub fn is_vision(name: &str) -> bool {
 /// A module tensor resolved against the table.
 #[derive(Debug, Clone)]
 pub struct Resolved {
+    /// The table row that matched.
     pub rule: Rule,
     /// Layer index, when the pattern has `{i}`.
     pub layer: Option<usize>,
@@ -233,8 +235,11 @@ pub fn resolve(path: &str) -> Option<Resolved> {
 /// A checkpoint name resolved against the table: the rule, layer and expert it belongs to.
 #[derive(Debug, Clone)]
 pub struct ResolvedHf {
+    /// The table row that matched.
     pub rule: Rule,
+    /// Layer index, when the pattern has `{i}`.
     pub layer: Option<usize>,
+    /// Expert index, when the pattern has `{e}`.
     pub expert: Option<usize>,
 }
 

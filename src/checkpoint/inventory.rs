@@ -21,14 +21,18 @@ pub enum Part {
 /// One checkpoint tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
+    /// Checkpoint name.
     pub name: String,
+    /// Shape in the checkpoint.
     pub shape: Vec<usize>,
+    /// Which part of the model it belongs to.
     pub part: Part,
     /// A routed expert's weight (only `top_k / E` of these are active per token).
     pub routed_expert: bool,
 }
 
 impl Entry {
+    /// Number of values.
     pub fn numel(&self) -> u64 {
         self.shape.iter().map(|&d| d as u64).product()
     }
@@ -196,8 +200,11 @@ fn vision(b: &mut Builder, v: &VisionConfig) {
 /// Parameter counts of a config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParamCounts {
+    /// Decoder, embedding and head parameters.
     pub trunk: u64,
+    /// Multi-token-prediction layer parameters.
     pub mtp: u64,
+    /// Vision tower parameters.
     pub vision: u64,
     /// Trunk parameters used per token: everything but the routed experts, plus
     /// `num_experts_per_tok` of them per MoE layer.
@@ -205,6 +212,7 @@ pub struct ParamCounts {
 }
 
 impl ParamCounts {
+    /// Counts for `config` from its tensor inventory.
     pub fn of(config: &Glm5Config) -> Self {
         let c = &config.text_config;
         let mut p = ParamCounts { trunk: 0, mtp: 0, vision: 0, trunk_active: 0 };
@@ -229,6 +237,7 @@ impl ParamCounts {
         p
     }
 
+    /// All parameters.
     pub fn total(&self) -> u64 {
         self.trunk + self.mtp + self.vision
     }

@@ -66,9 +66,11 @@ impl LoadOptions {
 
 /// A loaded text model with its configuration.
 pub struct LoadedModel<B: Backend> {
+    /// The resolved configuration.
     pub config: Glm5Config,
     /// The `config.json` as read (written back unchanged by [`save_causal_lm`]).
     pub config_json: Value,
+    /// The model with the checkpoint's weights.
     pub model: Glm5ForCausalLM<B>,
     /// Checkpoint tensors present but not used (vision tower, MTP layer, `shared_head`).
     pub skipped: Vec<String>,

@@ -19,7 +19,9 @@ use crate::error::CheckpointError;
 /// Where a tensor lives.
 #[derive(Debug, Clone)]
 pub struct TensorEntry {
+    /// Stored dtype.
     pub dtype: Dtype,
+    /// Shape.
     pub shape: Vec<usize>,
     /// Index into the shard list.
     pub shard: usize,
@@ -380,8 +382,11 @@ fn validate_header(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
 /// An owned tensor to write.
 #[derive(Debug, Clone)]
 pub struct OwnedTensor {
+    /// Stored dtype.
     pub dtype: Dtype,
+    /// Shape.
     pub shape: Vec<usize>,
+    /// Little-endian bytes.
     pub data: Vec<u8>,
 }
 

@@ -23,11 +23,14 @@ use crate::error::CheckpointError;
 /// block `[rank·E/size, (rank+1)·E/size)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExpertShard {
+    /// This rank.
     pub rank: usize,
+    /// Ranks in the expert-parallel group.
     pub size: usize,
 }
 
 impl ExpertShard {
+    /// This rank's experts of `n_experts`; an error unless the size divides them.
     pub fn range(&self, n_experts: usize) -> Result<Range<usize>, CheckpointError> {
         if self.size == 0 || n_experts % self.size != 0 || self.rank >= self.size {
             return Err(CheckpointError::ExpertShard { rank: self.rank, size: self.size, experts: n_experts });
@@ -51,6 +54,7 @@ pub struct Selection {
 /// A loaded tensor in module layout.
 #[derive(Debug, Clone)]
 pub struct LoadedTensor {
+    /// The values, in module layout.
     pub data: TensorData,
     /// For stacked routed experts: the global experts held, in order.
     pub experts: Option<Range<usize>>,

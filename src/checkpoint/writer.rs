@@ -16,12 +16,16 @@ use crate::error::CheckpointError;
 /// A tensor to be written.
 #[derive(Debug, Clone)]
 pub struct PlannedTensor {
+    /// Checkpoint name.
     pub name: String,
+    /// Stored dtype.
     pub dtype: Dtype,
+    /// Shape.
     pub shape: Vec<usize>,
 }
 
 impl PlannedTensor {
+    /// Bytes of the data.
     pub fn n_bytes(&self) -> usize {
         self.shape.iter().product::<usize>() * self.dtype.bitsize() / 8
     }
@@ -132,6 +136,7 @@ pub fn index_json(shards: &[(String, Vec<PlannedTensor>)]) -> Value {
 /// A staging directory beside `dest` that becomes `dest` on [`Staging::commit`] and is
 /// removed if dropped before that — so a failure never leaves a half-written `dest`.
 pub struct Staging {
+    /// The staging directory to write into.
     pub dir: PathBuf,
     dest: PathBuf,
     done: bool,

@@ -39,7 +39,9 @@ pub enum LayerType {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MlpType {
+    /// Dense SwiGLU MLP.
     Dense,
+    /// Mixture of experts.
     Sparse,
 }
 
@@ -56,6 +58,7 @@ pub enum IndexerType {
 /// Activation named by `hidden_act` (the subset of HF `ACT2FN` that makes sense here).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Activation {
+    /// SiLU (`silu`, `swish`).
     #[serde(rename = "silu", alias = "swish")]
     Silu,
     /// Exact (erf) GELU.
@@ -64,10 +67,13 @@ pub enum Activation {
     /// tanh-approximated GELU (`gelu_pytorch_tanh`, `gelu_new`).
     #[serde(rename = "gelu_pytorch_tanh", alias = "gelu_new")]
     GeluTanh,
+    /// ReLU.
     #[serde(rename = "relu")]
     Relu,
+    /// Sigmoid.
     #[serde(rename = "sigmoid")]
     Sigmoid,
+    /// tanh.
     #[serde(rename = "tanh")]
     Tanh,
 }
@@ -203,13 +209,21 @@ pub struct VisionConfig {
 /// The whole checkpoint configuration (HF `Glm5NextConfig`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Glm5Config {
+    /// The text decoder.
     pub text_config: TextConfig,
+    /// The vision tower.
     pub vision_config: VisionConfig,
+    /// `<|image|>` placeholder id.
     pub image_token_id: i64,
+    /// Video placeholder id.
     pub video_token_id: i64,
+    /// `<|begin_of_image|>` id.
     pub image_start_token_id: i64,
+    /// `<|end_of_image|>` id.
     pub image_end_token_id: i64,
+    /// `<|begin_of_video|>` id.
     pub video_start_token_id: i64,
+    /// `<|end_of_video|>` id.
     pub video_end_token_id: i64,
     /// Tie `lm_head` to `embed_tokens` (the top-level flag is the one the reference reads).
     pub tie_word_embeddings: bool,

@@ -8,21 +8,28 @@ use crate::model::Glm5ForCausalLM;
 pub struct Images {
     /// `[N_patches, patch_dim]` row-major.
     pub pixel_values: Vec<f32>,
+    /// Values per patch.
     pub patch_dim: usize,
+    /// `(t, h, w)` patches per image.
     pub grid_thw: Vec<[usize; 3]>,
 }
 
 /// One micro-batch of token rows.
 #[derive(Debug, Clone)]
 pub struct MicroBatch {
+    /// `[B·S]` row-major.
     pub ids: Vec<i64>,
+    /// `[B·S]`; −100 where no loss is taken.
     pub labels: Vec<i64>,
+    /// Rows B.
     pub batch: usize,
+    /// Columns S.
     pub seq: usize,
     /// `[B, S]` validity (padding), or `None`.
     pub mask: Option<Vec<bool>>,
     /// Packed document lengths of a `B = 1` THD row, or `None`.
     pub documents: Option<Vec<usize>>,
+    /// The images of the rows' placeholders, or `None`.
     pub images: Option<Images>,
 }
 

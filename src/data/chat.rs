@@ -17,12 +17,21 @@ use tokenizers::Tokenizer;
 /// Errors of the chat pipeline, naming the file or message at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
+    /// A file could not be read or parsed.
     #[error("{path}: {message}")]
-    File { path: String, message: String },
+    File {
+        /// The file.
+        path: String,
+        /// What failed.
+        message: String,
+    },
+    /// The template does not compile or render.
     #[error("chat template: {0}")]
     Template(String),
+    /// A conversation the template cannot format.
     #[error("conversation: {0}")]
     Conversation(String),
+    /// The tokenizer failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
 }
@@ -33,6 +42,7 @@ const GEN_END: char = '\u{E001}';
 /// Token ids and labels of one conversation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Encoded {
+    /// Token ids.
     pub ids: Vec<u32>,
     /// `-100` except on the tokens the model is trained to produce.
     pub labels: Vec<i64>,
@@ -40,8 +50,10 @@ pub struct Encoded {
 
 /// A tokenizer with its chat template.
 pub struct ChatFormat {
+    /// The tokenizer (`tokenizer.json`).
     pub tokenizer: Tokenizer,
     template: String,
+    /// The image placeholder as text (`<|image|>`).
     pub image_token: String,
 }
 
@@ -75,6 +87,7 @@ impl ChatFormat {
         v
     }
 
+    /// From a `tokenizer.json` and the Jinja chat template text.
     pub fn new(tokenizer_json: &Path, template: String) -> Result<Self, ChatError> {
         let tokenizer = Tokenizer::from_file(tokenizer_json)
             .map_err(|e| ChatError::File { path: tokenizer_json.display().to_string(), message: e.to_string() })?;

@@ -11,18 +11,40 @@ use super::resize::{resize_u8, Arithmetic};
 /// OpenAI CLIP mean and std (the reference's `OPENAI_CLIP_MEAN`/`_STD` literals).
 #[allow(clippy::excessive_precision)]
 pub const CLIP_MEAN: [f32; 3] = [0.48145466, 0.4578275, 0.40821073];
+/// Per-channel std of the normalisation (OpenAI CLIP's).
 #[allow(clippy::excessive_precision)]
 pub const CLIP_STD: [f32; 3] = [0.26862954, 0.26130258, 0.27577711];
 
 /// Errors of the image pipeline, naming the image.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
+    /// The file could not be read.
     #[error("{path}: cannot read image: {message}")]
-    Read { path: String, message: String },
+    Read {
+        /// The image's path or origin.
+        path: String,
+        /// The OS error.
+        message: String,
+    },
+    /// The bytes are not a decodable image.
     #[error("{path}: cannot decode image (corrupt or truncated?): {message}")]
-    Decode { path: String, message: String },
+    Decode {
+        /// The image's path or origin.
+        path: String,
+        /// The decoder's error.
+        message: String,
+    },
+    /// An image without pixels.
     #[error("{what}: zero-size image ({width}×{height})")]
-    Empty { what: String, width: usize, height: usize },
+    Empty {
+        /// The image's path or origin.
+        what: String,
+        /// Its width.
+        width: usize,
+        /// Its height.
+        height: usize,
+    },
+    /// An image that cannot fit the token budget.
     #[error("image budget: {0}")]
     Budget(String),
 }
@@ -30,8 +52,11 @@ pub enum ImageError {
 /// An 8-bit RGB image, row-major `[h, w, 3]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RgbImage {
+    /// Width in pixels.
     pub width: usize,
+    /// Height in pixels.
     pub height: usize,
+    /// `[h, w, 3]` row-major.
     pub data: Vec<u8>,
 }
 
@@ -76,12 +101,19 @@ impl RgbImage {
 /// Processor settings (the checkpoint's `preprocessor_config.json` defaults).
 #[derive(Debug, Clone)]
 pub struct ImageProcessor {
+    /// Patch side in pixels (14).
     pub patch_size: usize,
+    /// Frames per temporal patch (2; an image is repeated).
     pub temporal_patch_size: usize,
+    /// Merge block side (2).
     pub merge_size: usize,
+    /// Fewest merged tokens per image.
     pub min_image_tokens: usize,
+    /// Most merged tokens per image.
     pub max_image_tokens: usize,
+    /// Per-channel mean of the normalisation.
     pub mean: [f32; 3],
+    /// Per-channel std of the normalisation.
     pub std: [f32; 3],
     /// Resampling arithmetic: torchvision's (HF's default backend) or PIL's.
     pub arithmetic: Arithmetic,

@@ -18,16 +18,42 @@ use super::DatasetFormat;
 /// Errors building or serving the dataset.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
+    /// Reading the dataset failed.
     #[error(transparent)]
     Dataset(#[from] DatasetError),
+    /// A sample could not be encoded.
     #[error(transparent)]
     Sample(#[from] SampleError),
+    /// The tokenizer cannot produce the model's image token.
     #[error("{dir}: the tokenizer never produces the image token id {id} (config.json `image_token_id`): tokenizer and model disagree")]
-    NoImageToken { dir: PathBuf, id: i64 },
+    NoImageToken {
+        /// The tokenizer directory.
+        dir: PathBuf,
+        /// The image token id of `config.json`.
+        id: i64,
+    },
+    /// No sample of a split fits the pack length.
     #[error("{dir}: split `{split}`: every sample is longer than packed_sequence_size {max_length} ({dropped} dropped); {hint}")]
-    AllTooLong { dir: PathBuf, split: String, max_length: usize, dropped: usize, hint: &'static str },
+    AllTooLong {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// The split.
+        split: String,
+        /// The pack length.
+        max_length: usize,
+        /// Samples dropped.
+        dropped: usize,
+        /// What to change.
+        hint: &'static str,
+    },
+    /// A pack index past the end.
     #[error("pack {index} out of range ({packs} packs)")]
-    PackIndex { index: usize, packs: usize },
+    PackIndex {
+        /// The index asked for.
+        index: usize,
+        /// Packs in the dataset.
+        packs: usize,
+    },
 }
 
 /// SplitMix64: a small, fully specified generator, so a data order is reproducible from
@@ -36,6 +62,7 @@ pub enum DataError {
 pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
@@ -57,11 +84,17 @@ impl SplitMix64 {
 
 /// Records, their packs and what reading/packing skipped.
 pub struct PackedDataset {
+    /// The usable records.
     pub records: Vec<VqaRecord>,
+    /// The packed sequences.
     pub packs: Vec<Pack>,
+    /// What reading skipped.
     pub read_report: ReadReport,
+    /// What packing did.
     pub pack_report: PackReport,
+    /// The image processor the samples were sized with.
     pub processor: ImageProcessor,
+    /// The image placeholder id.
     pub image_token_id: i64,
 }
 
@@ -70,7 +103,9 @@ pub struct PackedDataset {
 pub struct PackingOptions {
     /// Tokens per pack; 0 = no packing (one sample per sequence).
     pub max_length: usize,
+    /// Drop samples longer than `max_length` (else truncate them).
     pub drop_long_samples: bool,
+    /// Seed of the pack order.
     pub seed: u64,
 }
 
@@ -172,12 +207,15 @@ impl PackedDataset {
 pub struct Sampler {
     n: usize,
     seed: u64,
+    /// Completed passes over the data.
     pub epoch: usize,
+    /// Position in this epoch's order.
     pub cursor: usize,
     order: Vec<usize>,
 }
 
 impl Sampler {
+    /// At the start of epoch 0.
     pub fn new(n: usize, seed: u64) -> Self {
         Self::at(n, seed, 0, 0)
     }

@@ -22,12 +22,19 @@ use super::DatasetFormat;
 /// read its size) so a large dataset does not sit in memory as pixels.
 #[derive(Debug, Clone)]
 pub struct VqaRecord {
+    /// The encoded image (shared between records of one image).
     pub image_bytes: std::sync::Arc<[u8]>,
+    /// Image width.
     pub width: usize,
+    /// Image height.
     pub height: usize,
+    /// The question.
     pub question: String,
+    /// The reference answer.
     pub answer: String,
+    /// MedPix case id.
     pub case_id: String,
+    /// Imaging modality (`CT`, `MRI`, …).
     pub mode: String,
     /// `file:row` (parquet) or `file:line` (JSONL), for messages.
     pub origin: String,
@@ -43,8 +50,11 @@ impl VqaRecord {
 /// Records read and skipped, by reason.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ReadReport {
+    /// Files read.
     pub files: Vec<PathBuf>,
+    /// Records read.
     pub read: usize,
+    /// Records kept.
     pub usable: usize,
     /// reason → count
     pub skipped: BTreeMap<String, usize>,
@@ -53,6 +63,7 @@ pub struct ReadReport {
 }
 
 impl ReadReport {
+    /// Records skipped for any reason.
     pub fn skipped_total(&self) -> usize {
         self.skipped.values().sum()
     }
@@ -78,12 +89,38 @@ impl ReadReport {
 /// Dataset errors, naming the file or column.
 #[derive(Debug, thiserror::Error)]
 pub enum DatasetError {
+    /// A file could not be read or parsed.
     #[error("{path}: {message}")]
-    File { path: String, message: String },
+    File {
+        /// The file.
+        path: String,
+        /// What failed.
+        message: String,
+    },
+    /// A column is missing or has the wrong type.
     #[error("{path}: column `{column}`: {message}")]
-    Column { path: String, column: String, message: String },
+    Column {
+        /// The file.
+        path: String,
+        /// The column.
+        column: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A split has no usable record.
     #[error("{path}: no usable records in split `{split}` ({read} read, {skipped} skipped: {reasons})")]
-    Empty { path: String, split: String, read: usize, skipped: usize, reasons: String },
+    Empty {
+        /// The dataset path.
+        path: String,
+        /// The split.
+        split: String,
+        /// Records read.
+        read: usize,
+        /// Records skipped.
+        skipped: usize,
+        /// Skip counts by reason.
+        reasons: String,
+    },
 }
 
 fn file_err(path: &Path, message: impl std::fmt::Display) -> DatasetError {

@@ -27,18 +27,23 @@ pub enum DatasetFormat {
 /// A user turn with images and text, ready for `forward_multimodal`.
 #[derive(Debug, Clone)]
 pub struct MultimodalPrompt {
+    /// Token ids of the prompt, placeholders expanded.
     pub ids: Vec<i64>,
     /// `[N_patches, 1176]` row-major, all images concatenated.
     pub pixel_values: Vec<f32>,
+    /// Values per patch.
     pub patch_dim: usize,
+    /// `(t, h, w)` patches per image.
     pub grid_thw: Vec<[usize; 3]>,
 }
 
 /// Errors of prompt building.
 #[derive(Debug, thiserror::Error)]
 pub enum PromptError {
+    /// An image could not be read or processed.
     #[error(transparent)]
     Image(#[from] ImageError),
+    /// The chat template or tokenizer failed.
     #[error(transparent)]
     Chat(#[from] ChatError),
 }

@@ -19,6 +19,7 @@ use super::medpix::VqaRecord;
 /// One tokenised conversation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SftSample {
+    /// Token ids.
     pub ids: Vec<i64>,
     /// `-100` outside the assistant's answer.
     pub labels: Vec<i64>,
@@ -29,10 +30,22 @@ pub struct SftSample {
 /// Errors building samples.
 #[derive(Debug, thiserror::Error)]
 pub enum SampleError {
+    /// The record's image failed.
     #[error("{origin}: {source}")]
-    Image { origin: String, source: ImageError },
+    Image {
+        /// The record (`file:row`).
+        origin: String,
+        /// The image error.
+        source: ImageError,
+    },
+    /// The record's conversation failed.
     #[error("{origin}: {source}")]
-    Chat { origin: String, source: ChatError },
+    Chat {
+        /// The record (`file:row`).
+        origin: String,
+        /// The chat error.
+        source: ChatError,
+    },
 }
 
 /// The conversation of a record, as chat-template messages.
@@ -56,9 +69,13 @@ pub fn encode_record(chat: &ChatFormat, processor: &ImageProcessor, record: &Vqa
 /// What packing did.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PackReport {
+    /// Packs built.
     pub packs: usize,
+    /// Samples packed.
     pub samples: usize,
+    /// Samples dropped as too long.
     pub dropped_long: usize,
+    /// Samples truncated to fit.
     pub truncated: usize,
     /// Tokens in packs / (packs · max_length).
     pub fill: f64,
@@ -67,13 +84,16 @@ pub struct PackReport {
 /// One packed THD sequence: the samples it holds (possibly truncated) in order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Pack {
+    /// The samples, in order.
     pub samples: Vec<SftSample>,
 }
 
 impl Pack {
+    /// Tokens in the pack.
     pub fn len(&self) -> usize {
         self.samples.iter().map(|s| s.ids.len()).sum()
     }
+    /// Whether it holds no sample.
     pub fn is_empty(&self) -> bool {
         self.samples.is_empty()
     }

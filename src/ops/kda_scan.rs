@@ -149,31 +149,31 @@ fn states_backward_op<B: Glm5Backend>(
     (f4(s), f4(v), Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(f)))
 }
 
-/// What the forward keeps for the backward.
+/// What the forward keeps for the backward (opaque: pass it to [`backward`]).
 #[derive(Debug, Clone)]
 pub struct ScanSaved<B: Backend> {
-    pub q: Tensor<B, 3>,
-    pub k: Tensor<B, 3>,
-    pub v: Tensor<B, 3>,
-    pub beta: Tensor<B, 3>,
-    pub gam: Tensor<B, 3>,
-    pub sums: Tensor<B, 3>,
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    beta: Tensor<B, 3>,
+    gam: Tensor<B, 3>,
+    sums: Tensor<B, 3>,
     /// `L` (strictly lower, β applied) `[bh·n, C, C]`.
-    pub l: Tensor<B, 3>,
+    l: Tensor<B, 3>,
     /// `W | U` `[bh·n, C, dk + dv]`.
-    pub wu: Tensor<B, 3>,
-    pub w: Tensor<B, 4>,
-    pub qg: Tensor<B, 4>,
-    pub kd: Tensor<B, 4>,
-    pub a: Tensor<B, 4>,
-    pub p: Tensor<B, 4>,
+    wu: Tensor<B, 3>,
+    w: Tensor<B, 4>,
+    qg: Tensor<B, 4>,
+    kd: Tensor<B, 4>,
+    a: Tensor<B, 4>,
+    p: Tensor<B, 4>,
     /// `S_i` before chunk `i`, `[bh, n, dk, dv]`.
-    pub states: Tensor<B, 4>,
+    states: Tensor<B, 4>,
     /// `V'_i`, `[bh, n, C, dv]`.
-    pub v_new: Tensor<B, 4>,
-    pub chunk: usize,
+    v_new: Tensor<B, 4>,
+    chunk: usize,
     /// `[bh·n, 1, 1]`: 0 on a packed document's last chunk, 1 elsewhere (`None`: one document).
-    pub keep: Option<Tensor<B, 3>>,
+    keep: Option<Tensor<B, 3>>,
 }
 
 /// Per chunk of every head, `[bh·n, 1, 1]`: 0 where the next chunk starts a new document.

@@ -75,12 +75,16 @@ pub fn reference_select<B: Backend>(
 /// first valid token; per pool its last token if complete, else −1; per position the number
 /// of valid tokens up to and including it.
 pub struct KernelLayout {
+    /// Per row, the first valid token.
     pub first: Vec<i32>,
+    /// Per pool, its last token if complete, else −1.
     pub last: Vec<i32>,
+    /// Per position, valid tokens up to it.
     pub visible: Vec<i32>,
 }
 
 impl KernelLayout {
+    /// The layout of `mask` `[batch, seq]` with pools of `kpool`.
     pub fn new(mask: &[bool], batch: usize, seq: usize, kpool: usize) -> Self {
         let n_pools = seq.div_ceil(kpool);
         let layouts = pool_layouts(mask, batch, seq, kpool);
@@ -137,8 +141,11 @@ pub fn complete_pools(layout: &PoolLayout, row_mask: &[bool], kpool: usize) -> V
 /// Selection parameters.
 #[derive(Debug, Clone, Copy)]
 pub struct KpoolSelect {
+    /// Tokens per pool.
     pub kpool: usize,
+    /// Tokens selected per query.
     pub index_topk: usize,
+    /// Always select the query's own incomplete pool.
     pub always_select_tail: bool,
 }
 

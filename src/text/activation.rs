@@ -16,6 +16,7 @@ impl Activation {
         }
     }
 
+    /// The activation as tensor ops.
     pub fn apply<B: Backend, const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         match self {
             Activation::Silu => silu(x),

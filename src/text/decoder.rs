@@ -24,7 +24,9 @@ use crate::profile;
 #[allow(clippy::large_enum_variant)] // one per layer; boxing would hide the module tree from Burn
 #[derive(Module, Debug)]
 pub enum Mixer<B: Backend> {
+    /// Kimi Delta Attention (`linear_attention` layers).
     Kda(KdaAttention<B>),
+    /// KPool-indexed sparse MLA (`indexed_attention` layers).
     Mla(MlaAttention<B>),
 }
 
@@ -32,22 +34,32 @@ pub enum Mixer<B: Backend> {
 #[allow(clippy::large_enum_variant)] // one per layer; boxing would hide the module tree from Burn
 #[derive(Module, Debug)]
 pub enum Ffn<B: Backend> {
+    /// Dense SwiGLU (`dense` layers).
     Dense(Mlp<B>),
+    /// Routed experts + shared expert (`sparse` layers).
     Moe(Moe<B>),
 }
 
+/// One decoder layer (HF `Glm5NextTextDecoderLayer`): token mixer and FFN, each inside an mHC site.
 #[derive(Module, Debug)]
 pub struct DecoderLayer<B: Backend> {
+    /// The token mixer (`self_attn` in the checkpoint).
     pub self_attn: Mixer<B>,
+    /// The FFN.
     pub mlp: Ffn<B>,
+    /// RMSNorm before the mixer.
     pub input_layernorm: RmsNorm<B>,
+    /// RMSNorm before the FFN.
     pub post_attention_layernorm: RmsNorm<B>,
+    /// mHC site around the mixer (`hc_attn_*`).
     pub attn_hc: HyperConnection<B>,
+    /// mHC site around the FFN (`hc_ffn_*`).
     pub ffn_hc: HyperConnection<B>,
 }
 
 /// What a layer hands to the next ones.
 pub struct LayerOutput<B: Backend> {
+    /// The n residual streams `[B, S, n, D]`.
     pub streams: Tensor<B, 4>,
     /// Router logits `[B·S, E]` of a MoE layer.
     pub router_logits: Option<Tensor<B, 2>>,
@@ -56,6 +68,7 @@ pub struct LayerOutput<B: Backend> {
 }
 
 impl<B: Backend> DecoderLayer<B> {
+    /// Layer `i` of `c` with random weights.
     pub fn new(c: &TextConfig, i: usize, device: &B::Device) -> Self {
         let d = c.hidden_size;
         let self_attn = match c.layer_types[i] {

@@ -26,24 +26,35 @@ use crate::ops::backend::Glm5Backend;
 use crate::ops::kpool::{pool_layouts, reference_compress, reference_select, KpoolSelect};
 use crate::ops::PathKind;
 
+/// The KPool indexer of a full DSA layer (HF `Glm5NextTextIndexer`): scores pooled keys per query and selects `index_topk` tokens; detached (no gradient).
 #[derive(Module, Debug)]
 pub struct Indexer<B: Backend> {
+    /// Query projection from the query latent `[q_lora_rank, H_i·d_i]`.
     pub wq_b: Linear<B>,
+    /// Key projection `[D, d_i]`.
     pub wk: Linear<B>,
+    /// LayerNorm of the keys.
     pub k_norm: LayerNorm<B>,
+    /// Per-head weights `[D, H_i]`.
     pub weights_proj: Linear<B>,
     /// `[kpool, d]`.
     pub index_kpool_compress_ape: Param<Tensor<B, 2>>,
     /// `[d, D]` (a linear map applied as `x · gateᵀ`).
     pub index_kpool_compress_gate: Param<Tensor<B, 2>>,
+    /// Indexer heads H_i.
     pub n_heads: usize,
+    /// Indexer head dim d_i.
     pub head_dim: usize,
+    /// Tokens selected per query.
     pub index_topk: usize,
+    /// Tokens per pool.
     pub kpool: usize,
+    /// Always attend to the query's incomplete pool.
     pub always_select_tail: bool,
 }
 
 impl<B: Backend> Indexer<B> {
+    /// Random init with the shapes of `c`.
     pub fn new(c: &TextConfig, device: &B::Device) -> Self {
         let (d, hi, hd) = (c.hidden_size, c.index_n_heads, c.index_head_dim);
         Self {
@@ -82,6 +93,7 @@ impl<B: Backend> Indexer<B> {
         self.clone().no_grad()
     }
 
+    /// The selection parameters of this indexer.
     pub fn selector(&self) -> KpoolSelect {
         KpoolSelect { kpool: self.kpool, index_topk: self.index_topk, always_select_tail: self.always_select_tail }
     }

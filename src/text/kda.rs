@@ -33,6 +33,7 @@ use crate::ops::kda::{kda_chunked, kda_recurrent, KdaInputs};
 /// Causal depthwise conv taps (`weight` `[C, W]`; tap `W−1` multiplies the current token).
 #[derive(Module, Debug)]
 pub struct DepthwiseConv<B: Backend> {
+    /// `[C, W]`, fp32 (checkpoint `[C, 1, W]`).
     pub weight: Param<Tensor<B, 2>>,
 }
 
@@ -50,30 +51,48 @@ impl<B: Backend> DepthwiseConv<B> {
 /// The KDA layer.
 #[derive(Module, Debug)]
 pub struct KdaAttention<B: Backend> {
+    /// `[D, H·d_k]`.
     pub q_proj: Linear<B>,
+    /// `[D, H·d_k]`.
     pub k_proj: Linear<B>,
+    /// `[D, H·d_v]`.
     pub v_proj: Linear<B>,
+    /// Short conv of the queries.
     pub q_conv1d: DepthwiseConv<B>,
+    /// Short conv of the keys.
     pub k_conv1d: DepthwiseConv<B>,
+    /// Short conv of the values.
     pub v_conv1d: DepthwiseConv<B>,
+    /// Forget-gate low-rank down projection `[D, d_k]`.
     pub f_a_proj: Linear<B>,
+    /// Forget-gate up projection `[d_k, H·d_k]`.
     pub f_b_proj: Linear<B>,
     /// `[P]`, fp32.
     pub dt_bias: Param<Tensor<B, 1>>,
     /// `[H]`, fp32.
     pub A_log: Param<Tensor<B, 1>>,
+    /// `β` projection `[D, H]` (sigmoid applied).
     pub b_proj: Linear<B>,
+    /// Output-gate down projection `[D, d_v]`.
     pub g_a_proj: Linear<B>,
+    /// Output-gate up projection `[d_v, H·d_v]` (with bias).
     pub g_b_proj: Linear<B>,
+    /// Gated RMSNorm of the heads' outputs (sigmoid gate).
     pub o_norm: GatedRmsNorm<B>,
+    /// `[H·d_v, D]`.
     pub o_proj: Linear<B>,
+    /// Heads H.
     pub num_heads: usize,
+    /// Head dim (d_k = d_v).
     pub head_dim: usize,
+    /// Activation after the short conv.
     pub act: Activation,
+    /// Safe-gate bound λ (`g = λ·σ(·)`); `None`: softplus gate.
     pub lower_bound: Option<f64>,
 }
 
 impl<B: Backend> KdaAttention<B> {
+    /// Random init with the shapes of `c` (load real weights with `checkpoint`).
     pub fn new(c: &TextConfig, device: &B::Device) -> Self {
         let (d, h, hd, w) = (c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim);
         let p = h * hd;

@@ -26,22 +26,32 @@ use crate::ops::backend::{hc_collapse, hc_post, hc_sinkhorn, Glm5Backend};
 /// One mHC site. `fn_weight` is the checkpoint's `hc_{attn,ffn}_fn`.
 #[derive(Module, Debug)]
 pub struct HyperConnection<B: Backend> {
+    /// `[(n + 2)·n, n·D]` (checkpoint `hc_{attn,ffn}_fn`): the mixing logits from the flattened streams.
     pub fn_weight: Param<Tensor<B, 2>>,
+    /// `[(n + 2)·n]` biases of the pre, post and combination logits.
     pub base: Param<Tensor<B, 1>>,
+    /// `[3]` scales of the pre, post and combination logits.
     pub scale: Param<Tensor<B, 1>>,
+    /// Streams n.
     pub n: usize,
+    /// ε of the RMS normalisation of the streams.
     pub rms_eps: f64,
+    /// ε of the Sinkhorn normalisation.
     pub hc_eps: f64,
+    /// Sinkhorn iterations.
     pub iters: usize,
 }
 
 /// Mixing weights of one site: `post` `[B·S, n]`, `comb` `[B·S, n, n]` (fp32).
 pub struct HcWeights<B: Backend> {
+    /// Weights of the layer output into each stream `[B·S, n]`.
     pub post: Tensor<B, 2>,
+    /// Doubly stochastic stream mixing `[B·S, n, n]`.
     pub comb: Tensor<B, 3>,
 }
 
 impl<B: Backend> HyperConnection<B> {
+    /// Zero-initialised site for `n` streams of width `hidden`.
     pub fn new(n: usize, hidden: usize, rms_eps: f64, hc_eps: f64, iters: usize, device: &B::Device) -> Self {
         let m = (2 + n) * n;
         Self {

@@ -26,24 +26,39 @@ use crate::config::TextConfig;
 use crate::ops::backend::Glm5Backend;
 use crate::ops::sparse_attn::{dense_masked, sparse_absorbed};
 
+/// The DSA layer: MLA with a shared latent (`kv_lora_rank`), NoPE heads and KPool-indexed token selection (HF `Glm5NextTextAttention`).
 #[derive(Module, Debug)]
 pub struct MlaAttention<B: Backend> {
+    /// `[D, q_lora_rank]` (bias with `attention_bias`).
     pub q_a_proj: Linear<B>,
+    /// RMSNorm of the query latent (also the indexer's query input).
     pub q_a_layernorm: RmsNorm<B>,
+    /// `[q_lora_rank, H·d_qk]`.
     pub q_b_proj: Linear<B>,
+    /// `[D, kv_lora_rank]`: the shared latent, the per-token KV cache entry.
     pub kv_a_proj_with_mqa: Linear<B>,
+    /// RMSNorm of the latent.
     pub kv_a_layernorm: RmsNorm<B>,
+    /// `[kv_lora_rank, H·(d_qk + d_v)]`: per-head keys and values from the latent.
     pub kv_b_proj: Linear<B>,
+    /// `[H·d_v, D]`.
     pub o_proj: Linear<B>,
+    /// This layer's KPool indexer (`None` for `shared` indexer layers).
     pub indexer: Option<Indexer<B>>,
+    /// Heads H.
     pub num_heads: usize,
+    /// Query/key head dim.
     pub qk_head_dim: usize,
+    /// Value head dim.
     pub v_head_dim: usize,
+    /// Latent width R.
     pub kv_lora_rank: usize,
+    /// Indices per query (`index_topk`, plus the tail pool).
     pub index_width: usize,
 }
 
 impl<B: Backend> MlaAttention<B> {
+    /// Random init with the shapes of `c`; `with_indexer` for `full` indexer layers.
     pub fn new(c: &TextConfig, with_indexer: bool, device: &B::Device) -> Self {
         let (d, h) = (c.hidden_size, c.num_attention_heads);
         let dq = c.qk_nope_head_dim + c.qk_rope_head_dim;

@@ -14,10 +14,15 @@ use crate::ops::backend::{swiglu, Glm5Backend};
 /// Dense clamped SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`, no biases).
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
+    /// `[D, I]`.
     pub gate_proj: Linear<B>,
+    /// `[D, I]`.
     pub up_proj: Linear<B>,
+    /// `[I, D]`.
     pub down_proj: Linear<B>,
+    /// Gate activation.
     pub act: Activation,
+    /// SwiGLU clamp limit.
     pub limit: f64,
 }
 
@@ -36,6 +41,7 @@ pub fn clamped_swiglu<B: Glm5Backend, const D: usize>(gate: Tensor<B, D>, up: Te
 }
 
 impl<B: Backend> Mlp<B> {
+    /// Without biases (the text tower).
     pub fn new(hidden: usize, intermediate: usize, act: Activation, limit: f64, device: &B::Device) -> Self {
         Self::with_bias(hidden, intermediate, act, limit, false, device)
     }
@@ -51,6 +57,7 @@ impl<B: Backend> Mlp<B> {
         }
     }
 
+    /// `x` `[…, D]` → `[…, D]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D>
     where
         B: Glm5Backend,

@@ -26,7 +26,10 @@ pub enum AttentionImpl {
     /// Absorbed-latent attention over the selected indices.
     Sparse,
     /// Dense up to `dense_max_len` tokens, sparse above.
-    Auto { dense_max_len: usize },
+    Auto {
+        /// Longest sequence run densely.
+        dense_max_len: usize,
+    },
 }
 
 /// Which KDA form the linear-attention layers use.
@@ -41,7 +44,9 @@ pub enum KdaImpl {
 /// Options of a forward pass (paths only; they never change the maths beyond rounding).
 #[derive(Debug, Clone, Copy)]
 pub struct ForwardOptions {
+    /// Dense or sparse DSA attention.
     pub attention: AttentionImpl,
+    /// Chunked or recurrent KDA.
     pub kda: KdaImpl,
     /// Query block size of the sparse attention path (bounds its memory).
     pub sparse_block: usize,
@@ -70,7 +75,9 @@ impl Default for ForwardOptions {
 pub struct TokenMask<B: Backend> {
     /// `[B, S]` row-major, true = token.
     pub host: Vec<bool>,
+    /// Rows B.
     pub batch: usize,
+    /// Columns S.
     pub seq: usize,
     /// `[B, S, 1]` float 1/0, for zeroing padded inputs.
     pub float: Tensor<B, 3>,
@@ -111,6 +118,7 @@ impl<B: Backend> TokenMask<B> {
         Self::new(vec![true; batch * seq], batch, seq, device)
     }
 
+    /// Whether any position is padding.
     pub fn has_padding(&self) -> bool {
         self.host.iter().any(|&m| !m)
     }

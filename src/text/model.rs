@@ -17,11 +17,16 @@ use super::norm::RmsNorm;
 use super::{ForwardOptions, TokenMask};
 use crate::config::TextConfig;
 
+/// The text decoder (`model.language_model`): embedding, mHC-wrapped decoder layers, final norm.
 #[derive(Module, Debug)]
 pub struct TextModel<B: Backend> {
+    /// `[V, D]`.
     pub embed_tokens: Embedding<B>,
+    /// The decoder layers.
     pub layers: Vec<DecoderLayer<B>>,
+    /// Final RMSNorm.
     pub norm: RmsNorm<B>,
+    /// Residual streams n.
     pub hc_mult: usize,
     /// Embedding row that takes no gradient (`nn.Embedding(padding_idx=pad_token_id)`).
     pub pad_token_id: Option<i64>,
@@ -42,6 +47,7 @@ pub struct TextOutput<B: Backend> {
 }
 
 impl<B: Backend> TextModel<B> {
+    /// Random init with the shapes of `c`.
     pub fn new(c: &TextConfig, device: &B::Device) -> Self {
         Self {
             embed_tokens: EmbeddingConfig::new(c.vocab_size, c.hidden_size).init(device),

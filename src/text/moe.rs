@@ -33,10 +33,15 @@ pub struct Router<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
     /// `[E]`, fp32.
     pub e_score_correction_bias: Param<Tensor<B, 1>>,
+    /// Experts per token.
     pub top_k: usize,
+    /// Expert groups.
     pub n_group: usize,
+    /// Groups kept per token.
     pub topk_group: usize,
+    /// Renormalise the selected weights.
     pub norm_topk_prob: bool,
+    /// `routed_scaling_factor`.
     pub scaling: f64,
 }
 
@@ -111,6 +116,7 @@ pub struct Experts<B: Backend> {
     pub up_proj: Param<Tensor<B, 3>>,
     /// `[E, I, D]`.
     pub down_proj: Param<Tensor<B, 3>>,
+    /// SwiGLU clamp limit.
     pub limit: f64,
 }
 
@@ -237,12 +243,16 @@ impl<B: AutodiffBackend> Router<B> {
 /// MoE block (`mlp` of a sparse layer).
 #[derive(Module, Debug)]
 pub struct Moe<B: Backend> {
+    /// The router (`gate`).
     pub gate: Router<B>,
+    /// The routed experts, stacked.
     pub experts: Experts<B>,
+    /// The shared expert(s).
     pub shared_experts: Mlp<B>,
 }
 
 impl<B: Backend> Moe<B> {
+    /// Random init with the shapes of `c`.
     pub fn new(c: &TextConfig, device: &B::Device) -> Self {
         let (e, d, i) = (c.n_routed_experts, c.hidden_size, c.moe_intermediate_size);
         let std = Initializer::Normal { mean: 0.0, std: c.initializer_range };

@@ -32,15 +32,19 @@ fn rms_rows<B: Glm5Backend, const D: usize>(x: Tensor<B, D>, w: Option<Tensor<B,
 /// Weighted RMSNorm (`weight`: `[D]`).
 #[derive(Module, Debug)]
 pub struct RmsNorm<B: Backend> {
+    /// `[D]`.
     pub weight: Param<Tensor<B, 1>>,
+    /// ε.
     pub eps: f64,
 }
 
 impl<B: Backend> RmsNorm<B> {
+    /// Ones-initialised norm of width `dim`.
     pub fn new(dim: usize, eps: f64, device: &B::Device) -> Self {
         Self { weight: Initializer::Ones.init([dim], device), eps }
     }
 
+    /// Normalises the last dim.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D>
     where
         B: Glm5Backend,
@@ -59,11 +63,14 @@ impl<B: Backend> RmsNorm<B> {
 /// Gated RMSNorm with a sigmoid gate (`weight`: `[d]`), fp32 throughout.
 #[derive(Module, Debug)]
 pub struct GatedRmsNorm<B: Backend> {
+    /// `[d]`.
     pub weight: Param<Tensor<B, 1>>,
+    /// ε.
     pub eps: f64,
 }
 
 impl<B: Backend> GatedRmsNorm<B> {
+    /// Ones-initialised norm of width `dim`.
     pub fn new(dim: usize, eps: f64, device: &B::Device) -> Self {
         Self { weight: Initializer::Ones.init([dim], device), eps }
     }
@@ -82,16 +89,21 @@ impl<B: Backend> GatedRmsNorm<B> {
 /// LayerNorm with weight and bias (`[d]` each).
 #[derive(Module, Debug)]
 pub struct LayerNorm<B: Backend> {
+    /// `[d]`.
     pub weight: Param<Tensor<B, 1>>,
+    /// `[d]`.
     pub bias: Param<Tensor<B, 1>>,
+    /// ε.
     pub eps: f64,
 }
 
 impl<B: Backend> LayerNorm<B> {
+    /// Weight one, bias zero.
     pub fn new(dim: usize, eps: f64, device: &B::Device) -> Self {
         Self { weight: Initializer::Ones.init([dim], device), bias: Initializer::Zeros.init([dim], device), eps }
     }
 
+    /// Normalises the last dim in fp32 (input dtype out).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let dtype = x.dtype();
         let x = x.cast(DType::F32);

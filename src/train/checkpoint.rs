@@ -94,9 +94,11 @@ pub struct TrainerState {
     pub step: usize,
     /// Data position: the sampler's epoch and cursor after this step.
     pub epoch: usize,
+    /// Position within that epoch.
     pub cursor: usize,
     /// The recipe's `rng.seed` (data order and initialisation derive from it alone).
     pub seed: u64,
+    /// Steps skipped so far for a non-finite loss or gradient.
     pub skipped_steps: usize,
     /// Parameter id (`ParamId::val`) of every float parameter by module path: the optimizer
     /// record is keyed by these ids.
@@ -110,13 +112,25 @@ pub struct TrainerState {
 /// Checkpoint errors, naming the path.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointIoError {
+    /// A file or directory operation failed.
     #[error("{path}: {message}")]
-    Io { path: String, message: String },
+    Io {
+        /// The path.
+        path: String,
+        /// What failed.
+        message: String,
+    },
     #[error(
         "checkpoint directory {dir} is in use by another run ({holder}); two runs on one directory destroy each other's \
          checkpoints — wait for it to finish, or pick another checkpoint.checkpoint_dir"
     )]
-    Locked { dir: String, holder: String },
+    /// Another process holds the run lock.
+    Locked {
+        /// The checkpoint directory.
+        dir: String,
+        /// The holder written into the lock (`pid N on HOST`).
+        holder: String,
+    },
 }
 
 pub(crate) fn io_err(path: &Path, e: impl std::fmt::Display) -> CheckpointIoError {

@@ -15,14 +15,30 @@ use serde_yaml::Value;
 /// Recipe errors, naming the file and key.
 #[derive(Debug, thiserror::Error)]
 pub enum RecipeError {
+    /// The recipe file could not be read or parsed.
     #[error("{path}: {message}")]
-    File { path: String, message: String },
+    File {
+        /// The file.
+        path: String,
+        /// What failed.
+        message: String,
+    },
+    /// A key is missing, unknown or has a bad value.
     #[error("{source_name}: key `{key}`: {message}")]
-    Key { source_name: String, key: String, message: String },
+    Key {
+        /// The recipe file (or `override --k=v (on FILE)`).
+        source_name: String,
+        /// The dotted key path.
+        key: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// An override not of the form `--section.key=value`.
     #[error("override `{0}`: expected --section.key=value")]
     Override(String),
 }
 
+/// `step_scheduler`: batch sizes, step count, checkpoint and validation cadence.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StepScheduler {
@@ -30,9 +46,12 @@ pub struct StepScheduler {
     pub global_batch_size: usize,
     /// Samples per micro-step.
     pub local_batch_size: usize,
+    /// Optimizer steps to run.
     pub max_steps: usize,
+    /// Save a checkpoint every this many steps (`None`: only at the end).
     #[serde(default)]
     pub ckpt_every_steps: Option<usize>,
+    /// Run validation every this many steps (`None`: only at the end).
     #[serde(default)]
     pub val_every_steps: Option<usize>,
     /// What a non-finite loss or gradient norm does: `abort` (default) or `skip` the step
@@ -41,32 +60,42 @@ pub struct StepScheduler {
     pub on_nonfinite: NonFinitePolicy,
 }
 
+/// What a non-finite loss or gradient norm does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum NonFinitePolicy {
+    /// Stop the run with an error (default).
     #[default]
     Abort,
+    /// Skip the step: nothing applied, counted in the metrics.
     Skip,
 }
 
 pub use crate::ops::PathKind;
 
+/// `model.backend`: which implementation each op family runs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct BackendSelect {
+    /// Sparse attention, KPool indexer and its kin: `reference` or `op`.
     #[serde(default)]
     pub attn: PathKind,
+    /// KDA scan and pair terms: `reference` or `op`.
     #[serde(default)]
     pub linear: PathKind,
 }
 
+/// Training precision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Precision {
+    /// fp32 throughout.
     F32,
+    /// bf16 compute copy with fp32 master weights and optimizer state.
     Bf16,
 }
 
+/// `model`: what to train and how.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
@@ -80,20 +109,27 @@ pub struct ModelSection {
     /// Directory with `tokenizer.json` and the chat template; defaults to `checkpoint`.
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
+    /// Training precision.
     pub dtype: Precision,
+    /// Op implementations.
     #[serde(default)]
     pub backend: BackendSelect,
 }
 
+/// `distributed`: parallel sizes (all 1 until the distributed layer lands) and activation checkpointing.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Distributed {
+    /// Data-parallel size.
     #[serde(default = "one")]
     pub dp_size: usize,
+    /// Expert-parallel size.
     #[serde(default = "one")]
     pub ep_size: usize,
+    /// Context-parallel size.
     #[serde(default = "one")]
     pub cp_size: usize,
+    /// Recompute each decoder layer in backward instead of keeping its activations.
     #[serde(default)]
     pub activation_checkpointing: bool,
 }
@@ -102,13 +138,18 @@ fn one() -> usize {
     1
 }
 
+/// `dataset` / `validation_dataset`: where and what to read.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatasetSection {
+    /// Dataset directory.
     pub path: PathBuf,
+    /// On-disk format.
     pub format: DatasetFormat,
+    /// Split name (`train`, `validation`, …).
     #[serde(default = "train_split")]
     pub split: String,
+    /// Read at most this many records (`None`: all).
     #[serde(default)]
     pub max_samples: Option<usize>,
 }
@@ -117,6 +158,7 @@ fn train_split() -> String {
     "train".into()
 }
 
+/// `packed_sequence`: THD packing.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PackedSequence {
@@ -137,12 +179,15 @@ fn two_k() -> usize {
     2048
 }
 
+/// `optimizer`: AdamW settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Optimizer {
     /// Only `adamw`.
     pub name: String,
+    /// Peak learning rate.
     pub lr: f64,
+    /// AdamW β₁, β₂.
     #[serde(default = "betas")]
     pub betas: [f64; 2],
     /// PyTorch's AdamW default (Burn's is 1e-5): written out so both sides agree.
@@ -166,40 +211,55 @@ fn weight_decay() -> f64 {
     0.01
 }
 
+/// Learning-rate decay after warm-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DecayStyle {
+    /// Constant at `lr`.
     Constant,
+    /// Linear down to `min_lr`.
     Linear,
+    /// Cosine down to `min_lr`.
     Cosine,
 }
 
+/// `lr_scheduler`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LrScheduler {
+    /// Decay after warm-up.
     pub lr_decay_style: DecayStyle,
+    /// Linear warm-up steps from 0.
     #[serde(default)]
     pub lr_warmup_steps: usize,
+    /// Floor of the decay.
     #[serde(default)]
     pub min_lr: f64,
 }
 
+/// `freeze_config`: which parts take no gradient.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FreezeConfig {
+    /// Freeze `embed_tokens` (and a tied head).
     #[serde(default = "yes")]
     pub freeze_embeddings: bool,
+    /// Freeze the vision tower and merger.
     #[serde(default = "yes")]
     pub freeze_vision_tower: bool,
+    /// Freeze the whole text decoder.
     #[serde(default)]
     pub freeze_language_model: bool,
 }
 
+/// `checkpoint`: where and whether to save.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointSection {
+    /// Save checkpoints at all.
     #[serde(default = "yes")]
     pub enabled: bool,
+    /// Directory of `step_N` checkpoints (locked while a run uses it).
     pub checkpoint_dir: PathBuf,
     /// How many step checkpoints to keep.
     #[serde(default = "two")]
@@ -224,9 +284,11 @@ pub struct MoeSection {
     pub router_bias_update_rate: f64,
 }
 
+/// `rng`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Rng {
+    /// Seed of data order and initialisation.
     pub seed: u64,
 }
 
@@ -234,20 +296,32 @@ pub struct Rng {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Recipe {
+    /// Steps and batches.
     pub step_scheduler: StepScheduler,
+    /// Model, precision, op paths.
     pub model: ModelSection,
+    /// Parallel sizes.
     #[serde(default = "single_device")]
     pub distributed: Distributed,
+    /// Training data.
     pub dataset: DatasetSection,
+    /// Validation data, or `None`.
     #[serde(default)]
     pub validation_dataset: Option<DatasetSection>,
+    /// Packing.
     pub packed_sequence: PackedSequence,
+    /// AdamW.
     pub optimizer: Optimizer,
+    /// Learning-rate schedule.
     pub lr_scheduler: LrScheduler,
+    /// Frozen parts.
     pub freeze_config: FreezeConfig,
+    /// MoE training knobs.
     #[serde(default)]
     pub moe: MoeSection,
+    /// Checkpointing.
     pub checkpoint: CheckpointSection,
+    /// Seeds.
     pub rng: Rng,
 }
 

@@ -14,10 +14,15 @@ use super::recipe::DecayStyle;
 /// A schedule for `total_steps` optimizer steps.
 #[derive(Debug, Clone, Copy)]
 pub struct LrSchedule {
+    /// Decay after warm-up.
     pub style: DecayStyle,
+    /// Peak learning rate.
     pub lr: f64,
+    /// Floor of the decay.
     pub min_lr: f64,
+    /// Linear warm-up steps.
     pub warmup_steps: usize,
+    /// Steps of the run.
     pub total_steps: usize,
 }
 

@@ -44,23 +44,51 @@ fn check_batch(batch: &MicroBatch) -> Result<(), TrainError> {
 /// Training errors.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
+    /// The forward rejected the batch.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// A micro-batch is malformed.
     #[error("micro-batch: {0}")]
     Batch(String),
+    /// A non-finite loss or gradient norm (the update was not applied).
     #[error("step {step}: non-finite {what} (loss {loss}, gradient norm {grad_norm}); the update was not applied")]
-    NonFinite { step: usize, what: &'static str, loss: f64, grad_norm: f64 },
+    NonFinite {
+        /// The step.
+        step: usize,
+        /// `loss` or `gradient norm`.
+        what: &'static str,
+        /// The loss.
+        loss: f64,
+        /// The gradient norm.
+        grad_norm: f64,
+    },
     /// The model inside a training checkpoint could not be written or read.
     #[error("{dir}: {source}")]
-    Checkpoint { dir: std::path::PathBuf, source: crate::error::CheckpointError },
+    Checkpoint {
+        /// The checkpoint's model directory.
+        dir: std::path::PathBuf,
+        /// The checkpoint error.
+        source: crate::error::CheckpointError,
+    },
     /// The checkpoint directory itself (lock, staging, rename, state file).
     #[error(transparent)]
     CheckpointDir(#[from] super::checkpoint::CheckpointIoError),
     /// One file of a training checkpoint beside the model (optimizer state, copied files).
     #[error("{path}: {message}")]
-    CheckpointFile { path: std::path::PathBuf, message: String },
+    CheckpointFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What failed.
+        message: String,
+    },
+    /// Saving a checkpoint failed.
     #[error("saving step {step}: {source}")]
-    Saving { step: usize, source: Box<TrainError> },
+    Saving {
+        /// The step being saved.
+        step: usize,
+        /// What failed.
+        source: Box<TrainError>,
+    },
 }
 
 /// What a step did.
@@ -70,7 +98,9 @@ pub struct StepMetrics {
     pub loss: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
+    /// Learning rate used.
     pub lr: f64,
+    /// Tokens that carried a label.
     pub label_tokens: usize,
     /// Tokens processed (all micro-batches, padding excluded).
     pub tokens: usize,
@@ -126,9 +156,13 @@ pub fn micro_loss_sum<B: Glm5Backend>(
 
 /// Gradients of one global batch, before clipping.
 pub struct Accumulated {
+    /// Summed gradients.
     pub grads: GradientsParams,
+    /// Loss summed over micro-batches (normalised per label token).
     pub loss: f64,
+    /// Label tokens of the global batch.
     pub label_tokens: usize,
+    /// Tokens processed, padding excluded.
     pub tokens: usize,
     /// Router logits `[N, E]` (host, row-major) of every MoE layer, per micro-batch, with
     /// the validity of each row — for the router bias update.

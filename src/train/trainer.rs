@@ -51,18 +51,27 @@ use crate::text::ForwardOptions;
 /// Everything a step needs besides the data.
 #[derive(Debug, Clone)]
 pub struct TrainOptions {
+    /// Learning-rate schedule.
     pub lr: LrSchedule,
+    /// AdamW β₁, β₂.
     pub betas: [f64; 2],
+    /// AdamW ε.
     pub eps: f64,
+    /// Decoupled weight decay.
     pub weight_decay: f64,
+    /// Global gradient-norm clip (`None`: off).
     pub max_grad_norm: Option<f64>,
     /// Weight of the router load-balancing loss (0: off).
     pub aux_loss_coef: f64,
     /// γ of the aux-loss-free router bias update (0: off, the default).
     pub router_bias_update_rate: f64,
+    /// fp32 or bf16 compute.
     pub precision: Precision,
+    /// What a non-finite step does.
     pub on_nonfinite: NonFinitePolicy,
+    /// Frozen parts.
     pub freeze: FreezeConfig,
+    /// Forward paths.
     pub forward: ForwardOptions,
 }
 
@@ -94,11 +103,15 @@ impl TrainOptions {
 /// What [`Trainer::step`] did.
 #[derive(Debug, Clone, Copy)]
 pub enum StepOutcome {
+    /// The update was applied.
     Applied(StepMetrics),
     /// Non-finite loss or gradient under `on_nonfinite: skip`: nothing was applied.
     Skipped {
+        /// The loss.
         loss: f64,
+        /// The gradient norm.
         grad_norm: f64,
+        /// Which was non-finite.
         what: &'static str,
     },
 }
@@ -113,9 +126,11 @@ where
 {
     model: Option<Glm5ForCausalLM<B>>,
     optim: Adam<B>,
+    /// The step's settings.
     pub options: TrainOptions,
     /// Optimizer steps taken (applied or skipped).
     pub step: usize,
+    /// Steps skipped as non-finite.
     pub skipped_steps: usize,
     /// The data order's fingerprint, written into every checkpoint (set by the caller that
     /// built the data; see [`crate::data::fingerprint`]).

@@ -32,7 +32,9 @@ use crate::text::norm::{LayerNorm, RmsNorm};
 /// `weight` `[C_in·k…, C_out]` (checkpoint `[C_out, C_in, k…]`), `bias` `[C_out]`.
 #[derive(Module, Debug)]
 pub struct PatchConv<B: Backend> {
+    /// `[C_in·k…, C_out]`.
     pub weight: Param<Tensor<B, 2>>,
+    /// `[C_out]`.
     pub bias: Param<Tensor<B, 1>>,
 }
 
@@ -58,50 +60,75 @@ impl<B: Backend> PatchConv<B> {
 /// The patch embedding (`patch_embed.proj`).
 #[derive(Module, Debug)]
 pub struct PatchEmbed<B: Backend> {
+    /// The patch projection.
     pub proj: PatchConv<B>,
 }
 
 /// Per-image bidirectional attention with per-head q/k RMSNorm and 2D RoPE.
 #[derive(Module, Debug)]
 pub struct VisionAttention<B: Backend> {
+    /// `[D, 3D]`.
     pub qkv: Linear<B>,
+    /// `[D, D]`.
     pub proj: Linear<B>,
+    /// Per-head query RMSNorm.
     pub q_norm: RmsNorm<B>,
+    /// Per-head key RMSNorm.
     pub k_norm: RmsNorm<B>,
+    /// Heads.
     pub num_heads: usize,
 }
 
 /// One pre-norm vision block.
 #[derive(Module, Debug)]
 pub struct VisionBlock<B: Backend> {
+    /// Norm before attention.
     pub norm1: RmsNorm<B>,
+    /// Norm before the MLP.
     pub norm2: RmsNorm<B>,
+    /// Attention.
     pub attn: VisionAttention<B>,
+    /// SwiGLU MLP.
     pub mlp: Mlp<B>,
 }
 
 /// The patch merger: projection, LayerNorm + exact GELU, clamped SwiGLU (no biases).
 #[derive(Module, Debug)]
 pub struct PatchMerger<B: Backend> {
+    /// `[D_in·m², D_out]` after the 2×2 merge.
     pub proj: Linear<B>,
+    /// LayerNorm + exact GELU.
     pub post_projection_norm: LayerNorm<B>,
+    /// `[D_out, I]`.
     pub gate_proj: Linear<B>,
+    /// `[D_out, I]`.
     pub up_proj: Linear<B>,
+    /// `[I, D_out]`.
     pub down_proj: Linear<B>,
+    /// Gate activation.
     pub act: Activation,
+    /// SwiGLU clamp limit.
     pub limit: f64,
 }
 
 /// The vision tower (`model.visual`).
 #[derive(Module, Debug)]
 pub struct VisionModel<B: Backend> {
+    /// Patch embedding.
     pub patch_embed: PatchEmbed<B>,
+    /// Vision blocks.
     pub blocks: Vec<VisionBlock<B>>,
+    /// Norm after the blocks.
     pub post_layernorm: RmsNorm<B>,
+    /// 2×2 merge convolution.
     pub downsample: PatchConv<B>,
+    /// Projection into the text width.
     pub merger: PatchMerger<B>,
+    /// Merge block side.
     pub merge: usize,
+    /// Axial RoPE θ.
     pub rope_theta: f64,
+    /// Values per patch (`C·T·P²`).
     pub patch_dim: usize,
 }
 
