@@ -235,4 +235,7 @@ pub enum Error {
     /// A training error.
     #[error(transparent)]
     Train(#[from] crate::train::step::TrainError),
+    /// A distributed-layer error.
+    #[error(transparent)]
+    Distributed(#[from] crate::distributed::DistError),
 }

@@ -16,6 +16,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod distributed;
 pub mod error;
 pub mod io;
 pub mod model;

@@ -1,0 +1,56 @@
+//! The distributed layer's foundation: process groups over real engines.
+//!
+//! * [`ProcessGroup`] (`group.rs`): one object-safe interface — rank, size, `split` into
+//!   sub-groups, barrier, all-reduce, all-gather(v), reduce-scatter(v), all-to-all(v),
+//!   broadcast and batched point-to-point — with MPI/NCCL semantics.
+//! * [`LocalGroup`] (`local.rs`): the size-1 group, the default, so single-process code runs
+//!   the same collectives at the cost of a copy.
+//! * [`MpiGroup`] (`mpi.rs`, cargo feature `mpi`): MPI through rsmpi — the engine for CPUs,
+//!   multi-node CPU clusters and CI (`mpirun -np N …`).
+//! * [`typed`]: element-typed helpers over the byte-level collectives.
+//!
+//! The design (why MPI and NCCL, not Burn's `burn-collective`; the communication patterns of
+//! FSDP, expert and context parallelism) follows PyTorch's `torch.distributed` process groups
+//! and Megatron-LM's parallel state.
+
+pub mod group;
+pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub mod typed;
+
+pub use group::{P2p, ProcessGroup, ReduceBuf, ReduceOp};
+pub use local::LocalGroup;
+#[cfg(feature = "mpi")]
+pub use mpi::MpiGroup;
+
+/// Errors of the distributed layer, naming the collective or engine at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    /// Counts or buffer sizes that do not fit the group or each other.
+    #[error("{op}: {message}")]
+    Counts {
+        /// The collective.
+        op: &'static str,
+        /// What does not fit.
+        message: String,
+    },
+    /// A rank outside the group.
+    #[error("{op}: rank {rank} is outside the group of {size}")]
+    Rank {
+        /// The collective.
+        op: &'static str,
+        /// The rank named.
+        rank: usize,
+        /// The group's size.
+        size: usize,
+    },
+    /// The engine could not be started or refused the call.
+    #[error("{engine}: {message}")]
+    Engine {
+        /// `mpi`, `nccl`.
+        engine: &'static str,
+        /// What failed.
+        message: String,
+    },
+}

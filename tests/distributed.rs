@@ -1,0 +1,190 @@
+//! Process groups: the size-1 `LocalGroup` everywhere, and — with `--features mpi` — the MPI
+//! engine on 2, 3 (uneven shards) and 4 real processes launched with `mpirun`, each
+//! collective checked against its definition (every rank knows every rank's inputs), plus a
+//! rank that dies mid-run ending the whole job within a bounded time.
+//!
+//! The MPI cases re-launch this test binary under `mpirun` with `GLM5_MPI_WORKER` naming the
+//! scenario; the `mpi_worker` test does nothing without it.
+
+use glm5_burn::distributed::typed::{all_gather, all_gather_v, all_to_all_v, broadcast, shift};
+use glm5_burn::distributed::{DistError, LocalGroup, P2p, ProcessGroup, ReduceBuf, ReduceOp};
+
+#[test]
+fn local_group_collectives_are_identities() {
+    let g = LocalGroup;
+    assert_eq!((g.rank(), g.size()), (0, 1));
+    let mut x = [1.5f32, -2.0];
+    g.all_reduce(ReduceBuf::F32(&mut x), ReduceOp::Sum).unwrap();
+    assert_eq!(x, [1.5, -2.0]);
+    assert_eq!(all_gather(&g, &[3i64, 4]).unwrap(), vec![3, 4]);
+    assert_eq!(all_to_all_v(&g, &[7u16, 8, 9], &[3], &[3]).unwrap(), vec![7, 8, 9]);
+    let mut b = [5u8; 3];
+    broadcast(&g, &mut b, 0).unwrap();
+    assert_eq!(shift(&g, &[1.0f64, 2.0], 0, 2, 0).unwrap(), vec![1.0, 2.0]);
+    let mut out = [0f32; 2];
+    g.reduce_scatter_v(ReduceBuf::F32(&mut [4.0, 5.0]), ReduceBuf::F32(&mut out), &[2], ReduceOp::Sum).unwrap();
+    assert_eq!(out, [4.0, 5.0]);
+    let sub = g.split(3, 0).unwrap();
+    assert_eq!((sub.rank(), sub.size()), (0, 1));
+    g.barrier().unwrap();
+}
+
+#[test]
+fn bad_counts_and_ranks_are_errors_naming_the_collective() {
+    let g = LocalGroup;
+    let err = all_gather_v(&g, &[1f32, 2.0], &[2, 2]).unwrap_err();
+    assert!(matches!(err, DistError::Counts { op: "all_gather_v", .. }), "{err}");
+    assert!(err.to_string().contains("2 counts for a group of 1 ranks"), "{err}");
+    let err = all_to_all_v(&g, &[1f32, 2.0], &[3], &[3]).unwrap_err();
+    assert!(err.to_string().starts_with("all_to_all_v: send holds 8 elements, the counts say 12"), "{err}");
+    let err = broadcast(&g, &mut [0u8; 2], 1).unwrap_err();
+    assert!(matches!(err, DistError::Rank { op: "broadcast", rank: 1, size: 1 }), "{err}");
+    let err = g.exchange(&mut [P2p::Recv { peer: 0, data: &mut [0u8; 4] }]).unwrap_err();
+    assert!(err.to_string().contains("without a matching send"), "{err}");
+    let mut out = [0f64; 1];
+    let err = g.reduce_scatter_v(ReduceBuf::F32(&mut [1.0]), ReduceBuf::F64(&mut out), &[1], ReduceOp::Sum).unwrap_err();
+    assert!(err.to_string().contains("different element types"), "{err}");
+}
+
+#[cfg(feature = "mpi")]
+mod mpi_engine {
+    use super::*;
+    use glm5_burn::distributed::MpiGroup;
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    const WORKER_ENV: &str = "GLM5_MPI_WORKER";
+
+    /// Runs this binary's `mpi_worker` test on `np` ranks; returns (success, output, seconds).
+    pub(super) fn mpirun(np: usize, scenario: &str, limit: Duration) -> (bool, String, f64) {
+        let exe = std::env::current_exe().unwrap();
+        let mut child = Command::new("mpirun")
+            .args(["--oversubscribe", "-np", &np.to_string(), "-x", WORKER_ENV])
+            .arg(&exe)
+            .args(["--exact", "mpi_engine::mpi_worker", "--nocapture", "--test-threads", "1"])
+            .env(WORKER_ENV, scenario)
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("mpirun not found: install OpenMPI (libopenmpi-dev openmpi-bin; .ci/run does)");
+        let start = Instant::now();
+        loop {
+            if let Some(_status) = child.try_wait().unwrap() {
+                break;
+            }
+            if start.elapsed() > limit {
+                child.kill().ok();
+                let out = child.wait_with_output().unwrap();
+                panic!(
+                    "mpirun -np {np} ({scenario}) still running after {limit:?}: killed\n{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let out = child.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), text, secs)
+    }
+
+    /// Every collective against its definition; run by each rank.
+    fn collectives(g: &MpiGroup) {
+        let (r, n) = (g.rank(), g.size());
+        let tri = (n * (n - 1) / 2) as f64;
+
+        let mut x: Vec<f32> = (0..5).map(|i| (10 * r + i) as f32).collect();
+        g.all_reduce(ReduceBuf::F32(&mut x), ReduceOp::Sum).unwrap();
+        assert_eq!(x, (0..5).map(|i| (10.0 * tri + (n * i) as f64) as f32).collect::<Vec<_>>(), "all_reduce f32 sum");
+        let mut m: Vec<i64> = (0..3).map(|i| (r * 7 + i) as i64).collect();
+        g.all_reduce(ReduceBuf::I64(&mut m), ReduceOp::Max).unwrap();
+        assert_eq!(m, (0..3).map(|i| ((n - 1) * 7 + i) as i64).collect::<Vec<_>>(), "all_reduce i64 max");
+        let mut d = [r as f64 + 0.25];
+        g.all_reduce(ReduceBuf::F64(&mut d), ReduceOp::Min).unwrap();
+        assert_eq!(d, [0.25], "all_reduce f64 min");
+
+        // rank p contributes p + 1 values p·100 + j
+        let counts: Vec<usize> = (0..n).map(|p| p + 1).collect();
+        let mine: Vec<f32> = (0..=r).map(|j| (r * 100 + j) as f32).collect();
+        let want: Vec<f32> = (0..n).flat_map(|p| (0..=p).map(move |j| (p * 100 + j) as f32)).collect();
+        assert_eq!(all_gather_v(g, &mine, &counts).unwrap(), want, "all_gather_v");
+
+        // uneven blocks p + 1; element k of every rank's input is rank + k
+        let total: usize = counts.iter().sum();
+        let mut send: Vec<f32> = (0..total).map(|k| (r + k) as f32).collect();
+        let mut out = vec![0f32; counts[r]];
+        g.reduce_scatter_v(ReduceBuf::F32(&mut send), ReduceBuf::F32(&mut out), &counts, ReduceOp::Sum).unwrap();
+        let at: usize = counts[..r].iter().sum();
+        assert_eq!(out, (at..at + counts[r]).map(|k| (tri + (n * k) as f64) as f32).collect::<Vec<_>>(), "reduce_scatter_v");
+
+        // rank s sends (s + p) % 3 values s·1000 + p·10 + j to rank p (zero-size messages included)
+        let cnt = |s: usize, p: usize| (s + p) % 3;
+        let send_counts: Vec<usize> = (0..n).map(|p| cnt(r, p)).collect();
+        let recv_counts: Vec<usize> = (0..n).map(|p| cnt(p, r)).collect();
+        let send: Vec<i64> = (0..n).flat_map(|p| (0..cnt(r, p)).map(move |j| (r * 1000 + p * 10 + j) as i64)).collect();
+        let want: Vec<i64> = (0..n).flat_map(|p| (0..cnt(p, r)).map(move |j| (p * 1000 + r * 10 + j) as i64)).collect();
+        assert_eq!(all_to_all_v(g, &send, &send_counts, &recv_counts).unwrap(), want, "all_to_all_v");
+
+        let mut b: Vec<u8> = if r == n - 1 { b"from the last rank".to_vec() } else { vec![0; 18] };
+        broadcast(g, &mut b, n - 1).unwrap();
+        assert_eq!(&b, b"from the last rank", "broadcast");
+
+        let got = shift(g, &[r as f32; 4], (r + 1) % n, 4, (r + n - 1) % n).unwrap();
+        assert_eq!(got, vec![((r + n - 1) % n) as f32; 4], "ring shift");
+
+        // colour by parity, ordered by descending world rank
+        let sub = g.split(r % 2, n - r).unwrap();
+        let members: Vec<usize> = (0..n).filter(|p| p % 2 == r % 2).rev().collect();
+        assert_eq!((sub.rank(), sub.size()), (members.iter().position(|&p| p == r).unwrap(), members.len()), "split");
+        let mut s = [r as i64];
+        sub.all_reduce(ReduceBuf::I64(&mut s), ReduceOp::Sum).unwrap();
+        assert_eq!(s[0], members.iter().sum::<usize>() as i64, "all_reduce on the sub-group");
+
+        // invalid calls fail on the calling rank, before any communication
+        assert!(all_gather_v(g, &mine, &counts[..n - 1]).is_err());
+        assert!(matches!(broadcast(g, &mut [0u8], n), Err(DistError::Rank { .. })));
+        g.barrier().unwrap();
+        println!("rank {r} of {n}: all collectives match their definitions");
+    }
+
+    #[test]
+    fn mpi_worker() {
+        let Ok(scenario) = std::env::var(WORKER_ENV) else { return };
+        let g = MpiGroup::world().unwrap();
+        match scenario.as_str() {
+            "collectives" => collectives(&g),
+            "rank_dies" => {
+                if g.rank() == 1 {
+                    eprintln!("rank 1: exiting on purpose before the collective");
+                    std::process::exit(3);
+                }
+                let mut x = [1f32];
+                g.all_reduce(ReduceBuf::F32(&mut x), ReduceOp::Sum).unwrap();
+                panic!("rank {}: the collective returned although rank 1 is gone", g.rank());
+            }
+            other => panic!("unknown scenario {other}"),
+        }
+    }
+
+    #[test]
+    fn collectives_match_their_definitions_on_2_3_and_4_ranks() {
+        for np in [2, 3, 4] {
+            let (ok, out, secs) = mpirun(np, "collectives", Duration::from_secs(120));
+            assert!(ok, "mpirun -np {np} failed:\n{out}");
+            assert_eq!(out.matches("all collectives match their definitions").count(), np, "{out}");
+            println!("np {np}: {secs:.2} s");
+        }
+    }
+
+    #[test]
+    fn a_rank_that_dies_ends_every_rank_within_a_bounded_time() {
+        let (ok, out, secs) = mpirun(3, "rank_dies", Duration::from_secs(60));
+        assert!(!ok, "the job succeeded although rank 1 exited:\n{out}");
+        assert!(out.contains("rank 1: exiting on purpose"), "{out}");
+        assert!(!out.contains("the collective returned"), "{out}");
+        println!("job ended {secs:.2} s after launch:\n{out}");
+    }
+}
