@@ -150,12 +150,109 @@ mod mpi_engine {
         println!("rank {r} of {n}: all collectives match their definitions");
     }
 
+    /// Each differentiable collective on real ranks: forward values, and the gradient of the
+    /// sum of every rank's `Σ w_r ⊙ y_r` — computed by each rank from the definitions, since
+    /// every rank's inputs and weights are known everywhere.
+    fn autodiff(g: std::sync::Arc<MpiGroup>) {
+        use super::tensors::{run, t, W};
+        use glm5_burn::distributed::collective::{all_gather_rows, all_reduce_sum, all_to_all_rows, reduce_scatter_rows, shift_rows};
+        use glm5_burn::distributed::Group;
+        let (r, n) = (g.rank(), g.size());
+        let g: Group = g;
+        let xv = |rank: usize, i: usize, c: usize| (rank * 100 + i * W + c) as f32;
+        let wv = |rank: usize, i: usize, c: usize| ((rank * 31 + i * 7 + c * 3) % 11) as f32 - 5.0;
+        let flat = |rows: usize, f: &dyn Fn(usize, usize) -> f32| (0..rows * W).map(|k| f(k / W, k % W)).collect::<Vec<f32>>();
+        let rows: Vec<usize> = (0..n).map(|p| p + 1).collect();
+        let off = |p: usize| rows[..p].iter().sum::<usize>();
+        let total: usize = rows.iter().sum();
+
+        // all_gather: y = concat_p x_p;  ∂x_r[i] = Σ_p w_p[off(r) + i]
+        let (y, dx) = run(t(rows[r], |i, c| xv(r, i, c)), |m| t(m, |i, c| wv(r, i, c)), |x| all_gather_rows(x, &rows, &g).unwrap());
+        assert_eq!(
+            y,
+            flat(total, &|k, c| {
+                let p = (0..n).rfind(|&p| off(p) <= k).unwrap();
+                xv(p, k - off(p), c)
+            }),
+            "all_gather forward"
+        );
+        assert_eq!(dx, flat(rows[r], &|i, c| (0..n).map(|p| wv(p, off(r) + i, c)).sum()), "all_gather adjoint");
+
+        // reduce_scatter: y_r = Σ_p x_p[block r];  ∂x_r[k] = w_owner(k)[k − off(owner)]
+        let (y, dx) = run(t(total, |k, c| xv(r, k, c)), |m| t(m, |i, c| wv(r, i, c)), |x| reduce_scatter_rows(x, &rows, &g).unwrap());
+        assert_eq!(y, flat(rows[r], &|i, c| (0..n).map(|p| xv(p, off(r) + i, c)).sum()), "reduce_scatter forward");
+        assert_eq!(
+            dx,
+            flat(total, &|k, c| {
+                let p = (0..n).rfind(|&p| off(p) <= k).unwrap();
+                wv(p, k - off(p), c)
+            }),
+            "reduce_scatter adjoint"
+        );
+
+        // all_to_all: rank s sends cnt(s, p) rows to p (zero-row blocks included)
+        let cnt = |s: usize, p: usize| (s + 2 * p) % 3;
+        let send: Vec<usize> = (0..n).map(|p| cnt(r, p)).collect();
+        let recv: Vec<usize> = (0..n).map(|p| cnt(p, r)).collect();
+        let sent_before = |s: usize, p: usize| (0..p).map(|q| cnt(s, q)).sum::<usize>(); // x_s row offset of the block for p
+        let recv_before = |p: usize, s: usize| (0..s).map(|q| cnt(q, p)).sum::<usize>(); // y_p row offset of the block from s
+        let locate = |k: usize, blocks: &dyn Fn(usize) -> usize| {
+            let mut at = 0;
+            for q in 0..n {
+                if k < at + blocks(q) {
+                    return (q, k - at);
+                }
+                at += blocks(q);
+            }
+            unreachable!()
+        };
+        let (y, dx) = run(t(send.iter().sum(), |k, c| xv(r, k, c)), |m| t(m, |i, c| wv(r, i, c)), |x| all_to_all_rows(x, &send, &recv, &g).unwrap());
+        assert_eq!(
+            y,
+            flat(recv.iter().sum(), &|k, c| {
+                let (s, j) = locate(k, &|q| cnt(q, r));
+                xv(s, sent_before(s, r) + j, c)
+            }),
+            "all_to_all forward"
+        );
+        assert_eq!(
+            dx,
+            flat(send.iter().sum(), &|k, c| {
+                let (p, j) = locate(k, &|q| cnt(r, q));
+                wv(p, recv_before(p, r) + j, c)
+            }),
+            "all_to_all adjoint"
+        );
+
+        // all_reduce: y = Σ_p x_p;  ∂x_r = Σ_p w_p
+        let (y, dx) = run(t(2, |i, c| xv(r, i, c)), |m| t(m, |i, c| wv(r, i, c)), |x| all_reduce_sum(x, &g).unwrap());
+        assert_eq!(y, flat(2, &|i, c| (0..n).map(|p| xv(p, i, c)).sum()), "all_reduce forward");
+        assert_eq!(dx, flat(2, &|i, c| (0..n).map(|p| wv(p, i, c)).sum()), "all_reduce adjoint");
+
+        // ring shift: y_r = x_{r−1} (rank p holds p + 1 rows);  ∂x_r = w_{r+1}
+        let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
+        let (y, dx) = run(t(rows[r], |i, c| xv(r, i, c)), |m| t(m, |i, c| wv(r, i, c)), |x| shift_rows(x, next, prev, rows[prev], &g).unwrap());
+        assert_eq!(y, flat(rows[prev], &|i, c| xv(prev, i, c)), "shift forward");
+        assert_eq!(dx, flat(rows[r], &|i, c| wv(next, i, c)), "shift adjoint");
+        println!("rank {r} of {n}: every collective and its adjoint match their definitions");
+    }
+
+    #[test]
+    fn differentiable_collectives_match_their_definitions_on_2_3_and_4_ranks() {
+        for np in [2, 3, 4] {
+            let (ok, out, _) = mpirun(np, "autodiff", Duration::from_secs(120));
+            assert!(ok, "mpirun -np {np} failed:\n{out}");
+            assert_eq!(out.matches("every collective and its adjoint match").count(), np, "{out}");
+        }
+    }
+
     #[test]
     fn mpi_worker() {
         let Ok(scenario) = std::env::var(WORKER_ENV) else { return };
         let g = MpiGroup::world().unwrap();
         match scenario.as_str() {
             "collectives" => collectives(&g),
+            "autodiff" => autodiff(std::sync::Arc::new(g)),
             "rank_dies" => {
                 if g.rank() == 1 {
                     eprintln!("rank 1: exiting on purpose before the collective");
@@ -186,5 +283,60 @@ mod mpi_engine {
         assert!(out.contains("rank 1: exiting on purpose"), "{out}");
         assert!(!out.contains("the collective returned"), "{out}");
         println!("job ended {secs:.2} s after launch:\n{out}");
+    }
+}
+
+mod tensors {
+    use std::sync::Arc;
+
+    use burn::backend::{Autodiff, Flex};
+    use burn::tensor::{Tensor, TensorData};
+    use glm5_burn::distributed::collective::{all_gather_rows, all_reduce_sum, all_to_all_rows, reduce_scatter_rows, shift_rows};
+    use glm5_burn::distributed::{Group, LocalGroup};
+
+    pub(super) type A = Autodiff<Flex>;
+    pub(super) const W: usize = 3;
+
+    pub(super) fn t(rows: usize, f: impl Fn(usize, usize) -> f32) -> Tensor<A, 2> {
+        let v: Vec<f32> = (0..rows * W).map(|k| f(k / W, k % W)).collect();
+        Tensor::from_data(TensorData::new(v, [rows, W]), &Default::default())
+    }
+
+    pub(super) fn host<B: burn::tensor::backend::Backend>(x: Tensor<B, 2>) -> Vec<f32> {
+        x.into_data().into_vec::<f32>().unwrap()
+    }
+
+    /// Forward value and the gradient of `Σ w ⊙ op(x)` for one collective.
+    pub(super) fn run(x: Tensor<A, 2>, w: impl Fn(usize) -> Tensor<A, 2>, op: impl Fn(Tensor<A, 2>) -> Tensor<A, 2>) -> (Vec<f32>, Vec<f32>) {
+        let x = x.require_grad();
+        let y = op(x.clone());
+        let rows = y.dims()[0];
+        let grads = (y.clone() * w(rows)).sum().backward();
+        (host(y), host(x.grad(&grads).unwrap()))
+    }
+
+    /// Bit for bit with one rank: every collective is the identity, and so is its adjoint.
+    #[test]
+    fn world_of_one_is_the_identity_forward_and_backward() {
+        let g: Group = Arc::new(LocalGroup);
+        let x = || t(4, |i, c| (i * 7 + c) as f32 * 0.37 - 1.1);
+        let w = |rows| t(rows, |i, c| (i + 2 * c) as f32 * -0.29 + 0.5);
+        let (xv, wv) = (host(x()), host(w(4)));
+        type Op<'a> = Box<dyn Fn(Tensor<A, 2>) -> Tensor<A, 2> + 'a>;
+        let ops: [(&str, Op); 5] = [
+            ("all_gather_rows", Box::new(|x| all_gather_rows(x, &[4], &g).unwrap())),
+            ("reduce_scatter_rows", Box::new(|x| reduce_scatter_rows(x, &[4], &g).unwrap())),
+            ("all_to_all_rows", Box::new(|x| all_to_all_rows(x, &[4], &[4], &g).unwrap())),
+            ("all_reduce_sum", Box::new(|x| all_reduce_sum(x, &g).unwrap())),
+            ("shift_rows", Box::new(|x| shift_rows(x, 0, 0, 4, &g).unwrap())),
+        ];
+        for (name, op) in ops {
+            let (y, dx) = run(x(), w, op);
+            assert_eq!(y, xv, "{name}: forward");
+            assert_eq!(dx, wv, "{name}: gradient");
+        }
+        assert_eq!(g.size(), 1);
+        let err = all_gather_rows(x(), &[3], &g).unwrap_err();
+        assert!(err.to_string().contains("the tensor has 4 rows, the row counts say 3"), "{err}");
     }
 }

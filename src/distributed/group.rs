@@ -132,15 +132,3 @@ pub(crate) fn check_peer(g: &dyn ProcessGroup, what: &'static str, peer: usize) 
     }
     Ok(())
 }
-
-/// Byte offsets of consecutive blocks of the given sizes.
-pub(crate) fn offsets(counts: &[usize]) -> Vec<usize> {
-    counts
-        .iter()
-        .scan(0, |acc, &c| {
-            let at = *acc;
-            *acc += c;
-            Some(at)
-        })
-        .collect()
-}

@@ -13,12 +13,14 @@
 //! FSDP, expert and context parallelism) follows PyTorch's `torch.distributed` process groups
 //! and Megatron-LM's parallel state.
 
+pub mod collective;
 pub mod group;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod typed;
 
+pub use collective::{CollectiveBackend, Group};
 pub use group::{P2p, ProcessGroup, ReduceBuf, ReduceOp};
 pub use local::LocalGroup;
 #[cfg(feature = "mpi")]

@@ -20,7 +20,7 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
 
-use super::group::{check_counts, check_len, check_peer, offsets, P2p, ProcessGroup, ReduceBuf, ReduceOp};
+use super::group::{check_counts, check_len, check_peer, P2p, ProcessGroup, ReduceBuf, ReduceOp};
 use super::DistError;
 
 /// Keeps MPI initialised while any group lives; finalises it when dropped.
@@ -240,4 +240,16 @@ impl ProcessGroup for MpiGroup {
         });
         Ok(())
     }
+}
+
+/// Byte offsets of consecutive blocks of the given sizes.
+fn offsets(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0, |acc, &c| {
+            let at = *acc;
+            *acc += c;
+            Some(at)
+        })
+        .collect()
 }
