@@ -211,6 +211,7 @@ where
         on_nonfinite: NonFinitePolicy::Abort,
         freeze: FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false },
         forward: opts,
+        data_parallel: None,
     };
     let mut trainer = Trainer::<A>::new(model, options, &device);
     let micro = [MicroBatch::text(ids.to_vec(), ids.to_vec(), a.batch, a.seq, None)];

@@ -122,3 +122,19 @@ fn messages_name_the_override_and_the_empty_recipe() {
     let e = Recipe::from_yaml("", "empty.yaml", &["--rng.seed=1".into()]).unwrap_err().to_string();
     assert!(e.contains("the recipe is empty"), "{e}");
 }
+
+#[test]
+fn data_parallel_sizes_are_checked_against_the_batch() {
+    let path = shipped("tiny_medpix.yaml"); // global 4, local 2
+    let ok = |o: &[&str]| Recipe::from_file(&path, &o.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    let r = ok(&["--distributed.dp_size=2"]).unwrap();
+    assert_eq!(r.distributed.dp_size, 2);
+    let e = ok(&["--distributed.dp_size=3"]).unwrap_err().to_string();
+    assert!(e.contains("step_scheduler.global_batch_size") && e.contains("local_batch_size × distributed.dp_size (2 × 3)"), "{e}");
+    let e = ok(&["--distributed.dp_size=0"]).unwrap_err().to_string();
+    assert!(e.contains("distributed.dp_size") && e.contains("at least 1"), "{e}");
+    let e = ok(&["--distributed.dp_size=2", "--moe.router_bias_update_rate=0.001"]).unwrap_err().to_string();
+    assert!(e.contains("moe.router_bias_update_rate"), "{e}");
+    let e = ok(&["--distributed.ep_size=2"]).unwrap_err().to_string();
+    assert!(e.contains("distributed.ep_size") && e.contains("not implemented yet"), "{e}");
+}

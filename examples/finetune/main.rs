@@ -16,6 +16,12 @@
 //! the checkpoint's (dataset files, split, packing, batch sizes, seed) is refused, listing what
 //! changed; `--reset-data-position` continues from the checkpoint's step with the new data from
 //! its first pack instead.
+//!
+//! Data parallelism (`distributed.dp_size = N`, built with `--features mpi`):
+//! `mpirun -np N target/release/examples/finetune RECIPE --distributed.dp_size=N`. Every rank
+//! holds the whole model and runs `1/N` of each global batch's micro-batches; gradients,
+//! losses and counts are summed over the ranks (`glm5_burn::train::data_parallel`), so the run
+//! follows the single-process one. Rank 0 alone prints, writes metrics, plots and checkpoints.
 
 mod plot;
 
@@ -34,6 +40,7 @@ use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::fingerprint::DataFingerprint;
 use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions, Sampler};
+use glm5_burn::distributed::Group;
 use glm5_burn::ops::OpImpl;
 use glm5_burn::train::checkpoint as ckpt;
 use glm5_burn::train::params::trainable_counts;
@@ -233,10 +240,66 @@ fn truncate_metrics(path: &Path, step: usize) -> Result<()> {
     Ok(())
 }
 
+/// The data-parallel group of this run: `None` for one process; under `mpirun`, the world,
+/// which must hold exactly `distributed.dp_size` processes running the same recipe.
+fn data_parallel_group(recipe: &Recipe) -> Result<Option<Group>> {
+    let dp = recipe.distributed.dp_size;
+    let launched: usize = std::env::var("OMPI_COMM_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    #[cfg(feature = "mpi")]
+    if dp > 1 || launched > 1 {
+        use glm5_burn::distributed::{typed::all_gather, MpiGroup, ProcessGroup};
+        let world = MpiGroup::world()?;
+        if world.size() != dp {
+            bail!(
+                "distributed.dp_size is {dp} but mpirun started {} processes: launch with `mpirun -np {dp}`, or pass --distributed.dp_size={}",
+                world.size(),
+                world.size()
+            );
+        }
+        // every rank must run the same recipe (batch sizes, seed, data): compare a hash of it
+        let text = serde_json::to_string(recipe)?;
+        let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        let hashes = all_gather(&world, &[hash])?;
+        if let Some(r) = hashes.iter().position(|&h| h != hashes[0]) {
+            bail!(
+                "rank {r} runs a different recipe than rank 0 (recipe hash {:016x} vs {:016x}): give every rank the same recipe and overrides",
+                hashes[r],
+                hashes[0]
+            );
+        }
+        return Ok(Some(std::sync::Arc::new(world)));
+    }
+    if dp > 1 || launched > 1 {
+        bail!(
+            "distributed.dp_size is {dp} and {launched} processes were launched: data parallelism needs the MPI engine — \
+             build with `--features mpi` and launch with `mpirun -np {dp} target/release/examples/finetune …`"
+        );
+    }
+    Ok(None)
+}
+
+/// Ranks other than 0 stay quiet: their stdout goes to /dev/null (errors still reach stderr).
+fn quiet_unless_rank_zero(rank: usize) {
+    if rank == 0 {
+        return;
+    }
+    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+        use std::os::fd::AsRawFd;
+        // SAFETY: dup2 onto stdout's descriptor; `null` stays open until then
+        unsafe { libc::dup2(null.as_raw_fd(), libc::STDOUT_FILENO) };
+    }
+}
+
 fn run<B: AutodiffBackend + Glm5Backend>(recipe: &Recipe, args: &Args) -> Result<()>
 where
     B::InnerBackend: Glm5Backend,
 {
+    let group = data_parallel_group(recipe)?;
+    let (rank, ranks) = group.as_ref().map(|g| (g.rank(), g.size())).unwrap_or((0, 1));
+    quiet_unless_rank_zero(rank);
+    if ranks > 1 {
+        println!("data parallel: {ranks} ranks (MPI), each runs 1/{ranks} of every global batch");
+    }
     let device: B::Device = Default::default();
     let seed = recipe.rng.seed;
     B::seed(&device, seed);
@@ -277,7 +340,7 @@ where
 
     let root = recipe.checkpoint.checkpoint_dir.clone();
     // one run per directory, before anything in it is read or written
-    let _lock = ckpt::RunLock::acquire(&root)?;
+    let _lock = if rank == 0 { Some(ckpt::RunLock::acquire(&root)?) } else { None };
     let fingerprint = DataFingerprint::of(
         &train,
         &recipe.dataset.path,
@@ -288,7 +351,8 @@ where
         recipe.step_scheduler.global_batch_size,
         recipe.step_scheduler.local_batch_size,
     );
-    let options = TrainOptions::from_recipe(recipe);
+    let mut options = TrainOptions::from_recipe(recipe);
+    options.data_parallel = group.clone();
     let checkpoints = if recipe.checkpoint.enabled { ckpt::list(&root) } else { Vec::new() };
     let latest = checkpoints.last().map(|(_, p)| p.clone());
     let (mut trainer, mut sampler) = match latest {
@@ -325,7 +389,9 @@ where
                 );
             };
             t.data_fingerprint = Some(fingerprint.clone());
-            truncate_metrics(&root.join("metrics.jsonl"), state.step)?;
+            if rank == 0 {
+                truncate_metrics(&root.join("metrics.jsonl"), state.step)?;
+            }
             (t, sampler)
         }
         Some(dir) => {
@@ -336,7 +402,7 @@ where
                 Some(dir) => load_causal_lm::<B>(dir, &device, &LoadOptions { vision: true, ..Default::default() })?.model,
                 None => Glm5ForCausalLM::<B>::try_new_with_vision(&config, None, &device)?,
             };
-            if root.join("metrics.jsonl").exists() {
+            if rank == 0 && root.join("metrics.jsonl").exists() {
                 truncate_metrics(&root.join("metrics.jsonl"), 0)?;
             }
             let mut t = Trainer::new(model, options, &device);
@@ -348,19 +414,25 @@ where
     println!("parameters: {:.2} M trainable, {:.2} M frozen", trainable as f64 / 1e6, frozen as f64 / 1e6);
     std::fs::create_dir_all(&root).with_context(|| root.display().to_string())?;
     let metrics_path = root.join("metrics.jsonl");
-    let mut metrics =
-        std::fs::OpenOptions::new().create(true).append(true).open(&metrics_path).with_context(|| metrics_path.display().to_string())?;
+    let mut metrics = if rank == 0 {
+        Some(std::fs::OpenOptions::new().create(true).append(true).open(&metrics_path).with_context(|| metrics_path.display().to_string())?)
+    } else {
+        None
+    };
 
     let s = &recipe.step_scheduler;
     let accum = recipe.accumulation_steps();
-    let bar = ProgressBar::new(s.max_steps as u64);
+    let bar = if rank == 0 { ProgressBar::new(s.max_steps as u64) } else { ProgressBar::hidden() };
     bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]").expect("valid template"));
     bar.set_position(trainer.step as u64);
 
     let validate = |trainer: &Trainer<B>| -> Result<Option<f64>> {
         let Some(v) = &val else { return Ok(None) };
         let local = s.local_batch_size;
-        let batches: Vec<MicroBatch> = (0..v.packs.len()).collect::<Vec<_>>().chunks(local).map(|c| v.micro_batch(c)).collect::<Result<_, _>>()?;
+        // this rank's share: every `ranks`-th batch (Trainer::evaluate sums over the ranks)
+        let packs: Vec<usize> = (0..v.packs.len()).collect();
+        let batches: Vec<MicroBatch> =
+            packs.chunks(local).enumerate().filter(|(j, _)| j % ranks == rank).map(|(_, c)| v.micro_batch(c)).collect::<Result<_, _>>()?;
         Ok(Some(trainer.evaluate(&batches)?.0))
     };
 
@@ -375,7 +447,14 @@ where
     }
     while trainer.step < s.max_steps {
         let t0 = Instant::now();
-        let micro: Vec<MicroBatch> = (0..accum).map(|_| train.micro_batch(&sampler.take(s.local_batch_size))).collect::<Result<_, _>>()?;
+        // every rank draws the whole global batch in the same order and runs its share of it
+        let mut micro = Vec::with_capacity(accum / ranks);
+        for i in 0..accum {
+            let packs = sampler.take(s.local_batch_size);
+            if i % ranks == rank {
+                micro.push(train.micro_batch(&packs)?);
+            }
+        }
         let outcome = trainer.step(&micro)?;
         let secs = t0.elapsed().as_secs_f64();
         let step = trainer.step;
@@ -407,16 +486,21 @@ where
                 say(&bar, format!("step {step}: validation loss {v:.4}"));
             }
         }
-        writeln!(metrics, "{line}").and_then(|_| metrics.flush()).with_context(|| metrics_path.display().to_string())?;
+        if let Some(metrics) = metrics.as_mut() {
+            writeln!(metrics, "{line}").and_then(|_| metrics.flush()).with_context(|| metrics_path.display().to_string())?;
+        }
         bar.set_position(step as u64);
         let ckpt_due = s.ckpt_every_steps.is_some_and(|k| k > 0 && step % k == 0) || step == s.max_steps;
-        if recipe.checkpoint.enabled && ckpt_due {
+        if recipe.checkpoint.enabled && ckpt_due && rank == 0 {
             let dir =
                 trainer.save_checkpoint(&root, recipe.checkpoint.keep_last, &config_json, &extra_files, (sampler.epoch, sampler.cursor), seed)?;
             say(&bar, format!("step {step}: checkpoint {}", dir.display()));
         }
     }
     bar.finish();
+    if rank != 0 {
+        return Ok(());
+    }
 
     // the loss curve of the whole run (resumed runs included), from the metrics file
     let text = std::fs::read_to_string(&metrics_path).with_context(|| metrics_path.display().to_string())?;

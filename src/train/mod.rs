@@ -6,6 +6,7 @@ pub mod adamw;
 pub mod alloc;
 pub mod checkpoint;
 pub mod clip;
+pub mod data_parallel;
 pub mod params;
 pub mod recipe;
 pub mod schedule;

@@ -411,14 +411,29 @@ impl Recipe {
         if s.local_batch_size == 0 || s.global_batch_size == 0 || s.global_batch_size % s.local_batch_size != 0 {
             return bad("step_scheduler.global_batch_size", format!("must be a positive multiple of local_batch_size ({})", s.local_batch_size));
         }
-        for (key, v) in [
-            ("distributed.dp_size", self.distributed.dp_size),
-            ("distributed.ep_size", self.distributed.ep_size),
-            ("distributed.cp_size", self.distributed.cp_size),
-        ] {
+        let d = &self.distributed;
+        if d.dp_size == 0 {
+            return bad("distributed.dp_size", "must be at least 1".into());
+        }
+        for (key, v) in [("distributed.ep_size", d.ep_size), ("distributed.cp_size", d.cp_size)] {
             if v != 1 {
-                return bad(key, format!("is {v}: data/expert/context parallelism is not implemented yet; use 1"));
+                return bad(key, format!("is {v}: expert and context parallelism are not implemented yet; use 1"));
             }
+        }
+        if s.global_batch_size % (s.local_batch_size * d.dp_size) != 0 {
+            return bad(
+                "step_scheduler.global_batch_size",
+                format!(
+                    "({}) must be a multiple of local_batch_size × distributed.dp_size ({} × {}): every data-parallel rank runs the same number of micro-batches",
+                    s.global_batch_size, s.local_batch_size, d.dp_size
+                ),
+            );
+        }
+        if d.dp_size > 1 && self.moe.router_bias_update_rate != 0.0 {
+            return bad(
+                "moe.router_bias_update_rate",
+                "must be 0 with distributed.dp_size > 1 (the update needs global expert loads; not implemented yet)".into(),
+            );
         }
         if self.optimizer.name != "adamw" {
             return bad("optimizer.name", format!("{:?} is not supported (only \"adamw\")", self.optimizer.name));

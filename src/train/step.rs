@@ -81,6 +81,15 @@ pub enum TrainError {
         /// What failed.
         message: String,
     },
+    /// A collective of the data-parallel group failed.
+    #[error(transparent)]
+    Distributed(#[from] crate::distributed::DistError),
+    /// A combination of options this version does not support.
+    #[error("not supported: {what}")]
+    Unsupported {
+        /// What was asked for.
+        what: &'static str,
+    },
     /// Saving a checkpoint failed.
     #[error("saving step {step}: {source}")]
     Saving {
@@ -169,6 +178,24 @@ pub struct Accumulated {
     pub router_logits: Vec<(Vec<Vec<f32>>, Vec<bool>)>,
 }
 
+/// What a global batch's loss is normalised by, over every data-parallel rank: its label
+/// tokens (the cross-entropy is their mean) and its micro-batches (the load-balancing loss is
+/// their mean).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GlobalBatch {
+    /// Label tokens of the whole global batch.
+    pub label_tokens: usize,
+    /// Micro-batches of the whole global batch.
+    pub micro_batches: usize,
+}
+
+impl GlobalBatch {
+    /// The batch of one process: these micro-batches are all of it.
+    pub fn local(micro: &[MicroBatch], vocab: usize) -> Self {
+        GlobalBatch { label_tokens: micro.iter().map(|m| m.label_tokens(vocab)).sum(), micro_batches: micro.len() }
+    }
+}
+
 /// Forward/backward every micro-batch, accumulating gradients of the globally normalised loss.
 /// With `keep_router_logits`, the router logits come back to the host.
 pub fn accumulate<B: AutodiffBackend + Glm5Backend>(
@@ -179,8 +206,22 @@ pub fn accumulate<B: AutodiffBackend + Glm5Backend>(
     device: &B::Device,
     keep_router_logits: bool,
 ) -> Result<Accumulated, TrainError> {
-    let vocab = model.vocab_size;
-    let total: usize = micro.iter().map(|m| m.label_tokens(vocab)).sum();
+    accumulate_share(model, micro, GlobalBatch::local(micro, model.vocab_size), aux_coef, opts, device, keep_router_logits)
+}
+
+/// [`accumulate`] for this rank's share `micro` of a global batch described by `global`
+/// (data parallelism: each rank's loss is normalised by the whole batch, so the sum of the
+/// ranks' gradients is the gradient of the global batch).
+pub fn accumulate_share<B: AutodiffBackend + Glm5Backend>(
+    model: &Glm5ForCausalLM<B>,
+    micro: &[MicroBatch],
+    global: GlobalBatch,
+    aux_coef: f64,
+    opts: &ForwardOptions,
+    device: &B::Device,
+    keep_router_logits: bool,
+) -> Result<Accumulated, TrainError> {
+    let total = global.label_tokens;
     let mut acc = GradientsAccumulator::<Glm5ForCausalLM<B>>::new();
     let mut loss_value = 0.0;
     let mut tokens = 0;
@@ -193,7 +234,7 @@ pub fn accumulate<B: AutodiffBackend + Glm5Backend>(
         let mut loss = sum / total.max(1) as f64;
         if aux_coef != 0.0 {
             if let Some(aux) = model.aux_loss(&out.text.router_logits, &valid) {
-                loss = loss + aux * (aux_coef / micro.len() as f64);
+                loss = loss + aux * (aux_coef / global.micro_batches.max(1) as f64);
             }
         }
         if keep_router_logits {

@@ -36,13 +36,15 @@ use serde_json::Value;
 
 use super::checkpoint::{self as ckpt, TrainerState};
 use super::clip::{clip_global_norm, global_norm};
+use super::data_parallel::{all_reduce_grads, sum_f64, sum_usize};
 use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, param_ids};
 use super::recipe::{FreezeConfig, NonFinitePolicy, Precision, Recipe};
 use super::schedule::LrSchedule;
-use super::step::{accumulate, micro_loss_sum, non_finite, StepMetrics, TrainError};
+use super::step::{accumulate_share, micro_loss_sum, non_finite, GlobalBatch, StepMetrics, TrainError};
 use crate::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
 use crate::data::batch::MicroBatch;
 use crate::data::fingerprint::DataFingerprint;
+use crate::distributed::Group;
 use crate::model::Glm5ForCausalLM;
 use crate::ops::backend::Glm5Backend;
 use crate::text::decoder::Ffn;
@@ -73,6 +75,11 @@ pub struct TrainOptions {
     pub freeze: FreezeConfig,
     /// Forward paths.
     pub forward: ForwardOptions,
+    /// The data-parallel group this trainer is one rank of (`None`: one process). Each rank
+    /// passes its share of every global batch to [`Trainer::step`] and its share of the
+    /// validation batches to [`Trainer::evaluate`]; gradients, losses and counts are summed
+    /// over the group (`train::data_parallel`).
+    pub data_parallel: Option<Group>,
 }
 
 impl TrainOptions {
@@ -96,6 +103,7 @@ impl TrainOptions {
             on_nonfinite: r.step_scheduler.on_nonfinite,
             freeze: r.freeze_config.clone(),
             forward: ForwardOptions { attn_path: r.model.backend.attn, linear_path: r.model.backend.linear, ..ForwardOptions::default() },
+            data_parallel: None,
         }
     }
 }
@@ -117,6 +125,8 @@ pub enum StepOutcome {
 }
 
 type Adam<B> = OptimizerAdaptor<FusedAdamW, Glm5ForCausalLM<B>, B>;
+/// Summed gradients, loss, label tokens, tokens and router logits of one step.
+type StepSums = (burn::optim::GradientsParams, f64, usize, usize, Vec<(Vec<Vec<f32>>, Vec<bool>)>);
 type OptimRecord<B> = <Adam<B> as Optimizer<Glm5ForCausalLM<B>, B>>::Record;
 
 /// Model + AdamW + schedule + step counter.
@@ -175,7 +185,7 @@ where
     pub fn step(&mut self, micro: &[MicroBatch]) -> Result<StepOutcome, TrainError> {
         let lr = self.options.lr.at(self.step);
         let master = self.model.take().expect("the trainer always holds its model between steps");
-        let result = self.step_inner(&master, micro);
+        let result = self.step_inner(&master, micro).and_then(|r| self.reduce(&master, r));
         let (mut grads, acc_loss, label_tokens, tokens, router) = match result {
             Ok(x) => x,
             Err(e) => {
@@ -208,22 +218,24 @@ where
         Ok(StepOutcome::Applied(StepMetrics { loss: acc_loss, grad_norm, lr, label_tokens, tokens }))
     }
 
-    #[allow(clippy::type_complexity)]
-    fn step_inner(
-        &self,
-        master: &Glm5ForCausalLM<B>,
-        micro: &[MicroBatch],
-    ) -> Result<(burn::optim::GradientsParams, f64, usize, usize, Vec<(Vec<Vec<f32>>, Vec<bool>)>), TrainError> {
+    fn step_inner(&self, master: &Glm5ForCausalLM<B>, micro: &[MicroBatch]) -> Result<StepSums, TrainError> {
         let keep_router = self.options.router_bias_update_rate != 0.0;
         let o = &self.options;
+        let mut global = GlobalBatch::local(micro, master.vocab_size);
+        if let Some(g) = &o.data_parallel {
+            if keep_router && g.size() > 1 {
+                return Err(TrainError::Unsupported { what: "moe.router_bias_update_rate with data parallelism (it needs the global expert loads)" });
+            }
+            global = GlobalBatch { label_tokens: sum_usize(&**g, global.label_tokens)?, micro_batches: sum_usize(&**g, global.micro_batches)? };
+        }
         match o.precision {
             Precision::F32 => {
-                let acc = accumulate(master, micro, o.aux_loss_coef, &o.forward, &self.device, keep_router)?;
+                let acc = accumulate_share(master, micro, global, o.aux_loss_coef, &o.forward, &self.device, keep_router)?;
                 Ok((acc.grads, acc.loss, acc.label_tokens, acc.tokens, acc.router_logits))
             }
             Precision::Bf16 => {
                 let compute = compute_copy(master, DType::BF16);
-                let acc = accumulate(&compute, micro, o.aux_loss_coef, &o.forward, &self.device, keep_router)?;
+                let acc = accumulate_share(&compute, micro, global, o.aux_loss_coef, &o.forward, &self.device, keep_router)?;
                 let mut grads = acc.grads;
                 grads_to_f32::<B, _>(master, &mut grads);
                 Ok((grads, acc.loss, acc.label_tokens, acc.tokens, acc.router_logits))
@@ -231,8 +243,18 @@ where
         }
     }
 
+    /// Sums this rank's gradients, loss and token count over the data-parallel group (the same
+    /// bits on every rank, so the replicas stay identical); one process: unchanged.
+    fn reduce(&self, master: &Glm5ForCausalLM<B>, sums: StepSums) -> Result<StepSums, TrainError> {
+        let Some(g) = &self.options.data_parallel else { return Ok(sums) };
+        let (mut grads, loss, label_tokens, tokens, router) = sums;
+        all_reduce_grads::<B, _>(master, &mut grads, &**g)?;
+        Ok((grads, sum_f64(&**g, loss)?, label_tokens, sum_usize(&**g, tokens)?, router))
+    }
+
     /// Mean cross-entropy over the label tokens of `batches` (no gradients), in the training
-    /// precision.
+    /// precision; under data parallelism `batches` is this rank's share and the mean is over
+    /// every rank's.
     pub fn evaluate(&self, batches: &[MicroBatch]) -> Result<(f64, usize), TrainError> {
         let model = match self.options.precision {
             Precision::F32 => self.model().valid(),
@@ -245,6 +267,9 @@ where
             let (s, c) = micro_loss_sum::<B::InnerBackend>(&model, b, &self.options.forward, &device)?;
             sum += s;
             count += c;
+        }
+        if let Some(g) = &self.options.data_parallel {
+            (sum, count) = (sum_f64(&**g, sum)?, sum_usize(&**g, count)?);
         }
         Ok((sum / count.max(1) as f64, count))
     }
