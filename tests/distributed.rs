@@ -385,6 +385,97 @@ mod mpi_engine {
         let _ = std::fs::remove_dir_all(&root);
     }
 
+    /// A data-parallel run (2 ranks) killed with SIGKILL on one rank ends within a bounded time,
+    /// and its newest checkpoint resumes under another data-parallel size — 1 process, and 4
+    /// ranks — continuing the single-process loss trace within 1e-5 (constant learning rate,
+    /// so the killed run's longer `max_steps` does not change the schedule).
+    #[test]
+    fn a_killed_rank_ends_the_run_and_its_checkpoint_resumes_under_another_dp_size() {
+        let root = std::env::temp_dir().join(format!("glm5_dp_kill_{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let args = |dir: &std::path::Path, dp: usize, steps: usize| -> Vec<String> {
+            vec![
+                format!("--checkpoint.checkpoint_dir={}", dir.display()),
+                format!("--step_scheduler.max_steps={steps}"),
+                "--step_scheduler.global_batch_size=4".into(),
+                "--step_scheduler.local_batch_size=1".into(),
+                "--step_scheduler.ckpt_every_steps=2".into(),
+                "--checkpoint.keep_last=1000".into(),
+                "--step_scheduler.val_every_steps=1000".into(),
+                "--lr_scheduler.lr_decay_style=constant".into(),
+                "--lr_scheduler.lr_warmup_steps=0".into(),
+                "--optimizer.lr=1e-4".into(),
+                "--validation_dataset=null".into(),
+                format!("--distributed.dp_size={dp}"),
+            ]
+        };
+        let steps = 6;
+        let (ok, out) = run_finetune(None, &args(&root.join("one"), 1, steps));
+        assert!(ok, "{out}");
+        let reference = metrics(&root.join("one"));
+
+        // the killed run: 2 ranks, far more steps than it will get to
+        let killed = root.join("killed");
+        let mut child = Command::new("mpirun")
+            .args(["--oversubscribe", "-np", "2"])
+            .arg(finetune())
+            .args(args(&killed, 2, 100_000))
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        let newest = |dir: &std::path::Path| glm5_burn::train::checkpoint::list(dir).last().map(|(s, _)| *s).unwrap_or(0);
+        while newest(&killed) < 4 {
+            assert!(start.elapsed() < Duration::from_secs(120), "no checkpoint at step 4 after 120 s");
+            assert!(child.try_wait().unwrap().is_none(), "the run ended before it was killed");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // SIGKILL one rank (a child process of mpirun)
+        let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id())).unwrap();
+        let rank: i32 = children.split_whitespace().last().expect("mpirun has rank processes").parse().unwrap();
+        unsafe { libc::kill(rank, libc::SIGKILL) };
+        let killed_at = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(killed_at.elapsed() < Duration::from_secs(60), "the job still runs 60 s after a rank was killed");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(!status.success(), "mpirun reported success after a rank was killed");
+        println!("job ended {:.2} s after SIGKILL of one rank", killed_at.elapsed().as_secs_f64());
+        let at = newest(&killed);
+        assert!(at >= 4, "newest checkpoint {at}");
+
+        // resume that checkpoint under dp 1 and under dp 4 (copies: each resume writes its own)
+        for (dp, np) in [(1, None), (4, Some(4))] {
+            let dir = root.join(format!("resume_dp{dp}"));
+            let status = Command::new("cp").arg("-r").arg(&killed).arg(&dir).status().unwrap();
+            assert!(status.success());
+            // keep only checkpoints up to `steps - 2`, so the resumed run has steps left
+            for (s, path) in glm5_burn::train::checkpoint::list(&dir) {
+                if s > steps - 2 {
+                    std::fs::remove_dir_all(path).unwrap();
+                }
+            }
+            let (ok, out) = run_finetune(np, &args(&dir, dp, steps));
+            assert!(ok, "resume under dp {dp}:\n{out}");
+            assert!(out.contains("resumed from") && out.contains("(step 4,"), "dp {dp} did not resume from step 4:\n{out}");
+            let resumed = metrics(&dir);
+            assert_eq!(resumed.len(), steps, "dp {dp}: one metrics line per step");
+            for (x, y) in reference.iter().zip(&resumed) {
+                for key in ["loss", "grad_norm"] {
+                    let (p, q) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
+                    assert!((p - q).abs() <= 1e-5 * p.abs(), "dp {dp}, step {}: {key} {p} (one process) vs {q} (dp 2, resumed)", x["step"]);
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
     /// A mesh that does not match the launch ends every rank with an error naming the key.
     #[test]
     fn a_mesh_that_does_not_match_the_launch_is_refused() {
