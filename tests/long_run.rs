@@ -136,7 +136,8 @@ impl Calibration {
 }
 
 /// Run `step` WARMUP + MEASURED times and check that the heap and the step time it reports
-/// (seconds of the optimizer step alone), relative to the calibration workload, stay flat.
+/// (seconds of the optimizer step alone), relative to the calibration workload, stay flat; a
+/// slowdown is confirmed over 15 further steps before it fails the test.
 fn assert_flat(what: &str, mut step: impl FnMut(usize) -> f64) {
     let calibration = Calibration::new();
     let (mut times, mut machine) = (Vec::new(), Vec::new());
@@ -149,7 +150,7 @@ fn assert_flat(what: &str, mut step: impl FnMut(usize) -> f64) {
         }
     }
     let growth = live() - live_after_warmup;
-    let relative: Vec<f64> = times.iter().zip(&machine).map(|(t, m)| t / m).collect();
+    let mut relative: Vec<f64> = times.iter().zip(&machine).map(|(t, m)| t / m).collect();
     // windows of 15 steps, compared by their lower quartile: single steps vary by ±30 % on a
     // shared 2-core machine and other load only ever adds time, while a leak slows every step
     let quartiles = |v: &[f64]| (lower_quartile(&v[5..20]), lower_quartile(&v[v.len() - 15..]));
@@ -171,6 +172,20 @@ fn assert_flat(what: &str, mut step: impl FnMut(usize) -> f64) {
         r_late / r_early
     );
     assert!(growth <= MAX_GROWTH, "{what}: live heap grew {growth} bytes over {MEASURED} steps (bound {MAX_GROWTH})");
+    // A slowdown must persist: what accumulates per step (the leak this guards against) only
+    // gets worse over 15 more steps, while a burst of other load on this shared machine
+    // passes (one CI run read 1.36x with a flat heap, the same binary 1.04x on its rerun).
+    let mut r_late = r_late;
+    if r_late > MAX_SLOWDOWN * r_early {
+        let n = times.len();
+        for i in n..n + 15 {
+            let t = step(i);
+            relative.push(t / calibration.seconds());
+        }
+        let r_again = lower_quartile(&relative[n..]);
+        println!("{what}: slowdown {:.2}x; 15 more steps: {:.2}x", r_late / r_early, r_again / r_early);
+        r_late = r_late.min(r_again);
+    }
     assert!(
         r_late <= MAX_SLOWDOWN * r_early,
         "{what}: step time grew {:.2}x relative to the machine's speed (step {:.1} -> {:.1} ms, calibration {:.1} -> {:.1} ms)",
