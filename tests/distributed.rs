@@ -604,3 +604,75 @@ mod tensors {
         assert!(err.to_string().contains("the tensor has 4 rows, the row counts say 3"), "{err}");
     }
 }
+
+/// `Autodiff<Distributed<Flex>>` is `Autodiff<Flex>`: the decorator forwards every op (the
+/// op-implementation queries included), so seeded initialisation, three training steps of the
+/// tiny model (forward, backward, fused AdamW) and a forward on the inner backend agree bit for
+/// bit.
+#[test]
+fn distributed_flex_trains_bit_for_bit_like_flex() {
+    use burn::backend::{Autodiff, Flex};
+    use burn::module::AutodiffModule;
+    use burn::tensor::backend::{AutodiffBackend, Backend};
+    use glm5_burn::data::batch::MicroBatch;
+    use glm5_burn::distributed::Distributed;
+    use glm5_burn::train::recipe::{DecayStyle, FreezeConfig, NonFinitePolicy, Precision};
+    use glm5_burn::train::schedule::LrSchedule;
+    use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
+    use glm5_burn::{ForwardOptions, Glm5Backend, Glm5Config, Glm5ForCausalLM};
+
+    fn run<B: AutodiffBackend + Glm5Backend>() -> (Vec<(u64, u64)>, Vec<u32>)
+    where
+        B::InnerBackend: Glm5Backend,
+    {
+        let device = Default::default();
+        B::seed(&device, 11);
+        let config = Glm5Config::tiny();
+        let model = Glm5ForCausalLM::<B>::try_new(&config, &device).unwrap();
+        let options = TrainOptions {
+            lr: LrSchedule { style: DecayStyle::Constant, lr: 1e-3, min_lr: 0.0, warmup_steps: 0, total_steps: 3 },
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.01,
+            max_grad_norm: Some(1.0),
+            aux_loss_coef: 0.01,
+            router_bias_update_rate: 0.0,
+            precision: Precision::F32,
+            on_nonfinite: NonFinitePolicy::Abort,
+            freeze: FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false },
+            forward: ForwardOptions::default(),
+            data_parallel: None,
+        };
+        let mut trainer = Trainer::<B>::new(model, options, &device);
+        let v = config.text_config.vocab_size as i64;
+        let micro: Vec<MicroBatch> = (0..2)
+            .map(|i| {
+                let ids: Vec<i64> = (0..40).map(|t| ((t * 29 + i * 13 + 3) as i64) % v).collect();
+                MicroBatch::text(ids.clone(), ids, 1, 40, None)
+            })
+            .collect();
+        let mut trace = Vec::new();
+        for _ in 0..3 {
+            let StepOutcome::Applied(m) = trainer.step(&micro).unwrap() else { panic!("non-finite step") };
+            trace.push((m.loss.to_bits(), m.grad_norm.to_bits()));
+        }
+        let inner = trainer.model().valid();
+        let ids = burn::tensor::Tensor::<B::InnerBackend, 2, burn::tensor::Int>::from_data(
+            burn::tensor::TensorData::new(micro[0].ids.clone(), [1, 40]),
+            &device,
+        );
+        let logits = inner.forward(ids, None, &ForwardOptions::default(), false).logits;
+        (trace, logits.into_data().convert::<f32>().into_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect())
+    }
+
+    type D = Distributed<Flex>;
+    assert_eq!(
+        [D::kda_pairs_impl(), D::kda_scan_impl(), D::kpool_impl(), D::sparse_attention_impl()],
+        [Flex::kda_pairs_impl(), Flex::kda_scan_impl(), Flex::kpool_impl(), Flex::sparse_attention_impl()]
+    );
+    assert!(<D as Backend>::name(&Default::default()).starts_with("distributed<"));
+    let (flex, flex_logits) = run::<Autodiff<Flex>>();
+    let (dist, dist_logits) = run::<Autodiff<D>>();
+    assert_eq!(flex, dist, "loss and gradient-norm bits of three steps");
+    assert_eq!(flex_logits, dist_logits, "logits bits after training");
+}

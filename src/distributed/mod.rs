@@ -14,6 +14,7 @@
 //! and Megatron-LM's parallel state.
 
 pub mod collective;
+pub mod decorator;
 pub mod group;
 pub mod local;
 #[cfg(feature = "mpi")]
@@ -21,6 +22,7 @@ pub mod mpi;
 pub mod typed;
 
 pub use collective::{CollectiveBackend, Group};
+pub use decorator::Distributed;
 pub use group::{P2p, ProcessGroup, ReduceBuf, ReduceOp};
 pub use local::LocalGroup;
 #[cfg(feature = "mpi")]
