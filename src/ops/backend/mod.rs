@@ -53,6 +53,10 @@
 //!    needs; untracked inputs skip it).
 //! 5. Test the fused/kernel forms against the reference and autodiff through the reference
 //!    (`tests/fused_ops.rs`, `tests/kernels.rs`), and add the op to the table above.
+//! 6. Regenerate the distributed decorator's forwarding list
+//!    (`python3 tools/gen_decorator.py PATH/TO/burn-backend-0.21.0`; `.ci/run` fails while
+//!    `src/distributed/decorator/ops_glm5.rs` lacks the op, since `Distributed<B>` would run
+//!    the default body instead of `B`'s).
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
