@@ -3,7 +3,9 @@
 traits and of this crate's `Glm5Backend` (FloatTensorOps, IntTensorOps, BoolTensorOps, ModuleOps, ActivationOps, QTensorOps),
 read from burn-backend's sources, as `forward!` lists that `Distributed<B>` delegates to `B`.
 
-    python3 tools/gen_decorator.py ~/.cargo/registry/src/index.crates.io-*/burn-backend-0.21.0
+    python3 tools/gen_decorator.py ~/.cargo/registry/src/index.crates.io-*/burn-backend-0.21.0 [OUT_DIR]
+
+(OUT_DIR defaults to src/distributed/decorator; `.ci/run` writes elsewhere and compares.)
 
 Every method is listed, those with default bodies too: a defaulted op left out would run
 Burn's generic default instead of `B`'s own implementation. Ops whose signatures carry
@@ -87,7 +89,8 @@ def explicit(sig):
 
 def main():
     root = os.path.join(os.path.expanduser(sys.argv[1]), "src")
-    out_dir = os.path.join(os.path.dirname(__file__), "..", "src", "distributed", "decorator")
+    default_out = os.path.join(os.path.dirname(__file__), "..", "src", "distributed", "decorator")
+    out_dir = sys.argv[2] if len(sys.argv) > 2 else default_out
     for trait, (src, dst) in TRAITS.items():
         sigs = methods(open(os.path.join(root, src)).read(), trait)
         plain = [sig for sig in sigs if not any(t in sig for t in BY_HAND)]
