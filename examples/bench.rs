@@ -212,6 +212,7 @@ where
         freeze: FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false },
         forward: opts,
         data_parallel: None,
+        shard_parameters: true,
     };
     let mut trainer = Trainer::<A>::new(model, options, &device);
     let micro = [MicroBatch::text(ids.to_vec(), ids.to_vec(), a.batch, a.seq, None)];

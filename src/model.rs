@@ -109,16 +109,25 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     }
 
     /// `hidden` `[B, S, D]` → logits `[B, S, V]`.
-    pub fn head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+    /// A sharded model ends its forward here ([`crate::distributed::ShardPlan::end`]).
+    pub fn head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3>
+    where
+        B: crate::distributed::CollectiveBackend,
+    {
         let _t = crate::profile::scope("lm head");
-        match &self.lm_head {
-            Some(h) => h.forward(hidden),
+        let lm = &self.language_model;
+        let logits = match &self.lm_head {
+            Some(h) => lm.unit(h).forward(hidden),
             None => {
-                let w = self.language_model.embed_tokens.weight.val(); // [V, D]
+                let w = lm.unit(&lm.embed_tokens).weight.val(); // [V, D]
                 let [b, s, d] = hidden.dims();
                 hidden.reshape([b * s, d]).matmul(w.transpose()).reshape([b, s, self.vocab_size])
             }
+        };
+        if let Some(plan) = &lm.shards {
+            plan.end();
         }
+        logits
     }
 
     /// Forward over token ids `[B, S]` with an optional `[B, S]` validity mask.
@@ -132,6 +141,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         let t = crate::profile::scope("embedding");
         let embeds = self.language_model.embed(input_ids);
         drop(t);
+        self.gather_unused_vision();
         let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
         CausalLmOutput { logits: self.head(text.hidden.clone()), text }
     }
@@ -183,6 +193,9 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         }
         let ids_t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.to_vec(), [batch, seq]), &device);
         let mut embeds = self.language_model.embed(ids_t);
+        if images.is_none() {
+            self.gather_unused_vision();
+        }
         match images {
             None if !image_pos.is_empty() => {
                 return Err(err("input_ids", format!("{} <|image|> placeholders but no pixel_values", image_pos.len())));
@@ -192,7 +205,10 @@ impl<B: Backend> Glm5ForCausalLM<B> {
                 let visual = self.visual.as_ref().ok_or_else(|| err("pixel_values", "this model was loaded without its vision tower".into()))?;
                 let [n, pd] = pixels.dims();
                 visual.check_inputs(n, pd, grid)?;
-                let feats = visual.forward(pixels, grid);
+                if let Some(plan) = &self.language_model.shards {
+                    plan.mark_vision_used();
+                }
+                let feats = self.language_model.unit(visual).forward(pixels, grid);
                 let [nf, fd] = feats.dims();
                 let d = embeds.dims()[2];
                 if nf != image_pos.len() {
@@ -214,6 +230,18 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         let mask = mask.unwrap_or_else(|| TokenMask::all(batch, seq, &device));
         let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
         Ok(CausalLmOutput { logits: self.head(text.hidden.clone()), text })
+    }
+
+    /// A sharded model gathers its vision tower in every forward, images or not, so that every
+    /// rank runs the same collectives whatever its share of the data holds
+    /// ([`crate::distributed::fsdp`]).
+    fn gather_unused_vision(&self)
+    where
+        B: crate::distributed::CollectiveBackend,
+    {
+        if let (Some(_), Some(visual)) = (&self.language_model.shards, &self.visual) {
+            drop(self.language_model.unit(visual));
+        }
     }
 
     /// Shifted next-token cross-entropy (mean over labels ≠ −100). `labels` `[B, S]` host.

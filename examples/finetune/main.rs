@@ -19,9 +19,11 @@
 //!
 //! Data parallelism (`distributed.dp_size = N`, built with `--features mpi`):
 //! `mpirun -np N target/release/examples/finetune RECIPE --distributed.dp_size=N`. Every rank
-//! holds the whole model and runs `1/N` of each global batch's micro-batches; gradients,
-//! losses and counts are summed over the ranks (`glm5_burn::train::data_parallel`), so the run
-//! follows the single-process one. Rank 0 alone prints, writes metrics, plots and checkpoints.
+//! runs `1/N` of each global batch's micro-batches and holds `1/N` of every trainable
+//! parameter, its gradient and its AdamW moments (FSDP; `distributed.shard_parameters=false`
+//! replicates them instead); gradients, losses and counts are summed over the ranks
+//! (`glm5_burn::train::data_parallel`), so the run follows the single-process one. Rank 0 alone
+//! prints, writes metrics and plots; every rank writes its part of a checkpoint.
 
 mod plot;
 
@@ -267,6 +269,11 @@ fn data_parallel_group(recipe: &Recipe) -> Result<Option<Group>> {
                 hashes[0]
             );
         }
+        // debug: every collective checked to be the same on every rank (distributed::checked)
+        if std::env::var("GLM5_CHECK_COLLECTIVES").is_ok_and(|v| v == "1") {
+            println!("collectives: checked across ranks (GLM5_CHECK_COLLECTIVES=1)");
+            return Ok(Some(std::sync::Arc::new(glm5_burn::distributed::CheckedGroup::new(Box::new(world)))));
+        }
         return Ok(Some(std::sync::Arc::new(world)));
     }
     if dp > 1 || launched > 1 {
@@ -295,6 +302,21 @@ where
     B::InnerBackend: Glm5Backend,
 {
     let group = data_parallel_group(recipe)?;
+    match train::<B>(recipe, args, group.clone()) {
+        // the other ranks may be waiting in a collective this rank will not join: end the job
+        Err(e) if group.as_ref().is_some_and(|g| g.size() > 1) => {
+            let g = group.expect("checked above");
+            eprintln!("Error on rank {} of {}: {e:?}", g.rank(), g.size());
+            g.abort(1)
+        }
+        r => r,
+    }
+}
+
+fn train<B: AutodiffBackend + Glm5Backend>(recipe: &Recipe, args: &Args, group: Option<Group>) -> Result<()>
+where
+    B::InnerBackend: Glm5Backend,
+{
     let (rank, ranks) = group.as_ref().map(|g| (g.rank(), g.size())).unwrap_or((0, 1));
     quiet_unless_rank_zero(rank);
     if ranks > 1 {
@@ -411,7 +433,8 @@ where
         }
     };
     let (trainable, frozen) = trainable_counts(trainer.model());
-    println!("parameters: {:.2} M trainable, {:.2} M frozen", trainable as f64 / 1e6, frozen as f64 / 1e6);
+    let held = if trainer.is_sharded() { format!(" (this rank's 1/{ranks} shard of them)") } else { String::new() };
+    println!("parameters: {:.2} M trainable{held}, {:.2} M frozen", trainable as f64 / 1e6, frozen as f64 / 1e6);
     std::fs::create_dir_all(&root).with_context(|| root.display().to_string())?;
     let metrics_path = root.join("metrics.jsonl");
     let mut metrics = if rank == 0 {
@@ -491,7 +514,8 @@ where
         }
         bar.set_position(step as u64);
         let ckpt_due = s.ckpt_every_steps.is_some_and(|k| k > 0 && step % k == 0) || step == s.max_steps;
-        if recipe.checkpoint.enabled && ckpt_due && rank == 0 {
+        // a sharded model is saved by every rank (each writes its shard), a replicated one by rank 0
+        if recipe.checkpoint.enabled && ckpt_due && (rank == 0 || trainer.is_sharded()) {
             let dir =
                 trainer.save_checkpoint(&root, recipe.checkpoint.keep_last, &config_json, &extra_files, (sampler.epoch, sampler.cursor), seed)?;
             say(&bar, format!("step {step}: checkpoint {}", dir.display()));

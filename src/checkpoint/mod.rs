@@ -16,7 +16,7 @@ pub mod select;
 pub mod writer;
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
@@ -320,41 +320,61 @@ fn st_dtype(d: DType) -> Dtype {
     }
 }
 
+/// Kernel shapes of the convolutions stored as matmuls, from the config's inventory.
+pub(crate) fn config_kernel_shapes(config_json: &Value) -> BTreeMap<String, Vec<usize>> {
+    Glm5Config::from_hf_value(config_json)
+        .map(|c| inventory::inventory(&c, false, true).into_iter().map(|e| (e.name, e.shape)).collect())
+        .unwrap_or_default()
+}
+
+/// The checkpoint tensors (HF names, layout and dtype) of one module tensor at `path` with
+/// f32 `values` of `shape`, stored as `dtype`.
+pub(crate) fn checkpoint_tensors(
+    path: &str,
+    values: &[f32],
+    shape: &[usize],
+    dtype: DType,
+    n_experts: usize,
+    kernel_shapes: &BTreeMap<String, Vec<usize>>,
+) -> Result<Vec<(String, OwnedTensor)>, CheckpointError> {
+    let resolved = resolve(path).ok_or_else(|| CheckpointError::Internal(format!("module tensor {path} has no checkpoint rule")))?;
+    let dtype = st_dtype(dtype);
+    let hf_shape = match resolved.rule.transform {
+        Transform::FlattenTranspose => {
+            resolved.hf_names(n_experts).first().and_then(|n| kernel_shapes.get(n)).cloned().ok_or_else(|| CheckpointError::ModuleTensor {
+                path: path.to_string(),
+                message: "kernel shape unknown (config.json does not describe this vision tower)".into(),
+            })?
+        }
+        _ => resolved.hf_shape(shape),
+    };
+    let names = resolved.hf_names(n_experts);
+    Ok(names
+        .into_iter()
+        .zip(to_checkpoint_layout(resolved.rule.transform, values, shape))
+        .map(|(name, vals)| (name, OwnedTensor { dtype, shape: hf_shape.clone(), data: encode(&vals, dtype) }))
+        .collect())
+}
+
 /// Save the text model in the published HF layout: `dir/config.json` (the given JSON) and
 /// `dir/model.safetensors`, each written atomically. Tensors keep the module's dtype.
 pub fn save_causal_lm<B: Backend>(model: &Glm5ForCausalLM<B>, config_json: &Value, dir: impl AsRef<Path>) -> Result<PathBuf, CheckpointError> {
     let dir = dir.as_ref();
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
     let n_experts = model.num_experts;
-    // kernel shapes of the convolutions stored as matmuls come from the config's inventory
-    let kernel_shapes: BTreeMap<String, Vec<usize>> = Glm5Config::from_hf_value(config_json)
-        .map(|c| inventory::inventory(&c, false, true).into_iter().map(|e| (e.name, e.shape)).collect())
-        .unwrap_or_default();
+    let kernel_shapes = config_kernel_shapes(config_json);
     let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
-    let mut seen = BTreeSet::new();
     for snap in model.collect(None, None, true) {
         let path = snap.full_path();
-        let resolved = resolve(&path).ok_or_else(|| CheckpointError::Internal(format!("module tensor {path} has no checkpoint rule")))?;
         let data = snap.to_data().map_err(|e| CheckpointError::ModuleTensor { path: path.to_string(), message: e.to_string() })?;
-        let dtype = st_dtype(data.dtype);
+        let dtype = data.dtype;
         let shape = data.shape.clone();
         let values: Vec<f32> =
             data.convert::<f32>().into_vec().map_err(|e| CheckpointError::ModuleTensor { path: path.to_string(), message: format!("{e:?}") })?;
-        let names = resolved.hf_names(n_experts);
-        let hf_shape = match resolved.rule.transform {
-            Transform::FlattenTranspose => {
-                resolved.hf_names(n_experts).first().and_then(|n| kernel_shapes.get(n)).cloned().ok_or_else(|| CheckpointError::ModuleTensor {
-                    path: path.to_string(),
-                    message: "kernel shape unknown (config.json does not describe this vision tower)".into(),
-                })?
-            }
-            _ => resolved.hf_shape(&shape),
-        };
-        for (name, vals) in names.into_iter().zip(to_checkpoint_layout(resolved.rule.transform, &values, &shape)) {
-            if !seen.insert(name.clone()) {
+        for (name, t) in checkpoint_tensors(&path, &values, &shape, dtype, n_experts, &kernel_shapes)? {
+            if tensors.insert(name.clone(), t).is_some() {
                 return Err(CheckpointError::Internal(format!("{name} produced twice")));
             }
-            tensors.insert(name, OwnedTensor { dtype, shape: hf_shape.clone(), data: encode(&vals, dtype) });
         }
     }
     let bytes = serialize(&tensors)?;

@@ -74,6 +74,14 @@ impl SafetensorsFiles {
         Ok(files)
     }
 
+    /// Open one safetensors file on its own.
+    pub fn open_file(path: &Path) -> Result<Self, CheckpointError> {
+        let mut files = Self::empty();
+        files.add_shard(path)?;
+        files.pair_scales()?;
+        Ok(files)
+    }
+
     /// Open a sharded checkpoint from its index file.
     pub fn open_index(index: &Path) -> Result<Self, CheckpointError> {
         let dir = index.parent().unwrap_or(Path::new("."));

@@ -82,6 +82,23 @@ pub trait CollectiveBackend: Backend {
         Ok(back::<Self>(data, &s, rows))
     }
 
+    /// [`Self::all_gather_rows`] placed after `anchor` on the autodiff graph: under `Autodiff`
+    /// the gather takes `anchor` as a second parent (which receives a zero gradient), so its
+    /// backward — the reduce-scatter — runs after `anchor`'s consumers are done and before
+    /// `anchor`'s own backward on every rank. A chain of anchored collectives therefore runs
+    /// its adjoints in exactly the reverse order of the forward whatever else the graph holds
+    /// (Burn 0.21 orders backward steps by graph depth; two collectives at one depth could run
+    /// in either order). Other backends ignore the anchor.
+    fn all_gather_rows_after(
+        x: FloatTensor<Self>,
+        anchor: Option<FloatTensor<Self>>,
+        rows: &[usize],
+        group: &Group,
+    ) -> Result<FloatTensor<Self>, DistError> {
+        let _ = anchor;
+        Self::all_gather_rows(x, rows, group)
+    }
+
     /// Sends all of `x` to rank `to` and returns the `recv_rows` rows rank `from` sent us
     /// (a ring step with `to = r + 1`, `from = r − 1`; both posted before either completes).
     fn shift_rows(x: FloatTensor<Self>, to: usize, from: usize, recv_rows: usize, group: &Group) -> Result<FloatTensor<Self>, DistError> {
@@ -184,6 +201,28 @@ impl<B: CollectiveBackend> Backward<B, 1> for AllGatherBackward {
 }
 
 #[derive(Debug)]
+struct AnchoredGatherBackward;
+
+impl<B: CollectiveBackend> Backward<B, 2> for AnchoredGatherBackward {
+    /// (rows, group, the anchor's shape, dtype and device)
+    type State = (Vec<usize>, Group, Shape, DType, B::Device);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (rows, group, shape, dtype, device) = &ops.state;
+        let [x, anchor] = &ops.parents;
+        // the reduce-scatter runs whether or not the shard is tracked: every rank must take part
+        let shard = B::reduce_scatter_rows(grad, rows, group).expect(BACKWARD);
+        if let Some(node) = x {
+            grads.register::<B>(node.id, shard);
+        }
+        if let Some(node) = anchor {
+            grads.register::<B>(node.id, B::float_zeros(shape.clone(), device, (*dtype).into()));
+        }
+    }
+}
+
+#[derive(Debug)]
 struct ReduceScatterBackward;
 
 impl<B: CollectiveBackend> Backward<B, 1> for ReduceScatterBackward {
@@ -240,6 +279,21 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
         collective!(AllGatherBackward, x, (rows.to_vec(), group.clone()), B::all_gather_rows(x.primitive.clone(), rows, group))
     }
 
+    fn all_gather_rows_after(
+        x: FloatTensor<Self>,
+        anchor: Option<FloatTensor<Self>>,
+        rows: &[usize],
+        group: &Group,
+    ) -> Result<FloatTensor<Self>, DistError> {
+        let Some(anchor) = anchor else { return Self::all_gather_rows(x, rows, group) };
+        let out = B::all_gather_rows(x.primitive.clone(), rows, group)?;
+        let state = (rows.to_vec(), group.clone(), anchor.primitive.shape(), anchor.primitive.dtype(), B::float_device(&anchor.primitive));
+        Ok(match AnchoredGatherBackward.prepare::<C>([x.node.clone(), anchor.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(state, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        })
+    }
+
     fn reduce_scatter_rows(x: FloatTensor<Self>, rows: &[usize], group: &Group) -> Result<FloatTensor<Self>, DistError> {
         collective!(ReduceScatterBackward, x, (rows.to_vec(), group.clone()), B::reduce_scatter_rows(x.primitive.clone(), rows, group))
     }
@@ -269,6 +323,16 @@ fn wrap<B: Backend, const D: usize>(r: Result<FloatTensor<B>, DistError>) -> Res
 /// [`CollectiveBackend::all_gather_rows`] on a tensor.
 pub fn all_gather_rows<B: CollectiveBackend, const D: usize>(x: Tensor<B, D>, rows: &[usize], group: &Group) -> Result<Tensor<B, D>, DistError> {
     wrap(B::all_gather_rows(x.into_primitive().tensor(), rows, group))
+}
+
+/// [`CollectiveBackend::all_gather_rows_after`] on tensors.
+pub fn all_gather_rows_after<B: CollectiveBackend, const D: usize, const DA: usize>(
+    x: Tensor<B, D>,
+    anchor: Option<Tensor<B, DA>>,
+    rows: &[usize],
+    group: &Group,
+) -> Result<Tensor<B, D>, DistError> {
+    wrap(B::all_gather_rows_after(x.into_primitive().tensor(), anchor.map(|a| a.into_primitive().tensor()), rows, group))
 }
 
 /// [`CollectiveBackend::reduce_scatter_rows`] on a tensor.

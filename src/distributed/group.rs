@@ -109,6 +109,13 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// A batch of sends and receives, all posted before any completes (MPI `Waitall`, an NCCL
     /// group), so rings and halo exchanges cannot deadlock on ordering.
     fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<(), DistError>;
+
+    /// Ends every process of the job with `code` (`MPI_Abort`): what a rank does on an error
+    /// the others cannot know about — returning would leave them blocked in their next
+    /// collective. A single process just exits.
+    fn abort(&self, code: i32) -> ! {
+        std::process::exit(code)
+    }
 }
 
 /// Checks shared by the engines: a count per rank, and buffers that match the counts.

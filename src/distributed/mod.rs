@@ -13,16 +13,20 @@
 //! FSDP, expert and context parallelism) follows PyTorch's `torch.distributed` process groups
 //! and Megatron-LM's parallel state.
 
+pub mod checked;
 pub mod collective;
 pub mod decorator;
+pub mod fsdp;
 pub mod group;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod typed;
 
+pub use checked::CheckedGroup;
 pub use collective::{CollectiveBackend, Group};
 pub use decorator::Distributed;
+pub use fsdp::ShardPlan;
 pub use group::{P2p, ProcessGroup, ReduceBuf, ReduceOp};
 pub use local::LocalGroup;
 #[cfg(feature = "mpi")]

@@ -9,7 +9,9 @@
 //!
 //! Failures: MPI's default error handler aborts the job on a communication error, and
 //! `mpirun` then ends every rank (a rank that dies takes the job down rather than leaving the
-//! others blocked in a collective).
+//! others blocked in a collective). A panic that unwinds through the last group aborts the job
+//! (`MPI_Finalize` would wait for ranks blocked in a collective), and a rank that meets an
+//! error of its own calls [`ProcessGroup::abort`].
 
 use std::sync::{Arc, Mutex, Weak};
 
@@ -30,6 +32,17 @@ struct Runtime(#[allow(dead_code)] Universe);
 // calls may come from any thread; the universe handle itself is only dropped (finalised).
 unsafe impl Send for Runtime {}
 unsafe impl Sync for Runtime {}
+
+/// A panic unwinding through the last group would finalise MPI — which waits for the other
+/// ranks, themselves blocked in a collective this rank will never join: abort the job instead.
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("glm5-burn: a panic on this rank; aborting the MPI job");
+            SimpleCommunicator::world().abort(101);
+        }
+    }
+}
 
 static RUNTIME: Mutex<Option<Weak<Runtime>>> = Mutex::new(None);
 
@@ -215,6 +228,10 @@ impl ProcessGroup for MpiGroup {
         count("broadcast", buf.len())?;
         self.comm.process_at_rank(root as i32).broadcast_into(buf);
         Ok(())
+    }
+
+    fn abort(&self, code: i32) -> ! {
+        self.comm.abort(code)
     }
 
     fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<(), DistError> {

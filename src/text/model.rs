@@ -8,6 +8,9 @@
 //!
 //! Shapes: ids `[B, S]` → hidden `[B, S, D]`. No positional encoding anywhere (NoPE).
 
+use std::borrow::Cow;
+use std::sync::Arc;
+
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig};
 use burn::tensor::{backend::Backend, Int, Tensor};
@@ -16,6 +19,7 @@ use super::decoder::{DecoderLayer, Mixer};
 use super::norm::RmsNorm;
 use super::{ForwardOptions, TokenMask};
 use crate::config::TextConfig;
+use crate::distributed::{CollectiveBackend, ShardPlan};
 
 /// The text decoder (`model.language_model`): embedding, mHC-wrapped decoder layers, final norm.
 #[derive(Module, Debug)]
@@ -30,6 +34,12 @@ pub struct TextModel<B: Backend> {
     pub hc_mult: usize,
     /// Embedding row that takes no gradient (`nn.Embedding(padding_idx=pad_token_id)`).
     pub pad_token_id: Option<i64>,
+    /// Set when the parameters are sharded over a data-parallel group
+    /// ([`crate::distributed::fsdp`]): each unit (embedding, decoder layer, final norm, and in
+    /// [`crate::model::Glm5ForCausalLM`] the head and the vision tower) is gathered just before
+    /// it runs. Not part of the checkpoint.
+    #[module(skip)]
+    pub shards: Option<Arc<ShardPlan>>,
 }
 
 /// Everything a forward can report besides the final hidden state.
@@ -55,13 +65,32 @@ impl<B: Backend> TextModel<B> {
             norm: RmsNorm::new(c.hidden_size, c.rms_norm_eps, device),
             hc_mult: c.hc_mult,
             pad_token_id: c.pad_token_id,
+            shards: None,
+        }
+    }
+
+    /// `unit` ready to run: itself, or with its sharded parameters gathered.
+    pub fn unit<'a, M: Module<B>>(&self, unit: &'a M) -> Cow<'a, M>
+    where
+        B: CollectiveBackend,
+    {
+        match &self.shards {
+            Some(plan) => Cow::Owned(plan.gather(unit)),
+            None => Cow::Borrowed(unit),
         }
     }
 
     /// Embedding lookup `[B, S]` → `[B, S, D]`. Like the reference's
     /// `nn.Embedding(padding_idx=pad_token_id)`, the padding row receives no gradient.
-    pub fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let e = self.embed_tokens.forward(ids.clone());
+    /// A sharded model starts its forward here ([`ShardPlan::begin`]).
+    pub fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3>
+    where
+        B: CollectiveBackend,
+    {
+        if let Some(plan) = &self.shards {
+            plan.begin();
+        }
+        let e = self.unit(&self.embed_tokens).forward(ids.clone());
         match self.pad_token_id {
             Some(pad) if B::ad_enabled(&e.device()) => {
                 let is_pad = ids.equal_elem(pad).unsqueeze_dim::<3>(2).expand(e.dims());
@@ -89,6 +118,7 @@ impl<B: Backend> TextModel<B> {
             index_margins: Vec::new(),
         };
         for (i, layer) in self.layers.iter().enumerate() {
+            let layer = self.unit(layer);
             let o = layer.forward(x, mask, &mut indices, opts);
             x = o.streams;
             if let Some(l) = o.router_logits {
@@ -99,13 +129,13 @@ impl<B: Backend> TextModel<B> {
             }
             if record {
                 out.layer_streams.push(x.clone());
-                if let (Mixer::Mla(_), Some(idx)) = (&layer.self_attn, &indices) {
+                if let (Mixer::Mla(_), Some(idx)) = (&layer.as_ref().self_attn, &indices) {
                     out.indices.push((i, idx.clone()));
                 }
             }
         }
         let mean = x.mean_dim(2).reshape([b, s, d]);
-        out.hidden = self.norm.forward(mean);
+        out.hidden = self.unit(&self.norm).forward(mean);
         out
     }
 }

@@ -179,8 +179,39 @@ pub fn write<E: From<CheckpointIoError>>(
     fill: impl FnOnce(&Path) -> Result<(), E>,
 ) -> Result<PathBuf, E> {
     std::fs::create_dir_all(root).map_err(|e| io_err(root, e))?;
-    // leftovers of a killed save: ours, or of a process that no longer runs — never the
-    // staging directory of another live process
+    clean_stale(root);
+    let me = std::process::id();
+    let staging = root.join(format!(".step_{:06}.{me}.partial", state.step));
+    std::fs::create_dir_all(&staging).map_err(|e| io_err(&staging, e))?;
+    fill(&staging)?;
+    Ok(publish(root, &staging, state, keep_last)?)
+}
+
+/// The state file last, fsync, rename into place, prune beyond `keep_last`.
+fn publish(root: &Path, staging: &Path, state: &TrainerState, keep_last: usize) -> Result<PathBuf, CheckpointIoError> {
+    let fin = step_dir(root, state.step);
+    let json = serde_json::to_vec_pretty(state).map_err(|e| io_err(staging, e))?;
+    let sp = staging.join("trainer_state.json");
+    std::fs::write(&sp, json).map_err(|e| io_err(&sp, e))?;
+    sync_tree(staging);
+    if fin.exists() {
+        // the same step saved again (a resumed run): replace it
+        std::fs::remove_dir_all(&fin).map_err(|e| io_err(&fin, e))?;
+    }
+    std::fs::rename(staging, &fin).map_err(|e| io_err(&fin, e))?;
+    sync_dir(root);
+    let all = list(root);
+    if all.len() > keep_last.max(1) {
+        for (_, p) in &all[..all.len() - keep_last.max(1)] {
+            let _ = std::fs::remove_dir_all(p);
+        }
+    }
+    Ok(fin)
+}
+
+/// Removes leftovers of a killed save: ours, or of a process that no longer runs — never the
+/// staging directory of another live process.
+fn clean_stale(root: &Path) {
     let me = std::process::id();
     if let Ok(entries) = std::fs::read_dir(root) {
         for e in entries.flatten() {
@@ -197,27 +228,6 @@ pub fn write<E: From<CheckpointIoError>>(
             }
         }
     }
-    let fin = step_dir(root, state.step);
-    let staging = root.join(format!(".step_{:06}.{me}.partial", state.step));
-    std::fs::create_dir_all(&staging).map_err(|e| io_err(&staging, e))?;
-    fill(&staging)?;
-    let json = serde_json::to_vec_pretty(state).map_err(|e| io_err(&staging, e))?;
-    let sp = staging.join("trainer_state.json");
-    std::fs::write(&sp, json).map_err(|e| io_err(&sp, e))?;
-    sync_tree(&staging);
-    if fin.exists() {
-        // the same step saved again (a resumed run): replace it
-        std::fs::remove_dir_all(&fin).map_err(|e| io_err(&fin, e))?;
-    }
-    std::fs::rename(&staging, &fin).map_err(|e| io_err(&fin, e))?;
-    sync_dir(root);
-    let all = list(root);
-    if all.len() > keep_last.max(1) {
-        for (_, p) in &all[..all.len() - keep_last.max(1)] {
-            let _ = std::fs::remove_dir_all(p);
-        }
-    }
-    Ok(fin)
 }
 
 /// fsync every file and directory below `dir` (and `dir`), so the rename publishes only data
@@ -240,4 +250,59 @@ fn sync_dir(dir: &Path) {
     if let Ok(f) = std::fs::File::open(dir) {
         let _ = f.sync_all();
     }
+}
+
+/// [`write`] by every rank of `group` into one staging directory: rank 0 prepares it and
+/// names it to the others, every rank's `fill` writes its own files, and once every rank has
+/// succeeded rank 0 writes the state file and renames the directory into place. Every rank
+/// returns the same outcome: an error on any rank fails the save everywhere, and nothing is
+/// renamed into place.
+pub fn write_group<E: From<CheckpointIoError> + From<crate::distributed::DistError> + std::fmt::Display>(
+    root: &Path,
+    state: &TrainerState,
+    keep_last: usize,
+    group: &dyn crate::distributed::ProcessGroup,
+    fill: impl FnOnce(&Path) -> Result<(), E>,
+) -> Result<PathBuf, E> {
+    use crate::distributed::typed::{all_gather, all_gather_v};
+    if group.size() == 1 {
+        return write(root, state, keep_last, fill);
+    }
+    let rank = group.rank();
+    // rank 0 names the staging directory (its pid is in the name)
+    let me = std::process::id();
+    let staging = root.join(format!(".step_{:06}.{me}.partial", state.step));
+    let mut name = if rank == 0 { staging.to_string_lossy().as_bytes().to_vec() } else { Vec::new() };
+    let counts: Vec<usize> = all_gather(group, &[name.len() as u64])?.into_iter().map(|c| c as usize).collect();
+    name = all_gather_v(group, &name, &counts)?[..counts[0]].to_vec();
+    let staging = PathBuf::from(String::from_utf8_lossy(&name).to_string());
+    let ok = |r: &Result<(), E>| u64::from(r.is_ok());
+    if rank == 0 {
+        let prepared = (|| -> Result<(), E> {
+            std::fs::create_dir_all(root).map_err(|e| io_err(root, e))?;
+            clean_stale(root);
+            std::fs::create_dir_all(&staging).map_err(|e| io_err(&staging, e))?;
+            Ok(())
+        })();
+        all_gather(group, &[ok(&prepared)])?;
+        prepared?;
+    } else if all_gather(group, &[1u64])?[0] == 0 {
+        return Err(E::from(io_err(&staging, "rank 0 could not prepare the staging directory")));
+    }
+    let filled = fill(&staging);
+    let all = all_gather(group, &[ok(&filled)])?;
+    if let Some(bad) = all.iter().position(|&x| x == 0) {
+        if rank == 0 {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+        filled?;
+        return Err(E::from(io_err(&staging, format!("rank {bad} failed to write its part"))));
+    }
+    // rank 0 publishes, as a single process's save does
+    let published = if rank == 0 { publish(root, &staging, state, keep_last).map_err(E::from) } else { Ok(step_dir(root, state.step)) };
+    let flag = u64::from(published.is_ok());
+    if all_gather(group, &[flag])?[0] == 0 && rank != 0 {
+        return Err(E::from(io_err(&staging, "rank 0 could not publish the checkpoint")));
+    }
+    published
 }

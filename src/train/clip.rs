@@ -2,22 +2,43 @@
 //! `clip_grad_norm_` and NeMo do; Burn's built-in clipping works per tensor):
 //! `g ← g · min(1, max_norm / (‖g‖₂ + 1e-6))` with `‖g‖₂` over every gradient.
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor};
 
 struct SquaredNorm<'a, B: AutodiffBackend> {
     grads: &'a GradientsParams,
-    total: f64,
+    sharded: &'a dyn Fn(ParamId) -> bool,
+    /// (sharded parameters, the others)
+    total: [f64; 2],
     _b: std::marker::PhantomData<B>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            self.total += g.cast(DType::F32).square().sum().into_scalar().to_f64_lossy();
+            let i = usize::from(!(self.sharded)(param.id));
+            self.total[i] += g.cast(DType::F32).square().sum().into_scalar().to_f64_lossy();
         }
+    }
+}
+
+/// Σ g² over `module`'s gradients, split into (parameters `sharded` names, the others): a
+/// sharded model's norm is the first summed over the ranks plus the second once.
+pub fn squared_norms<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams, sharded: &dyn Fn(ParamId) -> bool) -> [f64; 2] {
+    let mut v = SquaredNorm::<B> { grads, sharded, total: [0.0; 2], _b: std::marker::PhantomData };
+    module.visit(&mut v);
+    v.total
+}
+
+/// Multiply every gradient by `factor` when it is below 1 (the clip for a norm worked out
+/// elsewhere, e.g. over sharded gradients).
+pub fn clip_to<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &mut GradientsParams, norm: f64, max_norm: f64) {
+    let factor = max_norm / (norm + 1e-6);
+    if factor < 1.0 {
+        let mut v = Scale::<B> { grads, factor, _b: std::marker::PhantomData };
+        module.visit(&mut v);
     }
 }
 
@@ -47,18 +68,12 @@ impl<E: burn::tensor::ElementConversion> ToF64 for E {
 
 /// The global gradient norm of `module`'s parameters.
 pub fn global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams) -> f64 {
-    let mut v = SquaredNorm::<B> { grads, total: 0.0, _b: std::marker::PhantomData };
-    module.visit(&mut v);
-    v.total.sqrt()
+    squared_norms::<B, M>(module, grads, &|_| false).iter().sum::<f64>().sqrt()
 }
 
 /// Clip to `max_norm`; returns the norm before clipping.
 pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &mut GradientsParams, max_norm: f64) -> f64 {
     let norm = global_norm::<B, M>(module, grads);
-    let factor = max_norm / (norm + 1e-6);
-    if factor < 1.0 {
-        let mut v = Scale::<B> { grads, factor, _b: std::marker::PhantomData };
-        module.visit(&mut v);
-    }
+    clip_to::<B, M>(module, grads, norm, max_norm);
     norm
 }

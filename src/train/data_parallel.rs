@@ -1,4 +1,6 @@
-//! Data parallelism with replicated parameters (DDP): every rank holds the whole model, runs
+//! Data parallelism, sharded ([`shard_model`], FSDP: `distributed::fsdp`) or replicated.
+//!
+//! Replicated parameters (DDP, and under sharding the few that stay replicated): every rank holds the whole model, runs
 //! its share of a global batch's micro-batches, and the gradients are summed over the group
 //! before clipping and the (then identical) AdamW update — the semantics of one process
 //! running the whole global batch, as PyTorch's `DistributedDataParallel` gives them.
@@ -8,16 +10,20 @@
 //! partial sums in a different order on each rank, and replicas would drift apart over a long
 //! run), scalars by gathering every rank's value and adding them in rank order.
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use std::sync::Arc;
+
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::distributed::typed::{all_gather, all_gather_v};
-use crate::distributed::{DistError, ProcessGroup, ReduceBuf, ReduceOp};
+use crate::distributed::{DistError, Group, ProcessGroup, ReduceBuf, ReduceOp, ShardPlan};
+use crate::model::Glm5ForCausalLM;
 
 /// Gradients (and whether each parameter has one) flattened in visiting order.
 struct Collect<'a, B: AutodiffBackend> {
+    skip: &'a dyn Fn(ParamId) -> bool,
     grads: &'a mut GradientsParams,
     values: Vec<f32>,
     present: Vec<i64>,
@@ -26,7 +32,7 @@ struct Collect<'a, B: AutodiffBackend> {
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if !param.is_require_grad() {
+        if !param.is_require_grad() || (self.skip)(param.id) {
             return;
         }
         let n = param.shape().num_elements();
@@ -45,6 +51,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
 
 /// Puts the reduced gradients back, in the parameters' dtypes.
 struct Restore<'a, B: AutodiffBackend> {
+    skip: &'a dyn Fn(ParamId) -> bool,
     grads: &'a mut GradientsParams,
     values: &'a [f32],
     present: &'a [i64],
@@ -55,7 +62,7 @@ struct Restore<'a, B: AutodiffBackend> {
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Restore<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if !param.is_require_grad() {
+        if !param.is_require_grad() || (self.skip)(param.id) {
             return;
         }
         let shape = param.shape();
@@ -78,10 +85,21 @@ pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     grads: &mut GradientsParams,
     group: &dyn ProcessGroup,
 ) -> Result<(), DistError> {
+    all_reduce_grads_except::<B, M>(module, grads, group, &|_| false)
+}
+
+/// [`all_reduce_grads`] for the parameters `skip` does not name (a sharded model's shards
+/// arrive summed already, through the gather's adjoint).
+pub fn all_reduce_grads_except<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &mut GradientsParams,
+    group: &dyn ProcessGroup,
+    skip: &dyn Fn(ParamId) -> bool,
+) -> Result<(), DistError> {
     if group.size() == 1 {
         return Ok(());
     }
-    let mut c = Collect::<B> { grads, values: Vec::new(), present: Vec::new(), _b: std::marker::PhantomData };
+    let mut c = Collect::<B> { skip, grads, values: Vec::new(), present: Vec::new(), _b: std::marker::PhantomData };
     module.visit(&mut c);
     let Collect { grads, mut values, mut present, .. } = c;
     group.all_reduce(ReduceBuf::I64(&mut present), ReduceOp::Max)?;
@@ -91,7 +109,7 @@ pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     let mut mine = vec![0f32; counts[group.rank()]];
     group.reduce_scatter_v(ReduceBuf::F32(&mut values), ReduceBuf::F32(&mut mine), &counts, ReduceOp::Sum)?;
     let summed = all_gather_v(group, &mine, &counts)?;
-    let mut r = Restore::<B> { grads, values: &summed, present: &present, at: 0, index: 0, _b: std::marker::PhantomData };
+    let mut r = Restore::<B> { skip, grads, values: &summed, present: &present, at: 0, index: 0, _b: std::marker::PhantomData };
     module.visit(&mut r);
     Ok(())
 }
@@ -106,4 +124,81 @@ pub fn sum_usize(group: &dyn ProcessGroup, x: usize) -> Result<usize, DistError>
     let mut v = [x as i64];
     group.all_reduce(ReduceBuf::I64(&mut v), ReduceOp::Sum)?;
     Ok(v[0] as usize)
+}
+
+/// Every rank's `x`, in rank order.
+pub fn gather_usize(group: &dyn ProcessGroup, x: usize) -> Result<Vec<usize>, DistError> {
+    Ok(all_gather(group, &[x as u64])?.into_iter().map(|v| v as usize).collect())
+}
+
+/// Shard `model`'s trainable parameters over `group` ([`crate::distributed::fsdp`]): every
+/// parameter that requires a gradient, except the ones that require one but never receive it
+/// — the indexers' (the reference runs them under `no_grad`) and the routers'
+/// `e_score_correction_bias` (selection only, moved by the bias update) — which stay
+/// replicated, so that AdamW leaves them alone as it does in one process (a shard would
+/// receive a zero gradient through the gather and weight decay would move it). Apply after
+/// freezing: frozen parameters stay replicated.
+pub fn shard_model<B: crate::distributed::CollectiveBackend>(model: Glm5ForCausalLM<B>, group: Group) -> Glm5ForCausalLM<B> {
+    let replicated: std::collections::HashSet<ParamId> = super::params::param_ids::<B, _>(&model)
+        .into_iter()
+        .filter(|(path, _)| path.contains(".indexer.") || path.ends_with("e_score_correction_bias"))
+        .map(|(_, id)| id)
+        .collect();
+    let (mut model, plan) = ShardPlan::shard(model, group, |id, require_grad| require_grad && !replicated.contains(&id));
+    model.language_model.shards = Some(plan);
+    model
+}
+
+/// The shard plan of a sharded model.
+pub fn plan_of<B: burn::tensor::backend::Backend>(model: &Glm5ForCausalLM<B>) -> Option<&Arc<ShardPlan>> {
+    model.language_model.shards.as_ref()
+}
+
+/// Drops the gradients of `module`'s parameters (a unit no rank ran: one process would have
+/// produced none, and AdamW skips a parameter without one).
+pub fn drop_grads<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &mut GradientsParams) {
+    struct Drop<'a>(&'a mut GradientsParams);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Drop<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.remove::<B::InnerBackend, D>(param.id);
+        }
+    }
+    module.visit(&mut Drop(grads));
+}
+
+/// The whole model of a sharded one, on every rank (one collective gathers every sharded
+/// parameter): for evaluation on one rank, export, or checks. Parameter ids are kept; the
+/// result is not sharded.
+pub fn unshard_model<B: crate::distributed::CollectiveBackend>(model: Glm5ForCausalLM<B>) -> Glm5ForCausalLM<B> {
+    let Some(plan) = model.language_model.shards.clone() else { return model };
+    // untracked shards: the gather must leave nothing on the autodiff graph (an unconsumed
+    // node would keep its state — the group included — alive for the process's lifetime)
+    struct Detach<'a>(&'a ShardPlan);
+    impl<B: burn::tensor::backend::Backend> burn::module::ModuleMapper<B> for Detach<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            if self.0.full_rows(param.id).is_none() {
+                return param;
+            }
+            let (id, t, mapper) = param.consume();
+            // (`detach` keeps a leaf's require-grad flag in Burn 0.21: this drops it)
+            Param::from_mapped_value(id, t.set_require_grad(false), mapper)
+        }
+    }
+    let model = model.map(&mut Detach(&plan));
+    plan.begin();
+    let full = plan.gather(&model);
+    plan.end();
+    struct Leaves<'a>(&'a ShardPlan);
+    impl<B: burn::tensor::backend::Backend> burn::module::ModuleMapper<B> for Leaves<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            if self.0.full_rows(param.id).is_none() {
+                return param;
+            }
+            let (id, t, mapper) = param.consume();
+            Param::from_mapped_value(id, t.detach().require_grad(), mapper)
+        }
+    }
+    let mut full = full.map(&mut Leaves(&plan));
+    full.language_model.shards = None;
+    full
 }

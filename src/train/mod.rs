@@ -10,5 +10,6 @@ pub mod data_parallel;
 pub mod params;
 pub mod recipe;
 pub mod schedule;
+pub mod sharded;
 pub mod step;
 pub mod trainer;

@@ -116,7 +116,7 @@ pub struct ModelSection {
     pub backend: BackendSelect,
 }
 
-/// `distributed`: parallel sizes (all 1 until the distributed layer lands) and activation checkpointing.
+/// `distributed`: parallel sizes, parameter sharding and activation checkpointing.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Distributed {
@@ -132,6 +132,10 @@ pub struct Distributed {
     /// Recompute each decoder layer in backward instead of keeping its activations.
     #[serde(default)]
     pub activation_checkpointing: bool,
+    /// With `dp_size > 1`: shard the trainable parameters, their gradients and AdamW state
+    /// over the data-parallel ranks (FSDP); `false` replicates them (DDP).
+    #[serde(default = "yes")]
+    pub shard_parameters: bool,
 }
 
 fn one() -> usize {
@@ -326,7 +330,7 @@ pub struct Recipe {
 }
 
 fn single_device() -> Distributed {
-    Distributed { dp_size: 1, ep_size: 1, cp_size: 1, activation_checkpointing: false }
+    Distributed { dp_size: 1, ep_size: 1, cp_size: 1, activation_checkpointing: false, shard_parameters: true }
 }
 
 /// Set `a.b.c = value` in a YAML mapping, creating nothing: the path's parent must exist.

@@ -35,11 +35,12 @@ use burn::tensor::DType;
 use serde_json::Value;
 
 use super::checkpoint::{self as ckpt, TrainerState};
-use super::clip::{clip_global_norm, global_norm};
-use super::data_parallel::{all_reduce_grads, sum_f64, sum_usize};
+use super::clip::{clip_global_norm, clip_to, global_norm, squared_norms};
+use super::data_parallel::{all_reduce_grads, all_reduce_grads_except, drop_grads, gather_usize, plan_of, shard_model, sum_f64, sum_usize};
 use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, param_ids};
 use super::recipe::{FreezeConfig, NonFinitePolicy, Precision, Recipe};
 use super::schedule::LrSchedule;
+use super::sharded;
 use super::step::{accumulate_share, micro_loss_sum, non_finite, GlobalBatch, StepMetrics, TrainError};
 use crate::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
 use crate::data::batch::MicroBatch;
@@ -80,6 +81,10 @@ pub struct TrainOptions {
     /// validation batches to [`Trainer::evaluate`]; gradients, losses and counts are summed
     /// over the group (`train::data_parallel`).
     pub data_parallel: Option<Group>,
+    /// Under data parallelism, shard the trainable parameters (and so their gradients and
+    /// AdamW moments) over the group, FSDP-style ([`super::data_parallel::shard_model`]);
+    /// false replicates them (DDP). Recipe `distributed.shard_parameters`.
+    pub shard_parameters: bool,
 }
 
 impl TrainOptions {
@@ -104,6 +109,7 @@ impl TrainOptions {
             freeze: r.freeze_config.clone(),
             forward: ForwardOptions { attn_path: r.model.backend.attn, linear_path: r.model.backend.linear, ..ForwardOptions::default() },
             data_parallel: None,
+            shard_parameters: r.distributed.shard_parameters,
         }
     }
 }
@@ -160,8 +166,13 @@ where
     B::InnerBackend: Glm5Backend,
 {
     /// Start training `model` (fp32 master weights): applies the freeze configuration.
+    /// Under data parallelism with `shard_parameters`, every rank must pass the same model
+    /// (it keeps its shard).
     pub fn new(model: Glm5ForCausalLM<B>, options: TrainOptions, device: &B::Device) -> Self {
-        let model = freeze(model, &options.freeze);
+        let mut model = freeze(model, &options.freeze);
+        if let Some(g) = options.data_parallel.as_ref().filter(|g| g.size() > 1 && options.shard_parameters) {
+            model = shard_model(model, g.clone());
+        }
         Self { model: Some(model), optim: adamw::<B>(&options), options, step: 0, skipped_steps: 0, data_fingerprint: None, device: device.clone() }
     }
 
@@ -193,9 +204,12 @@ where
                 return Err(e);
             }
         };
-        let grad_norm = match self.options.max_grad_norm {
-            Some(max) => clip_global_norm::<B, _>(&master, &mut grads, max),
-            None => global_norm::<B, _>(&master, &grads),
+        let grad_norm = match self.clip(&master, &mut grads) {
+            Ok(n) => n,
+            Err(e) => {
+                self.model = Some(master);
+                return Err(e);
+            }
         };
         self.step += 1;
         if let Some(what) = non_finite(acc_loss, grad_norm) {
@@ -218,6 +232,23 @@ where
         Ok(StepOutcome::Applied(StepMetrics { loss: acc_loss, grad_norm, lr, label_tokens, tokens }))
     }
 
+    /// The global gradient norm (a sharded model's shards summed over the ranks, the same
+    /// value on every rank), clipping to `max_grad_norm` when set.
+    fn clip(&self, master: &Glm5ForCausalLM<B>, grads: &mut burn::optim::GradientsParams) -> Result<f64, TrainError> {
+        let (Some(plan), Some(g)) = (plan_of(master), &self.options.data_parallel) else {
+            return Ok(match self.options.max_grad_norm {
+                Some(max) => clip_global_norm::<B, _>(master, grads, max),
+                None => global_norm::<B, _>(master, grads),
+            });
+        };
+        let [sharded, replicated] = squared_norms::<B, _>(master, grads, &|id| plan.full_rows(id).is_some());
+        let norm = (sum_f64(&**g, sharded)? + replicated).sqrt();
+        if let Some(max) = self.options.max_grad_norm {
+            clip_to::<B, _>(master, grads, norm, max);
+        }
+        Ok(norm)
+    }
+
     fn step_inner(&self, master: &Glm5ForCausalLM<B>, micro: &[MicroBatch]) -> Result<StepSums, TrainError> {
         let keep_router = self.options.router_bias_update_rate != 0.0;
         let o = &self.options;
@@ -226,7 +257,14 @@ where
             if keep_router && g.size() > 1 {
                 return Err(TrainError::Unsupported { what: "moe.router_bias_update_rate with data parallelism (it needs the global expert loads)" });
             }
-            global = GlobalBatch { label_tokens: sum_usize(&**g, global.label_tokens)?, micro_batches: sum_usize(&**g, global.micro_batches)? };
+            let counts = gather_usize(&**g, micro.len())?;
+            if plan_of(master).is_some() && counts.iter().any(|&c| c != counts[0]) {
+                // every forward gathers parameters with the whole group: unequal shares would hang
+                return Err(TrainError::Batch(format!(
+                    "micro-batches per rank {counts:?}: with sharded parameters every rank runs the same number (global batch a multiple of local × dp)"
+                )));
+            }
+            global = GlobalBatch { label_tokens: sum_usize(&**g, global.label_tokens)?, micro_batches: counts.iter().sum() };
         }
         match o.precision {
             Precision::F32 => {
@@ -248,7 +286,18 @@ where
     fn reduce(&self, master: &Glm5ForCausalLM<B>, sums: StepSums) -> Result<StepSums, TrainError> {
         let Some(g) = &self.options.data_parallel else { return Ok(sums) };
         let (mut grads, loss, label_tokens, tokens, router) = sums;
-        all_reduce_grads::<B, _>(master, &mut grads, &**g)?;
+        match plan_of(master) {
+            Some(plan) => {
+                // a vision tower no rank ran gets no update, as in one process
+                if sum_usize(&**g, usize::from(plan.take_vision_used()))? == 0 {
+                    if let Some(v) = &master.visual {
+                        drop_grads::<B, _>(v, &mut grads);
+                    }
+                }
+                all_reduce_grads_except::<B, _>(master, &mut grads, &**g, &|id| plan.full_rows(id).is_some())?;
+            }
+            None => all_reduce_grads::<B, _>(master, &mut grads, &**g)?,
+        }
         Ok((grads, sum_f64(&**g, loss)?, label_tokens, sum_usize(&**g, tokens)?, router))
     }
 
@@ -263,10 +312,29 @@ where
         let device = self.device.clone();
         let mut sum = 0.0;
         let mut count = 0;
-        for b in batches {
-            let (s, c) = micro_loss_sum::<B::InnerBackend>(&model, b, &self.options.forward, &device)?;
-            sum += s;
-            count += c;
+        // sharded: every forward gathers parameters with the whole group, so every rank runs as
+        // many forwards as the rank with the largest share (agreed before any of them), a
+        // smaller share padded with forwards whose results are dropped
+        let plan = plan_of(&model).cloned();
+        let runs = match (&plan, &self.options.data_parallel) {
+            (Some(_), Some(g)) => gather_usize(&**g, batches.len())?.into_iter().max().unwrap_or(0),
+            _ => batches.len(),
+        };
+        let filler = || batches.first().cloned().unwrap_or_else(|| MicroBatch::text(vec![0; 2], vec![-100; 2], 1, 2, None));
+        for i in 0..runs {
+            match batches.get(i) {
+                Some(b) => {
+                    let (s, c) = micro_loss_sum::<B::InnerBackend>(&model, b, &self.options.forward, &device)?;
+                    sum += s;
+                    count += c;
+                }
+                None => {
+                    micro_loss_sum::<B::InnerBackend>(&model, &filler(), &self.options.forward, &device)?;
+                }
+            }
+        }
+        if let Some(plan) = &plan {
+            plan.take_vision_used();
         }
         if let Some(g) = &self.options.data_parallel {
             (sum, count) = (sum_f64(&**g, sum)?, sum_usize(&**g, count)?);
@@ -297,6 +365,23 @@ where
             data: self.data_fingerprint.clone(),
         };
         let file = |path: &Path, message: String| TrainError::CheckpointFile { path: path.to_path_buf(), message };
+        if let Some(plan) = plan_of(self.model()) {
+            let rank = plan.group().rank();
+            return ckpt::write_group(root, &state, keep_last, &**plan.group(), |dir: &Path| -> Result<(), TrainError> {
+                let model_dir = dir.join("model");
+                let at = |source| TrainError::Checkpoint { dir: model_dir.clone(), source };
+                sharded::save_model(self.model(), plan, config_json, &model_dir).map_err(at)?;
+                if rank == 0 {
+                    for f in extra_files {
+                        let name = f.file_name().ok_or_else(|| file(f, "not a file name".into()))?;
+                        std::fs::copy(f, model_dir.join(name)).map_err(|e| file(f, e.to_string()))?;
+                    }
+                }
+                sharded::save_optimizer(self.model(), &self.optim, dir)
+                    .map_err(|source| TrainError::Checkpoint { dir: dir.join("optimizer"), source })
+            })
+            .map_err(|e| TrainError::Saving { step: self.step, source: Box::new(e) });
+        }
         ckpt::write(root, &state, keep_last, |dir: &Path| -> Result<(), TrainError> {
             let model_dir = dir.join("model");
             save_causal_lm(self.model(), config_json, &model_dir).map_err(|source| TrainError::Checkpoint { dir: model_dir.clone(), source })?;
@@ -333,6 +418,30 @@ where
                 format!("no parameter id for {} module tensors (first: {}); the checkpoint is from another model", missing.len(), missing[0]),
             ));
         }
+        let mut trainer = Self::new(model, options, device);
+        let sharded_dir = dir.join("optimizer");
+        let record = if sharded_dir.is_dir() {
+            // written by a sharded run (any number of ranks): this rank's rows
+            sharded::load_optimizer(trainer.model(), &sharded_dir).map_err(|source| TrainError::Checkpoint { dir: sharded_dir.clone(), source })?
+        } else {
+            sharded::cut_record(trainer.model(), Self::read_mpk(dir, device)?)
+        };
+        trainer.optim = trainer.optim.load_record(record);
+        trainer.step = state.step;
+        trainer.skipped_steps = state.skipped_steps;
+        trainer.data_fingerprint = state.data.clone();
+        Ok((trainer, state))
+    }
+
+    /// Whether the parameters are sharded over a data-parallel group (then every rank takes
+    /// part in [`Self::save_checkpoint`]).
+    pub fn is_sharded(&self) -> bool {
+        plan_of(self.model()).is_some()
+    }
+
+    /// `optimizer.mpk` of an unsharded run.
+    fn read_mpk(dir: &Path, device: &B::Device) -> Result<OptimRecord<B>, TrainError> {
+        let file = |name: &str, message: String| TrainError::CheckpointFile { path: dir.join(name), message };
         let path = dir.join("optimizer.mpk");
         let bytes = std::fs::read(&path).map_err(|e| file("optimizer.mpk", e.to_string()))?;
         let n = bytes.len();
@@ -343,12 +452,7 @@ where
             let first = first.trim_start_matches("Unknown(\"").trim_end_matches("\")");
             file("optimizer.mpk", format!("({n} bytes) is truncated or corrupt and cannot be decoded (decoder: {first})"))
         })?;
-        let mut trainer = Self::new(model, options, device);
-        trainer.optim = trainer.optim.load_record(record);
-        trainer.step = state.step;
-        trainer.skipped_steps = state.skipped_steps;
-        trainer.data_fingerprint = state.data.clone();
-        Ok((trainer, state))
+        Ok(record)
     }
 }
 

@@ -150,6 +150,15 @@ impl<B: CollectiveBackend> CollectiveBackend for Distributed<B> {
         B::all_gather_rows(x, rows, group)
     }
 
+    fn all_gather_rows_after(
+        x: FloatTensor<Self>,
+        anchor: Option<FloatTensor<Self>>,
+        rows: &[usize],
+        group: &Group,
+    ) -> Result<FloatTensor<Self>, DistError> {
+        B::all_gather_rows_after(x, anchor, rows, group)
+    }
+
     fn reduce_scatter_rows(x: FloatTensor<Self>, rows: &[usize], group: &Group) -> Result<FloatTensor<Self>, DistError> {
         B::reduce_scatter_rows(x, rows, group)
     }

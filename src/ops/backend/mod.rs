@@ -4,7 +4,8 @@
 //! backward that calls `B`'s backward method — the custom-op pattern of Burn 0.21.
 //!
 //! Every backend the library runs on implements the trait; one with no fused code just writes
-//! `impl Glm5Backend for MyBackend {}`.
+//! `impl Glm5Backend for MyBackend {}` (and `impl CollectiveBackend for MyBackend {}`: the
+//! model gathers sharded parameters through it, `distributed::fsdp`).
 //!
 //! | op | reference (default body) | Flex | CubeCL (`Vulkan`, `Cuda`) | `Autodiff<B>` |
 //! |---|---|---|---|---|
@@ -58,7 +59,6 @@
 //!    `src/distributed/decorator/ops_glm5.rs` lacks the op, since `Distributed<B>` would run
 //!    the default body instead of `B`'s).
 
-use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Tensor, TensorPrimitive};
 
@@ -75,8 +75,9 @@ mod cube;
 mod flex;
 pub(crate) mod prim;
 
-/// The library's backend requirements: Burn's `Backend` plus the model's custom ops.
-pub trait Glm5Backend: Backend {
+/// The library's backend requirements: Burn's `Backend` plus the model's custom ops, and the
+/// collectives a sharded model gathers its parameters with.
+pub trait Glm5Backend: crate::distributed::CollectiveBackend {
     /// What [`Self::kda_pair_sums`] runs here (Flex: fused host loops; CubeCL backends: a
     /// kernel). The `op` path falls back to the reference tensor ops where it is the reference.
     fn kda_pairs_impl() -> OpImpl {

@@ -1,0 +1,399 @@
+//! Checkpoints of a sharded model ([`crate::distributed::fsdp`]), written by every rank into
+//! the step's staging directory, never gathered whole in one process:
+//!
+//! * `model/`: the published HF layout — `model-0000K-of-0000P.safetensors` holds the tensors
+//!   rank K−1 owns (tensors are dealt to ranks by size; the owner receives the other ranks'
+//!   rows of a sharded tensor, one tensor at a time) and rank 0 writes
+//!   `model.safetensors.index.json` and `config.json`. Any HF loader (and ours) reads it as a
+//!   plain sharded checkpoint.
+//! * `optimizer/rank-0000K-of-0000P.safetensors`: rank K's AdamW moments of the rows it holds,
+//!   per parameter `{module path}.exp_avg`, `.exp_avg_sq` (f32), `.row_offset` (first row,
+//!   i64) and `.step` (AdamW's step count, i64). A resume under any number of ranks reads, per
+//!   parameter, only the rows its new shard covers ([`load_optimizer`]).
+
+use std::collections::{BTreeMap, HashMap};
+
+use std::path::Path;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::record::AdaptorRecord;
+use burn::optim::{AdamWState, AdaptiveMomentumState, Optimizer};
+use burn::store::{ModuleSnapshot, TensorSnapshot};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
+use safetensors::tensor::Dtype;
+use serde_json::{json, Value};
+
+use super::adamw::FusedAdamW;
+use super::data_parallel::plan_of;
+use crate::checkpoint::safetensors_io::{serialize, write_atomic, OwnedTensor, SafetensorsFiles};
+use crate::checkpoint::{checkpoint_tensors, config_kernel_shapes};
+use crate::distributed::fsdp::{shard_range, shard_rows};
+use crate::distributed::typed::{all_gather, all_gather_v};
+use crate::distributed::{DistError, P2p, ShardPlan};
+use crate::error::CheckpointError;
+use crate::model::Glm5ForCausalLM;
+use crate::ops::backend::Glm5Backend;
+
+type Adam<B> = OptimizerAdaptor<FusedAdamW, Glm5ForCausalLM<B>, B>;
+/// The optimizer record of the trainer's AdamW (moments by parameter id).
+pub type AdamRecord<B> = <Adam<B> as Optimizer<Glm5ForCausalLM<B>, B>>::Record;
+
+fn dist(e: DistError) -> CheckpointError {
+    CheckpointError::Internal(format!("sharded checkpoint: {e}"))
+}
+
+/// Ranks that own each of `sizes` (bytes): largest first, each to the least-loaded rank.
+fn deal(sizes: &[usize], ranks: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(sizes[i]), i));
+    let mut load = vec![0usize; ranks];
+    let mut owner = vec![0; sizes.len()];
+    for i in order {
+        let r = (0..ranks).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+        load[r] += sizes[i];
+        owner[i] = r;
+    }
+    owner
+}
+
+/// Write this rank's part of the HF checkpoint of a sharded `model` into `dir` (every rank
+/// calls it with the same model structure).
+pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, config_json: &Value, dir: &Path) -> Result<(), CheckpointError> {
+    let g = &**plan.group();
+    let (rank, size) = (g.rank(), g.size());
+    std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
+    let kernel_shapes = config_kernel_shapes(config_json);
+    let snaps = model.collect(None, None, true);
+    let full_len = |s: &TensorSnapshot| -> usize {
+        let shape = &s.shape;
+        match s.tensor_id.and_then(|id| plan.full_rows(id)) {
+            Some(rows) => rows * shape[1..].iter().product::<usize>(),
+            None => shape.iter().product(),
+        }
+    };
+    let owner = deal(&snaps.iter().map(full_len).collect::<Vec<_>>(), size);
+    let mut mine: BTreeMap<String, OwnedTensor> = BTreeMap::new();
+    for (snap, &own) in snaps.iter().zip(&owner) {
+        let path = snap.full_path();
+        let sharded = snap.tensor_id.and_then(|id| plan.full_rows(id));
+        if sharded.is_none() && own != rank {
+            continue;
+        }
+        let data = snap.to_data().map_err(|e| CheckpointError::ModuleTensor { path: path.clone(), message: e.to_string() })?;
+        let dtype = data.dtype;
+        let mut shape = data.shape.clone();
+        let values: Vec<f32> =
+            data.convert::<f32>().into_vec().map_err(|e| CheckpointError::ModuleTensor { path: path.clone(), message: format!("{e:?}") })?;
+        let values = match sharded {
+            None => values,
+            Some(rows) => {
+                // every rank's rows go to the owner
+                let bytes: &[u8] = bytemuck::cast_slice(&values);
+                if own != rank {
+                    g.exchange(&mut [P2p::Send { peer: own, data: bytes }]).map_err(dist)?;
+                    continue;
+                }
+                let mut all = vec![0u8; bytes.len() * size];
+                {
+                    let mut ops: Vec<P2p> = Vec::new();
+                    for (r, chunk) in all.chunks_mut(bytes.len()).enumerate() {
+                        if r == rank {
+                            chunk.copy_from_slice(bytes);
+                        } else {
+                            ops.push(P2p::Recv { peer: r, data: chunk });
+                        }
+                    }
+                    g.exchange(&mut ops).map_err(dist)?;
+                }
+                let width: usize = shape[1..].iter().product();
+                let mut full: Vec<f32> = all.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                full.truncate(rows * width);
+                shape[0] = rows;
+                full
+            }
+        };
+        for (name, t) in checkpoint_tensors(&path, &values, &shape, dtype, model.num_experts, &kernel_shapes)? {
+            mine.insert(name, t);
+        }
+    }
+    let file = format!("model-{:05}-of-{size:05}.safetensors", rank + 1);
+    if !mine.is_empty() {
+        write_atomic(&dir.join(&file), &serialize(&mine)?)?;
+    }
+    // the index: every rank's names and bytes, gathered at rank 0's side
+    let listing = serde_json::to_vec(
+        &json!({"file": file, "names": mine.keys().collect::<Vec<_>>(), "bytes": mine.values().map(|t| t.data.len()).sum::<usize>()}),
+    )
+    .map_err(|e| CheckpointError::Encode { what: "the shard listing".into(), message: e.to_string() })?;
+    let counts: Vec<usize> = all_gather(g, &[listing.len() as u64]).map_err(dist)?.into_iter().map(|c| c as usize).collect();
+    let all = all_gather_v(g, &listing, &counts).map_err(dist)?;
+    if rank == 0 {
+        let mut weight_map = serde_json::Map::new();
+        let mut total = 0u64;
+        let mut at = 0;
+        for c in counts {
+            let part: Value = serde_json::from_slice(&all[at..at + c])
+                .map_err(|e| CheckpointError::Encode { what: "a shard listing".into(), message: e.to_string() })?;
+            at += c;
+            total += part["bytes"].as_u64().unwrap_or(0);
+            for n in part["names"].as_array().into_iter().flatten() {
+                weight_map.insert(n.as_str().unwrap_or_default().to_string(), part["file"].clone());
+            }
+        }
+        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let text = serde_json::to_vec_pretty(&index).map_err(|e| CheckpointError::Encode { what: "the index".into(), message: e.to_string() })?;
+        write_atomic(&dir.join("model.safetensors.index.json"), &text)?;
+        let cfg =
+            serde_json::to_vec_pretty(config_json).map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
+        write_atomic(&dir.join("config.json"), &cfg)?;
+    }
+    Ok(())
+}
+
+/// Module path of every float parameter, by id.
+fn paths<B: Backend>(model: &Glm5ForCausalLM<B>) -> HashMap<ParamId, String> {
+    super::params::param_ids::<B, _>(model).into_iter().map(|(p, id)| (id, p)).collect()
+}
+
+/// This rank's rows of a parameter, the padded row count it holds, and whether it is sharded.
+fn layout(plan: Option<&ShardPlan>, id: ParamId, held_rows: usize) -> (std::ops::Range<usize>, usize, bool) {
+    match plan.and_then(|p| p.full_rows(id).map(|rows| (p, rows))) {
+        Some((p, rows)) => {
+            let g = p.group();
+            (shard_range(rows, g.size(), g.rank()), shard_rows(rows, g.size()), true)
+        }
+        None => (0..held_rows, held_rows, false),
+    }
+}
+
+fn f32_bytes(t: TensorData) -> Vec<u8> {
+    t.convert::<f32>().into_vec::<f32>().unwrap_or_default().iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+struct SaveMoments<'a, B: AutodiffBackend>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    plan: Option<&'a ShardPlan>,
+    rank: usize,
+    paths: &'a HashMap<ParamId, String>,
+    record: AdamRecord<B>,
+    out: BTreeMap<String, OwnedTensor>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for SaveMoments<'_, B>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(rec) = self.record.remove(&param.id) else { return };
+        let Some(path) = self.paths.get(&param.id) else { return };
+        let state: AdamWState<B::InnerBackend, D> = rec.into_state::<D>();
+        let m = state.momentum;
+        let held = m.moment_1.dims()[0];
+        let (range, _, sharded) = layout(self.plan, param.id, held);
+        if !sharded && self.rank != 0 {
+            return; // replicated: rank 0 writes the one copy
+        }
+        let mut shape = m.moment_1.dims().to_vec();
+        shape[0] = range.len();
+        let rows = |t: Tensor<B::InnerBackend, D>| if range.is_empty() { Vec::new() } else { f32_bytes(t.narrow(0, 0, range.len()).into_data()) };
+        let i64_tensor = |v: i64| OwnedTensor { dtype: Dtype::I64, shape: vec![1], data: v.to_le_bytes().to_vec() };
+        self.out.insert(format!("{path}.exp_avg"), OwnedTensor { dtype: Dtype::F32, shape: shape.clone(), data: rows(m.moment_1) });
+        self.out.insert(format!("{path}.exp_avg_sq"), OwnedTensor { dtype: Dtype::F32, shape, data: rows(m.moment_2) });
+        self.out.insert(format!("{path}.row_offset"), i64_tensor(range.start as i64));
+        self.out.insert(format!("{path}.step"), i64_tensor(m.time as i64));
+    }
+}
+
+/// File name of rank `rank`'s optimizer shard among `size`.
+pub fn optimizer_file(rank: usize, size: usize) -> String {
+    format!("rank-{rank:05}-of-{size:05}.safetensors")
+}
+
+/// Write this rank's AdamW moments (the rows it holds) into `dir/optimizer/` (module docs).
+pub fn save_optimizer<B: AutodiffBackend>(model: &Glm5ForCausalLM<B>, optim: &Adam<B>, dir: &Path) -> Result<(), CheckpointError>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    let plan = plan_of(model).map(|p| &**p);
+    let (rank, size) = plan.map(|p| (p.group().rank(), p.group().size())).unwrap_or((0, 1));
+    let paths = paths(model);
+    let mut v = SaveMoments::<B> { plan, rank, paths: &paths, record: optim.to_record(), out: BTreeMap::new() };
+    model.visit(&mut v);
+    let dir = dir.join("optimizer");
+    std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::Io { path: dir.clone(), error: e })?;
+    write_atomic(&dir.join(optimizer_file(rank, size)), &serialize(&v.out)?)
+}
+
+/// The rank files of `dir` (`rank-K-of-N.safetensors`, all N of them), opened.
+fn open_rank_files(dir: &Path) -> Result<Vec<SafetensorsFiles>, CheckpointError> {
+    let bad = |message: String| CheckpointError::Index { path: dir.to_path_buf(), message };
+    let entries = std::fs::read_dir(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
+    let mut found: BTreeMap<usize, std::path::PathBuf> = BTreeMap::new();
+    let mut total = None;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let Some(rest) = name.strip_prefix("rank-").and_then(|r| r.strip_suffix(".safetensors")) else { continue };
+        let parsed = rest.split_once("-of-").and_then(|(k, n)| Some((k.parse::<usize>().ok()?, n.parse::<usize>().ok()?)));
+        let Some((k, n)) = parsed else { return Err(bad(format!("{name}: not a rank-K-of-N.safetensors name"))) };
+        if *total.get_or_insert(n) != n {
+            return Err(bad(format!("{name}: written by {n} ranks, another file by {}", total.unwrap_or(0))));
+        }
+        found.insert(k, e.path());
+    }
+    let n = total.ok_or_else(|| bad("no rank-K-of-N.safetensors files".into()))?;
+    if let Some(missing) = (0..n).find(|k| !found.contains_key(k)) {
+        return Err(bad(format!("{} is missing ({} of {n} rank files present)", optimizer_file(missing, n), found.len())));
+    }
+    found.values().map(|p| SafetensorsFiles::open_file(p)).collect()
+}
+
+fn read_i64(f: &SafetensorsFiles, name: &str) -> Result<i64, CheckpointError> {
+    let b = f.row_bytes(name, 0..1)?;
+    let arr: [u8; 8] = b.try_into().map_err(|_| CheckpointError::Shape {
+        name: name.into(),
+        expected: vec![1],
+        checkpoint: f.shape(name).map(<[usize]>::to_vec).unwrap_or_default(),
+    })?;
+    Ok(i64::from_le_bytes(arr))
+}
+
+struct LoadMoments<'a, B: AutodiffBackend>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    plan: Option<&'a ShardPlan>,
+    paths: &'a HashMap<ParamId, String>,
+    files: &'a [SafetensorsFiles],
+    dir: &'a Path,
+    out: AdamRecord<B>,
+    error: Option<CheckpointError>,
+}
+
+impl<B: AutodiffBackend> LoadMoments<'_, B>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    fn load<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) -> Result<(), CheckpointError> {
+        let Some(path) = self.paths.get(&param.id) else { return Ok(()) };
+        let dims = param.shape().dims::<D>();
+        let width: usize = dims[1..].iter().product();
+        let (range, held, _) = layout(self.plan, param.id, dims[0]);
+        let (m1n, m2n) = (format!("{path}.exp_avg"), format!("{path}.exp_avg_sq"));
+        let mut m1 = vec![0f32; held * width];
+        let mut m2 = vec![0f32; held * width];
+        let (mut covered, mut time) = (0, None);
+        for f in self.files {
+            let Some(shape) = f.shape(&m1n).map(<[usize]>::to_vec) else { continue };
+            if shape[1..].iter().product::<usize>() != width {
+                return Err(CheckpointError::Shape { name: m1n, expected: dims.to_vec(), checkpoint: shape });
+            }
+            let off = read_i64(f, &format!("{path}.row_offset"))? as usize;
+            time = Some(read_i64(f, &format!("{path}.step"))? as usize);
+            let (a, b) = (off.max(range.start), (off + shape[0]).min(range.end));
+            if a >= b {
+                continue;
+            }
+            for (name, buf) in [(&m1n, &mut m1), (&m2n, &mut m2)] {
+                let bytes = f.row_bytes(name, a - off..b - off)?;
+                let at = (a - range.start) * width;
+                for (dst, src) in buf[at..at + (b - a) * width].iter_mut().zip(bytes.chunks_exact(4)) {
+                    *dst = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
+                }
+            }
+            covered += b - a;
+        }
+        let Some(time) = time else { return Ok(()) }; // no state: AdamW had not touched it
+        if covered != range.len() {
+            return Err(CheckpointError::Index {
+                path: self.dir.to_path_buf(),
+                message: format!("the rank files hold {covered} of the rows {}..{} of {m1n} this rank needs", range.start, range.end),
+            });
+        }
+        let device = param.val().inner().device();
+        let mut shape = dims;
+        shape[0] = held;
+        let t = |v: Vec<f32>| Tensor::<B::InnerBackend, D>::from_data(TensorData::new(v, shape), &device);
+        let state = AdamWState::new(AdaptiveMomentumState::new(time, t(m1), t(m2)));
+        self.out.insert(param.id, AdaptorRecord::from_state(state));
+        Ok(())
+    }
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for LoadMoments<'_, B>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.error.is_none() {
+            if let Err(e) = self.load(param) {
+                self.error = Some(e);
+            }
+        }
+    }
+}
+
+/// AdamW's moments for `model` (sharded or whole, any number of ranks) from the rank files
+/// in `dir` (written under any number of ranks): each parameter's rows this rank holds.
+pub fn load_optimizer<B: AutodiffBackend>(model: &Glm5ForCausalLM<B>, dir: &Path) -> Result<AdamRecord<B>, CheckpointError>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    let files = open_rank_files(dir)?;
+    let paths = paths(model);
+    let mut v = LoadMoments::<B> { plan: plan_of(model).map(|p| &**p), paths: &paths, files: &files, out: Default::default(), error: None, dir };
+    model.visit(&mut v);
+    match v.error {
+        Some(e) => Err(e),
+        None => Ok(v.out),
+    }
+}
+
+struct Cut<'a, B: AutodiffBackend>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    plan: &'a ShardPlan,
+    record: AdamRecord<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Cut<'_, B>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(rows) = self.plan.full_rows(param.id) else { return };
+        let Some(rec) = self.record.remove(&param.id) else { return };
+        let state: AdamWState<B::InnerBackend, D> = rec.into_state::<D>();
+        let g = self.plan.group();
+        let (range, held) = (shard_range(rows, g.size(), g.rank()), shard_rows(rows, g.size()));
+        let cut = |t: Tensor<B::InnerBackend, D>| {
+            let mut pad = t.dims();
+            pad[0] = held - range.len();
+            let zeros = || Tensor::<B::InnerBackend, D>::zeros(pad, &t.device());
+            match range.len() {
+                0 => zeros(),
+                n if n == held => t.narrow(0, range.start, n),
+                n => Tensor::cat(vec![t.clone().narrow(0, range.start, n), zeros()], 0),
+            }
+        };
+        let m = state.momentum;
+        let state = AdamWState::new(AdaptiveMomentumState::new(m.time, cut(m.moment_1), cut(m.moment_2)));
+        self.record.insert(param.id, AdaptorRecord::from_state(state));
+    }
+}
+
+/// A whole model's optimizer record (`optimizer.mpk` of an unsharded run) cut to the rows this
+/// rank holds of a sharded `model`.
+pub fn cut_record<B: AutodiffBackend>(model: &Glm5ForCausalLM<B>, record: AdamRecord<B>) -> AdamRecord<B>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    let Some(plan) = plan_of(model) else { return record };
+    let mut v = Cut::<B> { plan, record };
+    model.visit(&mut v);
+    v.record
+}
