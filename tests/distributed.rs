@@ -9,6 +9,36 @@
 use glm5_burn::distributed::typed::{all_gather, all_gather_v, all_to_all_v, broadcast, shift};
 use glm5_burn::distributed::{DistError, LocalGroup, P2p, ProcessGroup, ReduceBuf, ReduceOp};
 
+/// With `--features nccl`: on a machine without a GPU, libcuda or libnccl (this CI), starting
+/// the NCCL engine is an error naming what is missing — cudarc's panic is caught; with them,
+/// a one-rank communicator runs every collective as the identity.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_engine_is_probed_at_run_time() {
+    use glm5_burn::distributed::nccl::{probe, NcclGroup};
+    match probe() {
+        Err(e) => {
+            let text = e.to_string();
+            assert!(text.starts_with("nccl: ") && (text.contains("libcuda") || text.contains("libnccl") || text.contains("CUDA device")), "{text}");
+            let again = NcclGroup::new(Box::new(LocalGroup), None).unwrap_err().to_string();
+            assert_eq!(again, text, "NcclGroup::new reports the probe's finding");
+            println!("no NCCL here, as expected: {text}");
+        }
+        Ok(gpus) => {
+            let g = NcclGroup::new(Box::new(LocalGroup), None).unwrap();
+            let mut x = [1.5f32, -2.0];
+            g.all_reduce(ReduceBuf::F32(&mut x), ReduceOp::Sum).unwrap();
+            assert_eq!(x, [1.5, -2.0]);
+            assert_eq!(all_gather_v(&g, &[3u32, 4], &[2]).unwrap(), vec![3, 4]);
+            assert_eq!(all_to_all_v(&g, &[5i64, 6, 7], &[3], &[3]).unwrap(), vec![5, 6, 7]);
+            let mut out = [0f32; 2];
+            g.reduce_scatter_v(ReduceBuf::F32(&mut [2.0, 3.0]), ReduceBuf::F32(&mut out), &[2], ReduceOp::Sum).unwrap();
+            assert_eq!(out, [2.0, 3.0]);
+            println!("NCCL on GPU {} of {gpus}: one-rank collectives are identities", g.ordinal());
+        }
+    }
+}
+
 #[test]
 fn local_group_collectives_are_identities() {
     let g = LocalGroup;
@@ -544,7 +574,8 @@ mod mpi_engine {
         static BUILD: std::sync::Once = std::sync::Once::new();
         BUILD.call_once(|| {
             let status = Command::new(env!("CARGO"))
-                .args(["build", "--features", "mpi", "--example", "finetune"])
+                // the features of this test binary: one build of the library serves both
+                .args(["build", "--features", if cfg!(feature = "nccl") { "mpi,nccl" } else { "mpi" }, "--example", "finetune"])
                 .current_dir(env!("CARGO_MANIFEST_DIR"))
                 .status()
                 .expect("run cargo");

@@ -7,6 +7,11 @@
 //!   the same collectives at the cost of a copy.
 //! * [`MpiGroup`] (`mpi.rs`, cargo feature `mpi`): MPI through rsmpi — the engine for CPUs,
 //!   multi-node CPU clusters and CI (`mpirun -np N …`).
+//! * `NcclGroup` (`nccl.rs`, cargo feature `nccl`): NCCL through cudarc on CUDA machines,
+//!   bootstrapped over MPI.
+//! * [`CheckedGroup`] (`checked.rs`): a debug wrapper checking that every rank issues the same
+//!   collectives.
+//! * [`fsdp`]: parameter sharding over a group (FSDP), gathered per unit.
 //! * [`typed`]: element-typed helpers over the byte-level collectives.
 //!
 //! The design (why MPI and NCCL, not Burn's `burn-collective`; the communication patterns of
@@ -21,6 +26,8 @@ pub mod group;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod typed;
 
 pub use checked::CheckedGroup;
@@ -31,6 +38,19 @@ pub use group::{P2p, ProcessGroup, ReduceBuf, ReduceOp};
 pub use local::LocalGroup;
 #[cfg(feature = "mpi")]
 pub use mpi::MpiGroup;
+#[cfg(feature = "nccl")]
+pub use nccl::NcclGroup;
+
+/// This process's rank among the processes of its node, from the launcher's environment
+/// (OpenMPI `OMPI_COMM_WORLD_LOCAL_RANK`, MPICH/Hydra `MPI_LOCALRANKID`, Slurm `SLURM_LOCALID`,
+/// torchrun `LOCAL_RANK`); 0 when none is set. A process with several GPUs uses the one of its
+/// local rank.
+pub fn local_rank() -> usize {
+    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
+}
 
 /// Errors of the distributed layer, naming the collective or engine at fault.
 #[derive(Debug, thiserror::Error)]
