@@ -642,8 +642,8 @@ mod mpi_engine {
     }
 
     /// A data-parallel run (2 ranks) killed with SIGKILL on one rank ends within a bounded time,
-    /// and its newest checkpoint resumes under another data-parallel size — 1 process, and 4
-    /// ranks — continuing the single-process loss trace within 1e-5 (constant learning rate,
+    /// and its newest checkpoint resumes under 1 process, 2 ranks (bit for bit the uninterrupted
+    /// 2-rank run) and 4 ranks, continuing the single-process loss trace within 1e-5 (constant learning rate,
     /// so the killed run's longer `max_steps` does not change the schedule).
     #[test]
     fn a_killed_rank_ends_the_run_and_its_checkpoint_resumes_under_another_dp_size() {
@@ -669,6 +669,10 @@ mod mpi_engine {
         let (ok, out) = run_finetune(None, &args(&root.join("one"), 1, steps));
         assert!(ok, "{out}");
         let reference = metrics(&root.join("one"));
+        // an uninterrupted 2-rank run: a resume under 2 ranks must repeat it bit for bit
+        let (ok, out) = run_finetune(Some(2), &args(&root.join("two"), 2, steps));
+        assert!(ok, "{out}");
+        let uninterrupted = metrics(&root.join("two"));
 
         // the killed run: 2 ranks, far more steps than it will get to
         let killed = root.join("killed");
@@ -707,7 +711,7 @@ mod mpi_engine {
         assert!(at >= 4, "newest checkpoint {at}");
 
         // resume that checkpoint under dp 1 and under dp 4 (copies: each resume writes its own)
-        for (dp, np) in [(1, None), (4, Some(4))] {
+        for (dp, np) in [(1, None), (2, Some(2)), (4, Some(4))] {
             let dir = root.join(format!("resume_dp{dp}"));
             let status = Command::new("cp").arg("-r").arg(&killed).arg(&dir).status().unwrap();
             assert!(status.success());
@@ -722,10 +726,13 @@ mod mpi_engine {
             assert!(out.contains("resumed from") && out.contains("(step 4,"), "dp {dp} did not resume from step 4:\n{out}");
             let resumed = metrics(&dir);
             assert_eq!(resumed.len(), steps, "dp {dp}: one metrics line per step");
-            for (x, y) in reference.iter().zip(&resumed) {
+            for ((x, y), z) in reference.iter().zip(&resumed).zip(&uninterrupted) {
                 for key in ["loss", "grad_norm"] {
                     let (p, q) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
                     assert!((p - q).abs() <= 1e-5 * p.abs(), "dp {dp}, step {}: {key} {p} (one process) vs {q} (dp 2, resumed)", x["step"]);
+                    if dp == 2 {
+                        assert_eq!(y[key], z[key], "step {}: {key} of the resumed 2-rank run differs from the uninterrupted one", x["step"]);
+                    }
                 }
             }
         }

@@ -322,7 +322,8 @@ where
     if ranks > 1 {
         println!("data parallel: {ranks} ranks (MPI), each runs 1/{ranks} of every global batch");
     }
-    let device: B::Device = Default::default();
+    // one GPU per rank of a node where the backend has several (the default device otherwise)
+    let device: B::Device = if ranks > 1 { glm5_burn::distributed::local_device::<B>() } else { Default::default() };
     let seed = recipe.rng.seed;
     B::seed(&device, seed);
     let path = |kind: PathKind, runs: OpImpl| match (kind, runs) {
