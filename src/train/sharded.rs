@@ -75,17 +75,23 @@ pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, conf
     };
     let owner = deal(&snaps.iter().map(full_len).collect::<Vec<_>>(), size);
     let mut mine: BTreeMap<String, OwnedTensor> = BTreeMap::new();
+    // a local failure is kept until every collective of the save has run: returning early
+    // would leave the other ranks waiting in an exchange this rank never joins
+    let mut failed: Option<CheckpointError> = None;
     for (snap, &own) in snaps.iter().zip(&owner) {
         let path = snap.full_path();
         let sharded = snap.tensor_id.and_then(|id| plan.full_rows(id));
         if sharded.is_none() && own != rank {
             continue;
         }
-        let data = snap.to_data().map_err(|e| CheckpointError::ModuleTensor { path: path.clone(), message: e.to_string() })?;
-        let dtype = data.dtype;
-        let mut shape = data.shape.clone();
-        let values: Vec<f32> =
-            data.convert::<f32>().into_vec().map_err(|e| CheckpointError::ModuleTensor { path: path.clone(), message: format!("{e:?}") })?;
+        let local = snap.to_data().map_err(|e| e.to_string()).and_then(|data| {
+            let (dtype, shape) = (data.dtype, data.shape.clone());
+            data.convert::<f32>().into_vec::<f32>().map(|v| (v, dtype, shape)).map_err(|e| format!("{e:?}"))
+        });
+        let (values, dtype, mut shape) = local.unwrap_or_else(|message| {
+            failed.get_or_insert(CheckpointError::ModuleTensor { path: path.clone(), message });
+            (vec![0.0; snap.shape.iter().product()], burn::tensor::DType::F32, snap.shape.clone())
+        });
         let values = match sharded {
             None => values,
             Some(rows) => {
@@ -98,7 +104,7 @@ pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, conf
                 let mut all = vec![0u8; bytes.len() * size];
                 {
                     let mut ops: Vec<P2p> = Vec::new();
-                    for (r, chunk) in all.chunks_mut(bytes.len()).enumerate() {
+                    for (r, chunk) in all.chunks_mut(bytes.len().max(1)).enumerate() {
                         if r == rank {
                             chunk.copy_from_slice(bytes);
                         } else {
@@ -114,13 +120,21 @@ pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, conf
                 full
             }
         };
-        for (name, t) in checkpoint_tensors(&path, &values, &shape, dtype, model.num_experts, &kernel_shapes)? {
-            mine.insert(name, t);
+        match checkpoint_tensors(&path, &values, &shape, dtype, model.num_experts, &kernel_shapes) {
+            Ok(ts) => mine.extend(ts),
+            Err(e) => {
+                failed.get_or_insert(e);
+            }
         }
     }
     let file = format!("model-{:05}-of-{size:05}.safetensors", rank + 1);
-    if !mine.is_empty() {
-        write_atomic(&dir.join(&file), &serialize(&mine)?)?;
+    if failed.is_none() && !mine.is_empty() {
+        if let Err(e) = serialize(&mine).and_then(|bytes| write_atomic(&dir.join(&file), &bytes)) {
+            failed = Some(e);
+        }
+    }
+    if failed.is_some() {
+        mine.clear(); // listed as nothing; the save fails on every rank (`write_group`)
     }
     // the index: every rank's names and bytes, gathered at rank 0's side
     let listing = serde_json::to_vec(
@@ -149,7 +163,10 @@ pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, conf
             serde_json::to_vec_pretty(config_json).map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
         write_atomic(&dir.join("config.json"), &cfg)?;
     }
-    Ok(())
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// Module path of every float parameter, by id.
@@ -277,11 +294,16 @@ impl<B: AutodiffBackend> LoadMoments<'_, B>
 where
     B::InnerBackend: Glm5Backend,
 {
+    fn bad(&self, message: String) -> CheckpointError {
+        CheckpointError::Index { path: self.dir.to_path_buf(), message }
+    }
+
     fn load<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) -> Result<(), CheckpointError> {
         let Some(path) = self.paths.get(&param.id) else { return Ok(()) };
         let dims = param.shape().dims::<D>();
         let width: usize = dims[1..].iter().product();
         let (range, held, _) = layout(self.plan, param.id, dims[0]);
+        let rows_total = self.plan.and_then(|p| p.full_rows(param.id)).unwrap_or(dims[0]);
         let (m1n, m2n) = (format!("{path}.exp_avg"), format!("{path}.exp_avg_sq"));
         let mut m1 = vec![0f32; held * width];
         let mut m2 = vec![0f32; held * width];
@@ -291,8 +313,16 @@ where
             if shape[1..].iter().product::<usize>() != width {
                 return Err(CheckpointError::Shape { name: m1n, expected: dims.to_vec(), checkpoint: shape });
             }
-            let off = read_i64(f, &format!("{path}.row_offset"))? as usize;
-            time = Some(read_i64(f, &format!("{path}.step"))? as usize);
+            if f.tensors.get(&m1n).map(|e| e.dtype) != Some(Dtype::F32)
+                || f.tensors.get(&m2n).map(|e| (e.dtype, &e.shape)) != Some((Dtype::F32, &shape))
+            {
+                return Err(self.bad(format!("{m1n} and {m2n} must be f32 tensors of the same shape")));
+            }
+            let off = usize::try_from(read_i64(f, &format!("{path}.row_offset"))?).unwrap_or(usize::MAX);
+            if off.checked_add(shape[0]).is_none_or(|end| end > rows_total) {
+                return Err(self.bad(format!("{path}: rows from {off} (+{}) lie outside the parameter's {rows_total} rows", shape[0])));
+            }
+            time = Some(usize::try_from(read_i64(f, &format!("{path}.step"))?).map_err(|_| self.bad(format!("{path}.step is negative")))?);
             let (a, b) = (off.max(range.start), (off + shape[0]).min(range.end));
             if a >= b {
                 continue;
@@ -308,10 +338,7 @@ where
         }
         let Some(time) = time else { return Ok(()) }; // no state: AdamW had not touched it
         if covered != range.len() {
-            return Err(CheckpointError::Index {
-                path: self.dir.to_path_buf(),
-                message: format!("the rank files hold {covered} of the rows {}..{} of {m1n} this rank needs", range.start, range.end),
-            });
+            return Err(self.bad(format!("the rank files hold {covered} of the rows {}..{} of {m1n} this rank needs", range.start, range.end)));
         }
         let device = param.val().inner().device();
         let mut shape = dims;
