@@ -213,6 +213,7 @@ where
         forward: opts,
         data_parallel: None,
         shard_parameters: true,
+        reshard_after_forward: true,
     };
     let mut trainer = Trainer::<A>::new(model, options, &device);
     let micro = [MicroBatch::text(ids.to_vec(), ids.to_vec(), a.batch, a.seq, None)];

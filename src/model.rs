@@ -117,9 +117,9 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         let _t = crate::profile::scope("lm head");
         let lm = &self.language_model;
         let logits = match &self.lm_head {
-            Some(h) => lm.unit(h).forward(hidden),
+            Some(h) => lm.unit_after(h, &hidden, false).forward(hidden),
             None => {
-                let w = lm.unit(&lm.embed_tokens).weight.val(); // [V, D]
+                let w = lm.unit_after(&lm.embed_tokens, &hidden, false).weight.val(); // [V, D]
                 let [b, s, d] = hidden.dims();
                 hidden.reshape([b * s, d]).matmul(w.transpose()).reshape([b, s, self.vocab_size])
             }
@@ -141,7 +141,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         let t = crate::profile::scope("embedding");
         let embeds = self.language_model.embed(input_ids);
         drop(t);
-        self.gather_unused_vision();
+        self.gather_unused_vision(&embeds);
         let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
         CausalLmOutput { logits: self.head(text.hidden.clone()), text }
     }
@@ -194,7 +194,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         let ids_t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.to_vec(), [batch, seq]), &device);
         let mut embeds = self.language_model.embed(ids_t);
         if images.is_none() {
-            self.gather_unused_vision();
+            self.gather_unused_vision(&embeds);
         }
         match images {
             None if !image_pos.is_empty() => {
@@ -208,7 +208,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
                 if let Some(plan) = &self.language_model.shards {
                     plan.mark_vision_used();
                 }
-                let feats = self.language_model.unit(visual).forward(pixels, grid);
+                let feats = self.language_model.unit_after(visual, &embeds, true).forward(pixels, grid);
                 let [nf, fd] = feats.dims();
                 let d = embeds.dims()[2];
                 if nf != image_pos.len() {
@@ -235,12 +235,12 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     /// A sharded model gathers its vision tower in every forward, images or not, so that every
     /// rank runs the same collectives whatever its share of the data holds
     /// ([`crate::distributed::fsdp`]).
-    fn gather_unused_vision(&self)
+    fn gather_unused_vision(&self, embeds: &Tensor<B, 3>)
     where
         B: crate::distributed::CollectiveBackend,
     {
         if let (Some(_), Some(visual)) = (&self.language_model.shards, &self.visual) {
-            drop(self.language_model.unit(visual));
+            drop(self.language_model.unit_after(visual, embeds, true));
         }
     }
 

@@ -344,21 +344,16 @@ mod mpi_engine {
     fn fsdp(g: std::sync::Arc<MpiGroup>) {
         use burn::backend::Autodiff;
         use burn::module::{Module, ModuleVisitor, Param};
-        use burn::optim::GradientsParams;
-        use burn::tensor::backend::{AutodiffBackend, Backend};
+        use burn::tensor::backend::Backend;
         use burn::tensor::Tensor;
         use glm5_burn::data::batch::MicroBatch;
-        use glm5_burn::distributed::fsdp::unshard_host;
-        use glm5_burn::distributed::typed::all_gather;
         use glm5_burn::distributed::Group;
-        use glm5_burn::train::data_parallel::{plan_of, shard_model, sum_f64, unshard_model};
+        use glm5_burn::train::data_parallel::{shard_model, unshard_model};
         use glm5_burn::train::params::trainable_counts;
         use glm5_burn::train::recipe::Recipe;
-        use glm5_burn::train::step::{accumulate, accumulate_share, GlobalBatch};
         use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
         use glm5_burn::{Glm5Config, Glm5ForCausalLM};
         type AD = Autodiff<burn::backend::Flex>;
-        type Inner = <AD as AutodiffBackend>::InnerBackend;
 
         let (r, n) = (g.rank(), g.size());
         let group: Group = g.clone();
@@ -375,57 +370,36 @@ mod mpi_engine {
             let labels: Vec<i64> = ids.iter().enumerate().map(|(t, &x)| if (t + i) % 5 == 0 { -100 } else { x }).collect();
             MicroBatch::text(ids, labels, 1, seq, None)
         };
-        let opts = glm5_burn::ForwardOptions::default();
 
-        // (1) gradients of one global batch
-        let micro: Vec<MicroBatch> = (0..per_step).map(|i| batch(0, i)).collect();
-        let reference = accumulate(&model, &micro, 0.01, &opts, &device, false).unwrap();
-        let sharded = shard_model(model.clone(), group.clone());
-        let plan = plan_of(&sharded).unwrap().clone();
+        // (1) gradients of one global batch — micro-batch 0 carries an image, so the vision
+        // tower runs on rank 0 only — resharded after forward or kept, with and without
+        // activation checkpointing (Burn's recompute of memory-bound ops)
+        let vc = &config.vision_config;
+        let m = vc.spatial_merge_size;
+        let patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size * vc.patch_size;
+        let mut micro: Vec<MicroBatch> = (0..per_step).map(|i| batch(0, i)).collect();
+        micro[0].ids[3] = config.image_token_id;
+        micro[0].labels[3] = -100;
+        micro[0].images = Some(glm5_burn::data::batch::Images {
+            pixel_values: (0..m * m * patch_dim).map(|k| ((k * 7919) % 1000) as f32 / 500.0 - 1.0).collect(),
+            patch_dim,
+            grid_thw: vec![[1, m, m]],
+        });
         let mine: Vec<MicroBatch> = micro.iter().enumerate().filter(|(i, _)| i % n == r).map(|(_, m)| m.clone()).collect();
-        let share = accumulate_share(&sharded, &mine, GlobalBatch::local(&micro, model.vocab_size), 0.01, &opts, &device, false).unwrap();
-        let loss = sum_f64(&*g, share.loss).unwrap();
-        assert!((loss - reference.loss).abs() <= 1e-6 * reference.loss.abs(), "loss {loss} vs one process {}", reference.loss);
-        struct Compare<'a> {
-            plan: &'a glm5_burn::distributed::ShardPlan,
-            g: &'a MpiGroup,
-            ours: &'a GradientsParams,
-            theirs: &'a GradientsParams,
-            checked: usize,
-            worst: f32,
-        }
-        impl ModuleVisitor<AD> for Compare<'_> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AD, D>>) {
-                let Some(rows) = self.plan.full_rows(param.id) else { return };
-                let shard: Vec<f32> = match self.ours.get::<Inner, D>(param.id) {
-                    Some(t) => t.into_data().convert::<f32>().into_vec().unwrap(),
-                    None => vec![0.0; param.shape().num_elements()],
-                };
-                let width = param.shape().num_elements() / param.val().dims()[0];
-                let all = all_gather(self.g, &shard).unwrap();
-                let shards: Vec<Vec<f32>> = all.chunks(shard.len().max(1)).map(|c| c.to_vec()).collect();
-                let full = unshard_host(&shards, rows, width);
-                let Some(reference) = self.theirs.get::<Inner, D>(param.id) else {
-                    assert!(full.iter().all(|&x| x == 0.0), "parameter {} has a gradient only when sharded", param.id);
-                    return;
-                };
-                let reference: Vec<f32> = reference.into_data().convert::<f32>().into_vec().unwrap();
-                assert_eq!(full.len(), reference.len(), "parameter {}: reassembled size", param.id);
-                let scale = reference.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-20);
-                let diff = full.iter().zip(&reference).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
-                assert!(diff <= 1e-5, "parameter {}: max|Δ|/max|ref| {diff:e}", param.id);
-                self.worst = self.worst.max(diff);
-                self.checked += 1;
-            }
-        }
-        let mut c = Compare { plan: &plan, g: &g, ours: &share.grads, theirs: &reference.grads, checked: 0, worst: 0.0 };
-        sharded.visit(&mut c);
-        assert_eq!(c.checked, plan.len());
+        let (checked, worst, issued, resharded) = sharded_grads::<AD>(&g, &config, &micro, &mine, true);
+        let (_, worst_kept, issued_kept, _) = sharded_grads::<AD>(&g, &config, &micro, &mine, false);
+        type Ckpt = Autodiff<burn::backend::Flex, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
+        let (_, worst_ckpt, issued_ckpt, _) = sharded_grads::<Ckpt>(&g, &config, &micro, &mine, true);
+        // every parameter of a resharded unit (vision tower, decoder layers) gathered once more
+        assert_eq!(issued, issued_kept + resharded, "collectives per micro-batch resharded vs kept");
+        assert_eq!(issued_ckpt, issued);
+        let sharded = shard_model(model.clone(), group.clone(), true);
         let (full_trainable, _) = trainable_counts(&model);
         let (shard_trainable, _) = trainable_counts(&sharded);
         println!(
-            "rank {r} of {n}: {} sharded gradients reassembled match one process (worst {:.1e}); trainable elements held {shard_trainable} of {full_trainable}",
-            c.checked, c.worst
+            "rank {r} of {n}: {checked} sharded gradients reassembled match one process (worst {worst:.1e} resharded, {worst_kept:.1e} kept, \
+             {worst_ckpt:.1e} resharded under activation checkpointing; {resharded} parameters re-gathered per backward); \
+             trainable elements held {shard_trainable} of {full_trainable}"
         );
         assert!((shard_trainable as f64) < full_trainable as f64 / n as f64 * 1.2 + 5000.0, "each rank holds ~1/{n} of the trainable parameters");
 
@@ -485,6 +459,112 @@ mod mpi_engine {
             a.len()
         );
         println!("rank {r} of {n}: 20 sharded steps follow one process (worst loss/grad-norm rel {worst:.1e}; weights max|Δ| {wdiff:.1e} of a largest movement {moved:.1e}, {off} of {} elements off by > 1e-6)", a.len());
+    }
+
+    /// Gradients of `micro` (the global batch; this rank runs `mine`) through a model sharded
+    /// over `g` equal one process's, reassembled, within 1e-5 of the tensor scale; every
+    /// re-gathered parameter was taken by its backward. Returns (parameters checked, worst
+    /// relative difference, collectives issued per micro-batch, parameters of resharded units).
+    fn sharded_grads<B>(
+        g: &std::sync::Arc<MpiGroup>,
+        config: &glm5_burn::Glm5Config,
+        micro: &[glm5_burn::data::batch::MicroBatch],
+        mine: &[glm5_burn::data::batch::MicroBatch],
+        reshard: bool,
+    ) -> (usize, f32, usize, usize)
+    where
+        B: burn::tensor::backend::AutodiffBackend + glm5_burn::Glm5Backend,
+        B::InnerBackend: glm5_burn::Glm5Backend,
+    {
+        use burn::module::{Module, ModuleVisitor, Param};
+        use burn::optim::GradientsParams;
+        use burn::tensor::Tensor;
+        use glm5_burn::distributed::fsdp::unshard_host;
+        use glm5_burn::distributed::typed::all_gather;
+        use glm5_burn::distributed::{CheckedGroup, Group};
+        use glm5_burn::train::data_parallel::{plan_of, shard_model, sum_f64};
+        use glm5_burn::train::step::{accumulate, accumulate_share, GlobalBatch};
+        use glm5_burn::Glm5ForCausalLM;
+
+        let device = Default::default();
+        B::seed(&device, 11);
+        let model = Glm5ForCausalLM::<B>::try_new_with_vision(config, None, &device).unwrap();
+        let opts = glm5_burn::ForwardOptions::default();
+        let reference = accumulate(&model, micro, 0.01, &opts, &device, false).unwrap();
+        let counting = std::sync::Arc::new(CheckedGroup::new(g.split(0, g.rank()).unwrap()));
+        let sharded = shard_model(model.clone(), counting.clone() as Group, reshard);
+        let plan = plan_of(&sharded).unwrap().clone();
+        let before = counting.issued();
+        let share = accumulate_share(&sharded, mine, GlobalBatch::local(micro, model.vocab_size), 0.01, &opts, &device, false).unwrap();
+        let issued = (counting.issued() - before) as usize;
+        assert_eq!(plan.regather().pending(), 0, "re-gathered parameters left over after backward");
+        let used = plan.regather().used() as usize;
+        let loss = sum_f64(&**g, share.loss).unwrap();
+        assert!((loss - reference.loss).abs() <= 1e-6 * reference.loss.abs(), "loss {loss} vs one process {}", reference.loss);
+        // collectives per micro-batch: one gather per sharded parameter per forward (the tied or
+        // untied head adds its own), one reduce-scatter each in backward, plus the re-gathers
+        let per_micro = issued / mine.len();
+        let resharded_params = glm5_burn::train::params::param_ids::<B, _>(&sharded)
+            .iter()
+            .filter(|(path, id)| plan.full_rows(**id).is_some() && (path.contains("layers.") || path.starts_with("visual")))
+            .count();
+        // backward used the re-gathered weights, not copies kept from forward: at least every
+        // decoder linear's weight on every micro-batch (Burn's `linear` asks the checkpointer)
+        let linears = glm5_burn::train::params::param_ids::<B, _>(&sharded)
+            .iter()
+            .filter(|(path, id)| plan.full_rows(**id).is_some() && path.contains("layers.") && path.ends_with("proj.weight"))
+            .count();
+        if reshard {
+            assert!(
+                used >= mine.len() * linears,
+                "{used} re-gathered parameters used by backward over {} micro-batches ({linears} decoder linears)",
+                mine.len()
+            );
+        }
+        struct Compare<'a, B: burn::tensor::backend::AutodiffBackend> {
+            plan: &'a glm5_burn::distributed::ShardPlan,
+            g: &'a MpiGroup,
+            ours: &'a GradientsParams,
+            theirs: &'a GradientsParams,
+            checked: usize,
+            worst: f32,
+            _b: std::marker::PhantomData<B>,
+        }
+        impl<B: burn::tensor::backend::AutodiffBackend> ModuleVisitor<B> for Compare<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let Some(rows) = self.plan.full_rows(param.id) else { return };
+                let shard: Vec<f32> = match self.ours.get::<B::InnerBackend, D>(param.id) {
+                    Some(t) => t.into_data().convert::<f32>().into_vec().unwrap(),
+                    None => vec![0.0; param.shape().num_elements()],
+                };
+                let width = param.shape().num_elements() / param.val().dims()[0];
+                let all = all_gather(self.g, &shard).unwrap();
+                let shards: Vec<Vec<f32>> = all.chunks(shard.len().max(1)).map(|c| c.to_vec()).collect();
+                let full = unshard_host(&shards, rows, width);
+                let Some(reference) = self.theirs.get::<B::InnerBackend, D>(param.id) else {
+                    assert!(full.iter().all(|&x| x == 0.0), "parameter {} has a gradient only when sharded", param.id);
+                    return;
+                };
+                let reference: Vec<f32> = reference.into_data().convert::<f32>().into_vec().unwrap();
+                assert_eq!(full.len(), reference.len(), "parameter {}: reassembled size", param.id);
+                let scale = reference.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-20);
+                let diff = full.iter().zip(&reference).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
+                assert!(diff <= 1e-5, "parameter {}: max|Δ|/max|ref| {diff:e}", param.id);
+                self.worst = self.worst.max(diff);
+                self.checked += 1;
+            }
+        }
+        let mut c = Compare::<B> { plan: &plan, g, ours: &share.grads, theirs: &reference.grads, checked: 0, worst: 0.0, _b: Default::default() };
+        sharded.visit(&mut c);
+        assert_eq!(c.checked, plan.len());
+        if reshard {
+            println!(
+                "rank {}: {used} re-gathered parameters used by backward ops over {} micro-batches ({resharded_params} resharded, {linears} decoder linears)",
+                g.rank(),
+                mine.len()
+            );
+        }
+        (c.checked, c.worst, per_micro, resharded_params)
     }
 
     /// The collective-sequence check: (1) sharded training steps (forward gathers, backward
@@ -908,6 +988,7 @@ fn distributed_flex_trains_bit_for_bit_like_flex() {
             forward: ForwardOptions::default(),
             data_parallel: None,
             shard_parameters: true,
+            reshard_after_forward: true,
         };
         let mut trainer = Trainer::<B>::new(model, options, &device);
         let v = config.text_config.vocab_size as i64;

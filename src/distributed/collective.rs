@@ -23,14 +23,19 @@
 use std::sync::Arc;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
+use burn::backend::autodiff::checkpoint::state::BackwardStates;
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::NodeId;
 use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
+use super::fsdp::{ParamGather, Regather};
 use super::group::{check_counts, ProcessGroup, ReduceBuf, ReduceOp};
 use super::typed;
 use super::DistError;
@@ -82,21 +87,22 @@ pub trait CollectiveBackend: Backend {
         Ok(back::<Self>(data, &s, rows))
     }
 
-    /// [`Self::all_gather_rows`] placed after `anchor` on the autodiff graph: under `Autodiff`
-    /// the gather takes `anchor` as a second parent (which receives a zero gradient), so its
-    /// backward — the reduce-scatter — runs after `anchor`'s consumers are done and before
-    /// `anchor`'s own backward on every rank. A chain of anchored collectives therefore runs
-    /// its adjoints in exactly the reverse order of the forward whatever else the graph holds
-    /// (Burn 0.21 orders backward steps by graph depth; two collectives at one depth could run
-    /// in either order). Other backends ignore the anchor.
-    fn all_gather_rows_after(
-        x: FloatTensor<Self>,
-        anchor: Option<FloatTensor<Self>>,
-        rows: &[usize],
-        group: &Group,
-    ) -> Result<FloatTensor<Self>, DistError> {
-        let _ = anchor;
-        Self::all_gather_rows(x, rows, group)
+    /// One FSDP parameter gather ([`super::fsdp`]): `[value, link]` where `value` is
+    /// `all_gather_rows(x)[..full_rows]` (every rank holds `x.rows` padded rows) and `link` a
+    /// 1-D handle for the next gather's `links[0]`. Other backends ignore the links and the
+    /// resharding; under `Autodiff` the gather takes `links` (the previous gather, the unit's
+    /// input activation) as parents, so the reduce-scatters of a forward's gathers run in
+    /// reverse forward order on every rank (Burn 0.21 orders backward steps by graph depth;
+    /// two collectives at one depth could run in either order), and a resharded `value` is
+    /// re-gathered in backward instead of kept.
+    fn gather_param(x: FloatTensor<Self>, links: [Option<FloatTensor<Self>>; 2], site: &ParamGather) -> Result<[FloatTensor<Self>; 2], DistError> {
+        let _ = links;
+        let c = x.shape()[0];
+        let gathered = Self::all_gather_rows(x, &vec![c; site.group.size()], site.group)?;
+        let value = narrow_rows::<Self>(gathered, site.full_rows);
+        let n = value.shape().num_elements();
+        let link = Self::float_reshape(value.clone(), Shape::new([n]));
+        Ok([value, link])
     }
 
     /// Sends all of `x` to rank `to` and returns the `recv_rows` rows rank `from` sent us
@@ -140,6 +146,30 @@ fn check_rows<B: Backend>(op: &'static str, s: &HostShape<B>, expected: usize) -
         return Err(DistError::Counts { op, message: format!("the tensor has {} rows, the row counts say {expected}", s.dims[0]) });
     }
     Ok(())
+}
+
+/// The first `rows` rows of `x` (dim 0).
+fn narrow_rows<B: Backend>(x: FloatTensor<B>, rows: usize) -> FloatTensor<B> {
+    let dims = x.shape().to_vec();
+    if dims[0] == rows {
+        return x;
+    }
+    let width: usize = dims[1..].iter().product();
+    let flat = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::float_reshape(x, Shape::new([dims[0], width]))));
+    let mut out = dims;
+    out[0] = rows;
+    B::float_reshape(flat.narrow(0, 0, rows).into_primitive().tensor(), Shape::from(out))
+}
+
+/// `x` with zero rows appended up to `rows` (dim 0).
+fn pad_rows<B: Backend>(x: FloatTensor<B>, rows: usize) -> FloatTensor<B> {
+    let mut dims = x.shape().to_vec();
+    if dims[0] == rows {
+        return x;
+    }
+    dims[0] = rows - dims[0];
+    let zeros = B::float_zeros(Shape::from(dims), &B::float_device(&x), x.dtype().into());
+    B::float_cat(vec![x, zeros], 0)
 }
 
 impl CollectiveBackend for Flex {}
@@ -200,25 +230,99 @@ impl<B: CollectiveBackend> Backward<B, 1> for AllGatherBackward {
     }
 }
 
+/// A resharded parameter waiting to be re-gathered: its view's key and its shard.
+struct RegatherItem<B: Backend> {
+    key: u64,
+    shard: FloatTensor<B>,
+    full_rows: usize,
+}
+
+/// State of an FSDP gather `G` (see [`CollectiveBackend::gather_param`]).
+#[derive(Clone)]
+struct ParamGatherState<B: Backend> {
+    /// Rows per rank, the full size, the gradient's geometry.
+    shard_rows: usize,
+    full_shape: Shape,
+    dtype: DType,
+    device: B::Device,
+    group: Group,
+    /// The view's key when this parameter is resharded (its unused re-gather is dropped).
+    key: Option<u64>,
+    regather: Arc<Regather>,
+    /// The earlier units' resharded parameters this `G`'s backward re-gathers.
+    before: Arc<Vec<RegatherItem<B>>>,
+}
+
+impl<B: Backend> std::fmt::Debug for ParamGatherState<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ParamGather {{ shape: {:?}, re-gathers: {} }}", self.full_shape, self.before.len())
+    }
+}
+
 #[derive(Debug)]
-struct AnchoredGatherBackward;
+struct ParamGatherBackward;
 
-impl<B: CollectiveBackend> Backward<B, 2> for AnchoredGatherBackward {
-    /// (rows, group, the anchor's shape, dtype and device)
-    type State = (Vec<usize>, Group, Shape, DType, B::Device);
+impl<B: CollectiveBackend> Backward<B, 3> for ParamGatherBackward {
+    type State = ParamGatherState<B>;
 
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let (rows, group, shape, dtype, device) = &ops.state;
-        let [x, anchor] = &ops.parents;
-        // the reduce-scatter runs whether or not the shard is tracked: every rank must take part
-        let shard = B::reduce_scatter_rows(grad, rows, group).expect(BACKWARD);
-        if let Some(node) = x {
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let s = &ops.state;
+        let size = s.group.size();
+        // no gradient: this rank did not use the unit; the reduce-scatter runs all the same
+        let mut handle = <Autodiff<B> as AutodiffBackend>::from_inner(B::float_zeros(Shape::new([0]), &s.device, s.dtype.into()));
+        handle.node = ops.node.clone();
+        handle.rc = Arc::new(ops.node.id);
+        let grad = grads.remove::<B>(&handle).unwrap_or_else(|| B::float_zeros(s.full_shape.clone(), &s.device, s.dtype.into()));
+        let shard = B::reduce_scatter_rows(pad_rows::<B>(grad, s.shard_rows * size), &vec![s.shard_rows; size], &s.group).expect(BACKWARD);
+        if let Some(node) = &ops.parents[0] {
             grads.register::<B>(node.id, shard);
         }
-        if let Some(node) = anchor {
-            grads.register::<B>(node.id, B::float_zeros(shape.clone(), device, (*dtype).into()));
+        if let Some(key) = s.key {
+            // re-gathered for consumers that did not ask for it (an unused unit)
+            drop(s.regather.drop_ready::<FloatTensor<B>>(key));
         }
+        for item in s.before.iter() {
+            let c = item.shard.shape()[0];
+            let full = B::all_gather_rows(item.shard.clone(), &vec![c; size], &s.group).expect(BACKWARD);
+            s.regather.put_ready(item.key, narrow_rows::<B>(full, item.full_rows));
+        }
+    }
+}
+
+/// The view `V` of a resharded parameter: identity, memory-bound, so its consumers record
+/// "recompute" and the gathered tensor is freed after the forward; the recompute takes the
+/// tensor `G`'s successor re-gathered.
+#[derive(Debug)]
+struct ReshardedViewBackward;
+
+impl<B: Backend> Backward<B, 1> for ReshardedViewBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        register!(ops, grads, grad);
+    }
+}
+
+#[derive(Debug)]
+struct RetroRegathered<B> {
+    gather: NodeId,
+    key: u64,
+    regather: Arc<Regather>,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: Backend> RetroForward for RetroRegathered<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        // `G`'s placeholder state (kept so the checkpointer does not look past `G`)
+        let _: FloatTensor<B> = states.get_state(&self.gather);
+        let tensor = self.regather.take_ready::<FloatTensor<B>>(self.key).unwrap_or_else(|| {
+            panic!(
+                "FSDP: a resharded parameter was needed in backward before it was re-gathered — a unit's weights were \
+                 consumed outside the unit, or a resharded unit was not followed by an anchored gather (distributed::fsdp)"
+            )
+        });
+        states.save(out_node, tensor)
     }
 }
 
@@ -279,19 +383,53 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
         collective!(AllGatherBackward, x, (rows.to_vec(), group.clone()), B::all_gather_rows(x.primitive.clone(), rows, group))
     }
 
-    fn all_gather_rows_after(
-        x: FloatTensor<Self>,
-        anchor: Option<FloatTensor<Self>>,
-        rows: &[usize],
-        group: &Group,
-    ) -> Result<FloatTensor<Self>, DistError> {
-        let Some(anchor) = anchor else { return Self::all_gather_rows(x, rows, group) };
-        let out = B::all_gather_rows(x.primitive.clone(), rows, group)?;
-        let state = (rows.to_vec(), group.clone(), anchor.primitive.shape(), anchor.primitive.dtype(), B::float_device(&anchor.primitive));
-        Ok(match AnchoredGatherBackward.prepare::<C>([x.node.clone(), anchor.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish(state, out),
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        })
+    fn gather_param(x: FloatTensor<Self>, links: [Option<FloatTensor<Self>>; 2], site: &ParamGather) -> Result<[FloatTensor<Self>; 2], DistError> {
+        let size = site.group.size();
+        let c = x.primitive.shape()[0];
+        let full = narrow_rows::<B>(B::all_gather_rows(x.primitive.clone(), &vec![c; size], site.group)?, site.full_rows);
+        let device = B::float_device(&full);
+        let dtype = full.dtype();
+        let placeholder = || B::float_zeros(Shape::new([1]), &device, dtype.into());
+        let before = match site.regather_before {
+            true => site.regather.take_open::<RegatherItem<B>>(),
+            false => Vec::new(),
+        };
+        let key = site.reshard.then(|| site.regather.key());
+        let state = ParamGatherState::<B> {
+            shard_rows: c,
+            full_shape: full.shape(),
+            dtype: full.dtype(),
+            device: device.clone(),
+            group: site.group.clone(),
+            key,
+            regather: site.regather.clone(),
+            before: Arc::new(before),
+        };
+        // the parents: the shard, then the chain's previous link and the unit's input
+        let [prev, after] = links;
+        let nodes = [x.node.clone(), prev.unwrap_or_else(|| x.clone()).node, after.unwrap_or_else(|| x.clone()).node];
+        let gathered = match ParamGatherBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(state, full.clone()),
+            OpsKind::UnTracked(prep) => return Ok([prep.finish(full), Self::from_inner(placeholder())]),
+        };
+        // the next gather needs `G`'s node, not its tensor
+        let mut link = gathered.clone();
+        link.primitive = placeholder();
+        let Some(key) = key else { return Ok([gathered, link]) };
+        site.regather.push_open(RegatherItem::<B> { key, shard: x.primitive.clone(), full_rows: site.full_rows });
+        let retro = RetroRegathered::<B> { gather: gathered.node.id, key, regather: site.regather.clone(), _b: Default::default() };
+        // memory-bound whatever the backend's strategy: the consumers must not keep `full`
+        let view = match ReshardedViewBackward
+            .prepare::<BalancedCheckpointing>([gathered.node.clone()])
+            .memory_bound()
+            .retro_forward(retro)
+            .parents([&link])
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((), full),
+            OpsKind::UnTracked(prep) => prep.finish(full),
+        };
+        Ok([view, link])
     }
 
     fn reduce_scatter_rows(x: FloatTensor<Self>, rows: &[usize], group: &Group) -> Result<FloatTensor<Self>, DistError> {
@@ -323,16 +461,6 @@ fn wrap<B: Backend, const D: usize>(r: Result<FloatTensor<B>, DistError>) -> Res
 /// [`CollectiveBackend::all_gather_rows`] on a tensor.
 pub fn all_gather_rows<B: CollectiveBackend, const D: usize>(x: Tensor<B, D>, rows: &[usize], group: &Group) -> Result<Tensor<B, D>, DistError> {
     wrap(B::all_gather_rows(x.into_primitive().tensor(), rows, group))
-}
-
-/// [`CollectiveBackend::all_gather_rows_after`] on tensors.
-pub fn all_gather_rows_after<B: CollectiveBackend, const D: usize, const DA: usize>(
-    x: Tensor<B, D>,
-    anchor: Option<Tensor<B, DA>>,
-    rows: &[usize],
-    group: &Group,
-) -> Result<Tensor<B, D>, DistError> {
-    wrap(B::all_gather_rows_after(x.into_primitive().tensor(), anchor.map(|a| a.into_primitive().tensor()), rows, group))
 }
 
 /// [`CollectiveBackend::reduce_scatter_rows`] on a tensor.

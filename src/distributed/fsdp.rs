@@ -1,12 +1,13 @@
 //! FSDP-style parameter sharding (PyTorch FSDP2's `fully_shard`, ZeRO-3): every selected
 //! parameter is split along dim 0 over the data-parallel group and each rank keeps one slice;
-//! a module (a unit: embedding, decoder layer, head, vision tower) is gathered just before it
-//! runs.
+//! a module (a unit: embedding, vision tower, decoder layer, final norm, head) is gathered just
+//! before it runs, freed after its forward, and gathered again just before its backward.
 //!
 //! ```text
 //! shard_r(W) = W[r·c .. (r+1)·c]  (c = ⌈rows/P⌉; the last slices padded with zero rows)
-//! gather(W):  W = concat_r(shard_r(W))[..rows] = all_gather_rows_after(shard(W), anchor)[..rows]
-//! backward:   ∂shard_r(W) = Σ_ranks ∂W[r·c .. (r+1)·c]                  (reduce-scatter)
+//! forward:    W = all_gather(shard(W))[..rows]        (G, one op per parameter)
+//! backward:   W = all_gather(shard(W))[..rows]        (re-gathered when the next unit's backward is done)
+//!             ∂shard_r(W) = Σ_ranks ∂W[r·c .. (r+1)·c]   (reduce-scatter, G's adjoint)
 //! ```
 //!
 //! One collective per parameter, not one per unit over a flattened buffer: Burn's slice
@@ -15,42 +16,55 @@
 //! 16 % slower per step than one process on `bench_small`); per parameter it is one pass.
 //!
 //! So parameters, their gradients and AdamW's moments (which follow the parameters' shapes)
-//! take ~1/P of the memory per rank, and the gradient arrives summed over the group: the
-//! reduce-scatter is the gather's adjoint (`collective.rs`).
+//! take ~1/P of the memory per rank, and the gradient arrives summed over the group.
 //!
-//! **Ordering.** Every gather of a forward takes the previous gather's output as its anchor
-//! ([`super::CollectiveBackend::all_gather_rows_after`]), so the gathers form one chain on the
-//! autodiff graph and their reduce-scatters run in exactly the reverse order on every rank,
-//! whatever the data made of the rest of the graph. A unit gathered but unused by this rank's
-//! data (the vision tower of a text-only micro-batch) still reduce-scatters — a zero gradient —
-//! because the next gather hangs off it; the trainer then drops gradients of units no rank used
-//! (the update a single process would have skipped).
+//! **Ordering.** Every collective of the backward runs in the backward of a gather op `G`, and
+//! the `G`s of a forward form one chain: each takes the previous one as a parent, and the first
+//! `G` of a unit also takes the unit's input activation (the previous unit's output). Burn 0.21
+//! runs backward steps by decreasing graph depth, so the `G`s run in exactly the reverse order
+//! of the forward on every rank, whatever the data made of the rest of the graph (skewed MoE
+//! routing, images on some ranks only). A unit gathered but unused by this rank's data (the
+//! vision tower of a text-only micro-batch) still reduce-scatters — a zero gradient — because
+//! the next `G` hangs off it; the trainer then drops gradients of units no rank used (the update
+//! a single process would have skipped).
 //!
-//! **Memory during a step.** The gathered weights a backward needs stay referenced by the
-//! autodiff graph until that backward has run (Burn 0.21 saves operands, not the recipe to
-//! re-gather them), so within a step the peak holds the gathered weights of the layers between
-//! forward and backward, as FSDP with `reshard_after_forward=False` does; between steps only the
-//! shards remain.
-
+//! **Freeing and re-gathering** (`reshard_after_forward`, FSDP2's default). A resharded
+//! parameter reaches the unit through a view node `V` marked memory-bound, so the ops that need
+//! the weight in backward (`linear`, `matmul`) record "recompute V" instead of keeping the
+//! gathered tensor, and it is freed when the unit's forward ends. The first `G` of the next
+//! unit re-gathers the unit's parameters in its backward, after its own reduce-scatter: that
+//! `G` lies deeper than every op of the unit (the unit's output is its parent), so the
+//! re-gathered weights are ready before the unit's backward needs them, and `V`'s recompute
+//! only takes them from [`Regather`]'s store. The last units of a forward (final norm, head)
+//! are kept, as FSDP2 does for the last module. Ops that keep a weight themselves instead of
+//! asking the checkpointer (Burn's `embedding`, our RMSNorm and short-conv kernels: vectors and
+//! small kernels) still hold the forward's copy until backward; the embedding of a sharded
+//! model therefore runs as a row `select` (same values, same gradient), which needs no weight
+//! in backward.
 use std::any::Any;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
 
-use super::collective::{all_gather_rows_after, CollectiveBackend, Group};
+use super::collective::{CollectiveBackend, Group};
 
-/// Which parameters are sharded over which group, and the anchor chain of the running forward.
+/// Which parameters are sharded over which group, and the bookkeeping of the running forward.
 pub struct ShardPlan {
     group: Group,
     /// Full dim-0 size of every sharded parameter.
     rows: HashMap<ParamId, usize>,
-    /// The previous gather's output in the current forward (a `Tensor<B, 2>` of that forward's
-    /// backend).
+    /// Free the units' gathered parameters after forward and re-gather them for backward.
+    reshard_after_forward: bool,
+    /// The previous gather's chain link in the current forward (a `Tensor<B, 1>` of that
+    /// forward's backend).
     chain: Mutex<Option<Box<dyn Any + Send>>>,
+    /// Resharded parameters waiting to be re-gathered, and re-gathered ones waiting for use.
+    regather: Arc<Regather>,
     /// Whether a forward since the last [`Self::take_vision_used`] ran the vision tower.
     vision_used: AtomicBool,
 }
@@ -72,14 +86,119 @@ pub fn shard_range(rows: usize, size: usize, rank: usize) -> std::ops::Range<usi
     (rank * c).min(rows)..((rank + 1) * c).min(rows)
 }
 
+/// The re-gather bookkeeping of one forward/backward, shared by the gather ops (module docs).
+/// Entries are backend-typed and stored type-erased: `open` holds the resharded parameters of
+/// the units gathered since the last anchored gather, `ready` the tensors re-gathered in
+/// backward until their view node takes them.
+#[derive(Default)]
+pub struct Regather {
+    next_key: AtomicU64,
+    /// Re-gathered tensors taken by their view (tests, diagnostics).
+    used: AtomicU64,
+    open: Mutex<Vec<Box<dyn Any + Send>>>,
+    ready: Mutex<HashMap<u64, Box<dyn Any + Send>>>,
+}
+
+impl std::fmt::Debug for Regather {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Regather {{ open: {}, ready: {} }}", lock(&self.open).len(), lock(&self.ready).len())
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Regather {
+    /// A key for a resharded parameter's view.
+    pub fn key(&self) -> u64 {
+        self.next_key.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Record a resharded parameter of the unit being gathered.
+    pub fn push_open<T: Any + Send>(&self, item: T) {
+        lock(&self.open).push(Box::new(item));
+    }
+
+    /// The resharded parameters recorded since the last call, in forward order.
+    pub fn take_open<T: Any + Send>(&self) -> Vec<T> {
+        std::mem::take(&mut *lock(&self.open)).into_iter().filter_map(|b| b.downcast::<T>().ok().map(|b| *b)).collect()
+    }
+
+    /// Put a re-gathered tensor where its view will find it.
+    pub fn put_ready<T: Any + Send>(&self, key: u64, tensor: T) {
+        lock(&self.ready).insert(key, Box::new(tensor));
+    }
+
+    /// Take a re-gathered tensor for its view (`None`: not re-gathered yet, or already taken).
+    pub fn take_ready<T: Any + Send>(&self, key: u64) -> Option<T> {
+        let t = self.drop_ready(key);
+        if t.is_some() {
+            self.used.fetch_add(1, Ordering::Relaxed);
+        }
+        t
+    }
+
+    /// Remove a re-gathered tensor no view asked for.
+    pub fn drop_ready<T: Any + Send>(&self, key: u64) -> Option<T> {
+        lock(&self.ready).remove(&key).and_then(|b| b.downcast::<T>().ok()).map(|b| *b)
+    }
+
+    /// How many re-gathered tensors backward ops have used so far.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Forget everything (a new forward).
+    fn clear(&self) {
+        lock(&self.open).clear();
+        lock(&self.ready).clear();
+    }
+
+    /// Number of re-gathered tensors waiting for their view (tests: 0 after a backward).
+    pub fn pending(&self) -> usize {
+        lock(&self.ready).len() + lock(&self.open).len()
+    }
+}
+
+/// What one parameter's gather needs besides its tensors ([`CollectiveBackend::gather_param`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ParamGather<'a> {
+    /// The parameter's full dim-0 size (the gathered rows beyond it are padding).
+    pub full_rows: usize,
+    /// The group the parameter is sharded over.
+    pub group: &'a Group,
+    /// Free after the unit's forward and re-gather before its backward.
+    pub reshard: bool,
+    /// This gather is anchored on the unit's input activation: its backward re-gathers the
+    /// resharded parameters of the units gathered before it.
+    pub regather_before: bool,
+    /// The forward's re-gather bookkeeping.
+    pub regather: &'a Arc<Regather>,
+}
+
 impl ShardPlan {
     /// Shard the parameters of `module` that `select` picks (by id and `require_grad`) over
     /// `group`: each rank keeps its slice (padded). Every rank must pass the same module
-    /// (the same values: the slices are cut locally, nothing is exchanged).
-    pub fn shard<B: Backend, M: Module<B>>(module: M, group: Group, select: impl Fn(ParamId, bool) -> bool) -> (M, Arc<Self>) {
+    /// (the same values: the slices are cut locally, nothing is exchanged). With
+    /// `reshard_after_forward` the gathered parameters of a unit are freed after its forward
+    /// and gathered again for its backward (module docs).
+    pub fn shard<B: Backend, M: Module<B>>(
+        module: M,
+        group: Group,
+        reshard_after_forward: bool,
+        select: impl Fn(ParamId, bool) -> bool,
+    ) -> (M, Arc<Self>) {
         let mut mapper = Cut::<B, _> { rank: group.rank(), size: group.size(), select, rows: HashMap::new(), _b: Default::default() };
         let module = module.map(&mut mapper);
-        let plan = Arc::new(Self { group, rows: mapper.rows, chain: Mutex::new(None), vision_used: AtomicBool::new(false) });
+        let plan = Arc::new(Self {
+            group,
+            rows: mapper.rows,
+            reshard_after_forward,
+            chain: Mutex::new(None),
+            regather: Arc::default(),
+            vision_used: AtomicBool::new(false),
+        });
         (module, plan)
     }
 
@@ -103,14 +222,25 @@ impl ShardPlan {
         self.rows.is_empty()
     }
 
-    /// Start a forward: the anchor chain begins anew.
-    pub fn begin(&self) {
-        *self.chain.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    /// Whether units are freed after forward and re-gathered for backward.
+    pub fn reshard_after_forward(&self) -> bool {
+        self.reshard_after_forward
     }
 
-    /// End a forward: drop the chain's last link (it would keep the last gathered weights).
+    /// The re-gather bookkeeping (tests).
+    pub fn regather(&self) -> &Arc<Regather> {
+        &self.regather
+    }
+
+    /// Start a forward: the chain and the re-gather bookkeeping begin anew.
+    pub fn begin(&self) {
+        *lock(&self.chain) = None;
+        self.regather.clear();
+    }
+
+    /// End a forward: drop the chain's last link.
     pub fn end(&self) {
-        self.begin();
+        *lock(&self.chain) = None;
     }
 
     /// Record that this rank ran the vision tower.
@@ -124,15 +254,18 @@ impl ShardPlan {
     }
 
     /// `unit` with its sharded parameters replaced by the gathered full tensors
-    /// (differentiable: the shards receive the group's summed gradient). Every rank must gather
-    /// the same units in the same order. A unit without sharded parameters is returned as it
-    /// is, without a collective.
-    pub fn gather<B: CollectiveBackend, M: Module<B>>(&self, unit: &M) -> M {
-        let mut chain = self.chain.lock().unwrap_or_else(|e| e.into_inner());
-        let anchor = chain.take().and_then(|a| a.downcast::<Tensor<B, 1>>().ok()).map(|a| *a);
-        let mut gather = Gather { plan: self, anchor };
+    /// (differentiable: the shards receive the group's summed gradient). `after` is the
+    /// unit's input activation — the previous unit's output — on which the unit's first gather
+    /// is anchored (its primitive: a reshape would add a node no gradient reaches); `reshard` frees the unit after its forward (honoured only when the plan
+    /// reshards and the gathers will be followed by an anchored one: the caller's promise).
+    /// Every rank must gather the same units in the same order. A unit without sharded
+    /// parameters is returned as it is, without a collective.
+    pub fn gather<B: CollectiveBackend, M: Module<B>>(&self, unit: &M, after: Option<FloatTensor<B>>, reshard: bool) -> M {
+        let mut chain = lock(&self.chain);
+        let link = chain.take().and_then(|a| a.downcast::<Tensor<B, 1>>().ok()).map(|a| *a);
+        let mut gather = Gather { plan: self, link, after, reshard: reshard && self.reshard_after_forward };
         let unit = unit.clone().map(&mut gather);
-        *chain = gather.anchor.map(|a| Box::new(a) as Box<dyn Any + Send>);
+        *chain = gather.link.map(|a| Box::new(a) as Box<dyn Any + Send>);
         unit
     }
 }
@@ -173,25 +306,33 @@ impl<B: Backend, F: Fn(ParamId, bool) -> bool> ModuleMapper<B> for Cut<B, F> {
     }
 }
 
-/// Gathers each sharded parameter of a unit, in visiting order, each gather anchored on the
-/// previous one (the chain).
+/// Gathers each sharded parameter of a unit, in visiting order, each gather a link of the
+/// chain; the first also anchored on `after`.
 struct Gather<'a, B: Backend> {
     plan: &'a ShardPlan,
-    anchor: Option<Tensor<B, 1>>,
+    link: Option<Tensor<B, 1>>,
+    after: Option<FloatTensor<B>>,
+    reshard: bool,
 }
 
 impl<B: CollectiveBackend> ModuleMapper<B> for Gather<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let Some(&rows) = self.plan.rows.get(&param.id) else { return param };
         let (id, shard, mapper) = param.consume();
-        let size = self.plan.group.size();
-        let c = shard.dims()[0];
+        let after = self.after.take();
+        let site = ParamGather {
+            full_rows: rows,
+            group: &self.plan.group,
+            reshard: self.reshard,
+            regather_before: after.is_some(),
+            regather: &self.plan.regather,
+        };
+        let prim = |t: Tensor<B, 1>| t.into_primitive().tensor();
         // a failing engine aborts the MPI job; the counts are equal by construction
-        let gathered =
-            all_gather_rows_after(shard, self.anchor.take(), &vec![c; size], &self.plan.group).expect("the all-gather of a sharded parameter failed");
-        let n = gathered.shape().num_elements();
-        self.anchor = Some(gathered.clone().reshape([n]));
-        Param::from_mapped_value(id, gathered.narrow(0, 0, rows), mapper)
+        let [value, link] = B::gather_param(shard.into_primitive().tensor(), [self.link.take().map(prim), after], &site)
+            .expect("the all-gather of a sharded parameter failed");
+        self.link = Some(Tensor::from_primitive(TensorPrimitive::Float(link)));
+        Param::from_mapped_value(id, Tensor::from_primitive(TensorPrimitive::Float(value)), mapper)
     }
 }
 

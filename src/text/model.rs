@@ -69,28 +69,50 @@ impl<B: Backend> TextModel<B> {
         }
     }
 
-    /// `unit` ready to run: itself, or with its sharded parameters gathered.
+    /// `unit` ready to run: itself, or with its sharded parameters gathered (kept until the
+    /// backward has used them).
     pub fn unit<'a, M: Module<B>>(&self, unit: &'a M) -> Cow<'a, M>
     where
         B: CollectiveBackend,
     {
         match &self.shards {
-            Some(plan) => Cow::Owned(plan.gather(unit)),
+            Some(plan) => Cow::Owned(plan.gather(unit, None, false)),
+            None => Cow::Borrowed(unit),
+        }
+    }
+
+    /// `unit` ready to run on `input`, the previous unit's output: itself, or with its
+    /// sharded parameters gathered — with `reshard` (and a plan that reshards) freed after the
+    /// unit's forward and gathered again for its backward. A resharded unit must be followed
+    /// by another `unit_after` in the same forward (its backward re-gathers this one).
+    pub fn unit_after<'a, M: Module<B>, const D: usize>(&self, unit: &'a M, input: &Tensor<B, D>, reshard: bool) -> Cow<'a, M>
+    where
+        B: CollectiveBackend,
+    {
+        match &self.shards {
+            Some(plan) => Cow::Owned(plan.gather(unit, Some(input.clone().into_primitive().tensor()), reshard)),
             None => Cow::Borrowed(unit),
         }
     }
 
     /// Embedding lookup `[B, S]` → `[B, S, D]`. Like the reference's
     /// `nn.Embedding(padding_idx=pad_token_id)`, the padding row receives no gradient.
-    /// A sharded model starts its forward here ([`ShardPlan::begin`]).
+    /// A sharded model starts its forward here ([`ShardPlan::begin`]) and looks rows up with
+    /// `select`, whose backward needs no weight, so the gathered table is freed at once.
     pub fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3>
     where
         B: CollectiveBackend,
     {
-        if let Some(plan) = &self.shards {
-            plan.begin();
-        }
-        let e = self.unit(&self.embed_tokens).forward(ids.clone());
+        let e = match &self.shards {
+            Some(plan) => {
+                plan.begin();
+                let [b, s] = ids.dims();
+                let table = plan.gather(&self.embed_tokens, None, false).weight.val();
+                let d = table.dims()[1];
+                table.select(0, ids.clone().reshape([b * s])).reshape([b, s, d])
+            }
+            None => self.embed_tokens.forward(ids.clone()),
+        };
         match self.pad_token_id {
             Some(pad) if B::ad_enabled(&e.device()) => {
                 let is_pad = ids.equal_elem(pad).unsqueeze_dim::<3>(2).expand(e.dims());
@@ -118,7 +140,7 @@ impl<B: Backend> TextModel<B> {
             index_margins: Vec::new(),
         };
         for (i, layer) in self.layers.iter().enumerate() {
-            let layer = self.unit(layer);
+            let layer = self.unit_after(layer, &x, true);
             let o = layer.forward(x, mask, &mut indices, opts);
             x = o.streams;
             if let Some(l) = o.router_logits {
@@ -135,7 +157,8 @@ impl<B: Backend> TextModel<B> {
             }
         }
         let mean = x.mean_dim(2).reshape([b, s, d]);
-        out.hidden = self.unit(&self.norm).forward(mean);
+        // the last unit of the decoder is kept (its backward comes first)
+        out.hidden = self.unit_after(&self.norm, &mean, false).forward(mean);
         out
     }
 }

@@ -138,13 +138,17 @@ pub fn gather_usize(group: &dyn ProcessGroup, x: usize) -> Result<Vec<usize>, Di
 /// replicated, so that AdamW leaves them alone as it does in one process (a shard would
 /// receive a zero gradient through the gather and weight decay would move it). Apply after
 /// freezing: frozen parameters stay replicated.
-pub fn shard_model<B: crate::distributed::CollectiveBackend>(model: Glm5ForCausalLM<B>, group: Group) -> Glm5ForCausalLM<B> {
+pub fn shard_model<B: crate::distributed::CollectiveBackend>(
+    model: Glm5ForCausalLM<B>,
+    group: Group,
+    reshard_after_forward: bool,
+) -> Glm5ForCausalLM<B> {
     let replicated: std::collections::HashSet<ParamId> = super::params::param_ids::<B, _>(&model)
         .into_iter()
         .filter(|(path, _)| path.contains(".indexer.") || path.ends_with("e_score_correction_bias"))
         .map(|(_, id)| id)
         .collect();
-    let (mut model, plan) = ShardPlan::shard(model, group, |id, require_grad| require_grad && !replicated.contains(&id));
+    let (mut model, plan) = ShardPlan::shard(model, group, reshard_after_forward, |id, require_grad| require_grad && !replicated.contains(&id));
     model.language_model.shards = Some(plan);
     model
 }
@@ -186,7 +190,7 @@ pub fn unshard_model<B: crate::distributed::CollectiveBackend>(model: Glm5ForCau
     }
     let model = model.map(&mut Detach(&plan));
     plan.begin();
-    let full = plan.gather(&model);
+    let full = plan.gather(&model, None, false);
     plan.end();
     struct Leaves<'a>(&'a ShardPlan);
     impl<B: burn::tensor::backend::Backend> burn::module::ModuleMapper<B> for Leaves<'_> {

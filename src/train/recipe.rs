@@ -136,6 +136,11 @@ pub struct Distributed {
     /// over the data-parallel ranks (FSDP); `false` replicates them (DDP).
     #[serde(default = "yes")]
     pub shard_parameters: bool,
+    /// With sharded parameters: free each unit's gathered parameters after its forward and
+    /// gather them again for its backward (FSDP2's `reshard_after_forward`); `false` keeps
+    /// them from forward to backward (less communication, more memory).
+    #[serde(default = "yes")]
+    pub reshard_after_forward: bool,
 }
 
 fn one() -> usize {
@@ -330,7 +335,7 @@ pub struct Recipe {
 }
 
 fn single_device() -> Distributed {
-    Distributed { dp_size: 1, ep_size: 1, cp_size: 1, activation_checkpointing: false, shard_parameters: true }
+    Distributed { dp_size: 1, ep_size: 1, cp_size: 1, activation_checkpointing: false, shard_parameters: true, reshard_after_forward: true }
 }
 
 /// Set `a.b.c = value` in a YAML mapping, creating nothing: the path's parent must exist.
@@ -418,6 +423,18 @@ impl Recipe {
         let d = &self.distributed;
         if d.dp_size == 0 {
             return bad("distributed.dp_size", "must be at least 1".into());
+        }
+        for (key, v) in [("distributed.ep_size", d.ep_size), ("distributed.cp_size", d.cp_size)] {
+            if v == 0 {
+                return bad(key, "must be at least 1".into());
+            }
+        }
+        // the mesh: the world is dp × cp ranks, expert parallelism spans a divisor of it
+        if (d.dp_size * d.cp_size) % d.ep_size != 0 {
+            return bad(
+                "distributed.ep_size",
+                format!("({}) must divide the world size distributed.dp_size × distributed.cp_size ({} × {})", d.ep_size, d.dp_size, d.cp_size),
+            );
         }
         for (key, v) in [("distributed.ep_size", d.ep_size), ("distributed.cp_size", d.cp_size)] {
             if v != 1 {

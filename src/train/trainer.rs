@@ -85,6 +85,9 @@ pub struct TrainOptions {
     /// AdamW moments) over the group, FSDP-style ([`super::data_parallel::shard_model`]);
     /// false replicates them (DDP). Recipe `distributed.shard_parameters`.
     pub shard_parameters: bool,
+    /// With sharded parameters, free each unit's gathered parameters after its forward and
+    /// gather them again for its backward. Recipe `distributed.reshard_after_forward`.
+    pub reshard_after_forward: bool,
 }
 
 impl TrainOptions {
@@ -110,6 +113,7 @@ impl TrainOptions {
             forward: ForwardOptions { attn_path: r.model.backend.attn, linear_path: r.model.backend.linear, ..ForwardOptions::default() },
             data_parallel: None,
             shard_parameters: r.distributed.shard_parameters,
+            reshard_after_forward: r.distributed.reshard_after_forward,
         }
     }
 }
@@ -171,7 +175,7 @@ where
     pub fn new(model: Glm5ForCausalLM<B>, options: TrainOptions, device: &B::Device) -> Self {
         let mut model = freeze(model, &options.freeze);
         if let Some(g) = options.data_parallel.as_ref().filter(|g| g.size() > 1 && options.shard_parameters) {
-            model = shard_model(model, g.clone());
+            model = shard_model(model, g.clone(), options.reshard_after_forward);
         }
         Self { model: Some(model), optim: adamw::<B>(&options), options, step: 0, skipped_steps: 0, data_fingerprint: None, device: device.clone() }
     }

@@ -24,6 +24,7 @@ use burn::tensor::Device;
 use burn::tensor::{BoolDType, DType, Distribution, FloatDType, IndexingUpdateOp, IntDType, Scalar, Shape, Slice, TensorData, TensorPrimitive};
 
 use super::collective::{CollectiveBackend, Group};
+use super::fsdp::ParamGather;
 use super::DistError;
 use crate::ops::adamw::AdamWScalars;
 use crate::ops::backend::Glm5Backend;
@@ -150,13 +151,8 @@ impl<B: CollectiveBackend> CollectiveBackend for Distributed<B> {
         B::all_gather_rows(x, rows, group)
     }
 
-    fn all_gather_rows_after(
-        x: FloatTensor<Self>,
-        anchor: Option<FloatTensor<Self>>,
-        rows: &[usize],
-        group: &Group,
-    ) -> Result<FloatTensor<Self>, DistError> {
-        B::all_gather_rows_after(x, anchor, rows, group)
+    fn gather_param(x: FloatTensor<Self>, links: [Option<FloatTensor<Self>>; 2], site: &ParamGather) -> Result<[FloatTensor<Self>; 2], DistError> {
+        B::gather_param(x, links, site)
     }
 
     fn reduce_scatter_rows(x: FloatTensor<Self>, rows: &[usize], group: &Group) -> Result<FloatTensor<Self>, DistError> {
