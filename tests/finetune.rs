@@ -66,7 +66,8 @@ fn killed_and_resumed_run_matches_an_uninterrupted_one() {
     let full = trace(&a);
     assert_eq!(full.iter().map(|t| t.0).collect::<Vec<_>>(), (1..=8).collect::<Vec<_>>(), "{log}");
     assert!(full[7].1 < full[0].1, "the loss falls: {full:?}");
-    assert!(a.join("loss_curve.png").is_file());
+    let svg = std::fs::read_to_string(a.join("curves.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("validation") && svg.contains("peak RSS"), "curves.svg");
     let kept: Vec<String> =
         std::fs::read_dir(&a).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).filter(|n: &String| n.starts_with("step_")).collect();
     assert_eq!(kept.len(), 2, "keep_last = 2: {kept:?}");
@@ -117,10 +118,21 @@ fn refuses_to_overwrite_checkpoints_without_resume() {
     let out = Command::new(example("finetune")).args(args).output().unwrap();
     let text = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!out.status.success() && text.contains("holds checkpoints"), "{text}");
-    // a backend this build lacks is named
+    // an unknown backend is refused by the parser, one this build lacks is named
     let out = Command::new(example("finetune")).arg("--backend=metal").output().unwrap();
     let text = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!out.status.success() && text.contains("--backend=metal: not available in this build (flex"), "{text}");
+    assert!(!out.status.success() && text.contains("'metal'") && text.contains("[possible values: flex, cuda, vulkan]"), "{text}");
+    if !cfg!(feature = "cuda") {
+        let out = Command::new(example("finetune")).arg("--backend=cuda").output().unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success() && text.contains("--backend=cuda: not available in this build (flex"), "{text}");
+    }
+    // --help lists the flags and every recipe key with the embedded default's value
+    let out = Command::new(example("finetune")).arg("--help").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    for want in ["--no-resume", "--reset-data-position", "--backend", "--step_scheduler.max_steps=40", "--distributed.reshard_after_forward=true"] {
+        assert!(out.status.success() && text.contains(want), "--help lacks {want}:\n{text}");
+    }
     // an unknown recipe key names its path
     let out = Command::new(example("finetune")).arg("--optimizer.momentum=0.9").output().unwrap();
     let text = String::from_utf8_lossy(&out.stderr).to_string();

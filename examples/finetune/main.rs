@@ -9,7 +9,7 @@
 //! trains with [`glm5_burn::train::trainer::Trainer`]: a progress bar (step, loss, tokens/s,
 //! ETA), one JSON line of metrics per step in `CHECKPOINT_DIR/metrics.jsonl`, validation loss
 //! every `val_every_steps`, checkpoints every `ckpt_every_steps` and at the end, and
-//! `CHECKPOINT_DIR/loss_curve.png`. A run whose checkpoint directory already holds checkpoints
+//! `CHECKPOINT_DIR/curves.svg` (loss and validation loss; step time and peak memory). A run whose checkpoint directory already holds checkpoints
 //! continues from the newest one (data position, optimizer and step included); `--no-resume`
 //! refuses to start over such a directory instead of overwriting it. One run per checkpoint
 //! directory (an advisory lock on `CHECKPOINT_DIR/.lock`). Resuming on data that differ from
@@ -35,6 +35,7 @@ use anyhow::{bail, Context, Result};
 use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::config::Glm5Config;
 use glm5_burn::data::batch::MicroBatch;
@@ -46,74 +47,57 @@ use glm5_burn::distributed::Group;
 use glm5_burn::ops::OpImpl;
 use glm5_burn::train::checkpoint as ckpt;
 use glm5_burn::train::params::trainable_counts;
-use glm5_burn::train::recipe::{DatasetSection, PathKind, Recipe};
+use glm5_burn::train::recipe::{split_overrides, DatasetSection, PathKind, Recipe};
 use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
 use glm5_burn::{Glm5Backend, Glm5ForCausalLM};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 
-const DEFAULT_RECIPE: &str = include_str!("../../configs/tiny_medpix.yaml");
-
+/// Supervised fine-tuning from a recipe (no recipe: the embedded tiny MedPix default).
+#[derive(Parser, Debug)]
+#[command(
+    name = "finetune",
+    override_usage = "finetune [RECIPE.yaml] [--section.key=value ...] [OPTIONS]",
+    after_help = "Recipe overrides: --section.key=value, any key of the recipe (the README's recipe key table; \
+                  `finetune --help` lists them with the embedded default's values)."
+)]
 struct Args {
+    /// Recipe file (YAML); without one, the embedded `configs/tiny_medpix.yaml`.
     recipe: Option<PathBuf>,
-    overrides: Vec<String>,
+    /// Refuse to start over a checkpoint directory that already holds checkpoints (instead of
+    /// resuming from the newest).
+    #[arg(long)]
     no_resume: bool,
+    /// Resume a checkpoint on changed data, from the first pack of the new data.
+    #[arg(long)]
     reset_data_position: bool,
+    /// Compute backend (cuda and vulkan need the cargo feature of that name).
+    #[arg(long, default_value = "flex", value_parser = ["flex", "cuda", "vulkan"])]
     backend: String,
+    /// `--section.key=value` recipe overrides, in order (split off before clap parses).
+    #[arg(skip)]
+    overrides: Vec<String>,
 }
 
-fn parse_args() -> Result<Args> {
-    let mut a = Args { recipe: None, overrides: Vec::new(), no_resume: false, reset_data_position: false, backend: "flex".into() };
-    for arg in std::env::args().skip(1) {
-        if arg == "--no-resume" {
-            a.no_resume = true;
-        } else if arg == "--reset-data-position" {
-            a.reset_data_position = true;
-        } else if let Some(b) = arg.strip_prefix("--backend=") {
-            a.backend = b.to_string();
-        } else if arg == "-h" || arg == "--help" {
-            println!(
-                "usage: finetune [RECIPE.yaml] [--section.key=value ...] [--no-resume] [--reset-data-position] [--backend=flex|cuda|vulkan]\n\
-                 (no recipe: the embedded tiny MedPix default; cuda/vulkan need the cargo feature of that name;\n\
-                 --reset-data-position: resume a checkpoint on changed data, from the first pack of the new data)"
-            );
-            std::process::exit(0);
-        } else if arg.starts_with("--") {
-            a.overrides.push(arg);
-        } else if a.recipe.is_none() {
-            a.recipe = Some(PathBuf::from(arg));
-        } else {
-            bail!("unexpected argument {arg:?} (one recipe file, then --section.key=value overrides)");
-        }
-    }
-    Ok(a)
-}
-
-/// Relative paths of the embedded default point into this repository, wherever it is run from.
-fn anchor(p: &Path, embedded: bool) -> PathBuf {
-    if embedded && p.is_relative() && !p.exists() {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join(p)
-    } else {
-        p.to_path_buf()
-    }
+fn parse_args() -> Args {
+    let (overrides, rest) = split_overrides(std::env::args().skip(1));
+    let keys = Recipe::embedded_default(&[]).map(|r| r.override_keys()).unwrap_or_default();
+    let cmd = Args::command().after_long_help(format!(
+        "Recipe overrides (--section.key=value; YAML values: 5, true, 1e-5, [0.9, 0.95], null), with the embedded default's values:\n{keys}"
+    ));
+    let matches = cmd.get_matches_from(std::iter::once("finetune".to_string()).chain(rest));
+    let mut args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    args.overrides = overrides;
+    args
 }
 
 fn main() -> Result<()> {
     glm5_burn::train::alloc::keep_freed_memory();
-    let args = parse_args()?;
-    let embedded = args.recipe.is_none();
-    let mut recipe = match &args.recipe {
+    let args = parse_args();
+    let recipe = match &args.recipe {
         Some(p) => Recipe::from_file(p, &args.overrides)?,
-        None => Recipe::from_yaml(DEFAULT_RECIPE, "configs/tiny_medpix.yaml (embedded default)", &args.overrides)?,
+        None => Recipe::embedded_default(&args.overrides)?,
     };
-    if embedded {
-        recipe.model.config = recipe.model.config.map(|p| anchor(&p, true));
-        recipe.model.tokenizer = recipe.model.tokenizer.map(|p| anchor(&p, true));
-        recipe.dataset.path = anchor(&recipe.dataset.path, true);
-        if let Some(v) = recipe.validation_dataset.as_mut() {
-            v.path = anchor(&v.path, true);
-        }
-    }
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!(
         "recipe: {}  ({threads} threads)",
@@ -532,9 +516,11 @@ where
     let rows: Vec<Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     let train_pts: Vec<(f64, f64)> = rows.iter().filter_map(|r| Some((r["step"].as_f64()?, r["loss"].as_f64()?))).collect();
     let val_pts: Vec<(f64, f64)> = rows.iter().filter_map(|r| Some((r["step"].as_f64()?, r["val_loss"].as_f64()?))).collect();
+    let series = |key: &str| -> Vec<(f64, f64)> { rows.iter().filter_map(|r| Some((r["step"].as_f64()?, r[key].as_f64()?))).collect() };
     if !train_pts.is_empty() {
-        let png = root.join("loss_curve.png");
-        plot::loss_curve(&png, &train_pts, &val_pts).map_err(anyhow::Error::msg)?;
+        let png = root.join("curves.svg");
+        let curves = plot::Curves { train: &train_pts, val: &val_pts, seconds: &series("seconds"), peak_rss_mb: &series("peak_rss_mb") };
+        plot::curves(&png, &curves).map_err(anyhow::Error::msg)?;
         let first = train_pts.first().map(|p| p.1).unwrap_or(f64::NAN);
         let last = train_pts.last().map(|p| p.1).unwrap_or(f64::NAN);
         println!(

@@ -7,6 +7,8 @@ pub mod alloc;
 pub mod checkpoint;
 pub mod clip;
 pub mod data_parallel;
+#[cfg(feature = "learner")]
+pub mod learner;
 pub mod params;
 pub mod recipe;
 pub mod schedule;

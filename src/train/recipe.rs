@@ -1,16 +1,18 @@
 //! The training recipe: a YAML file with NeMo AutoModel's sections (`step_scheduler`,
 //! `model`, `distributed`, `dataset`, `validation_dataset`, `packed_sequence`, `optimizer`,
 //! `lr_scheduler`, `freeze_config`, `checkpoint`, `rng`), deserialised into typed structs.
-//! Unknown keys are errors naming their path; `--section.key=value` overrides are applied to
-//! the YAML before it is typed (values are parsed as YAML scalars, so `5`, `true`, `1e-5`
-//! keep their types).
+//! Unknown keys are errors naming their path. The layers — the file, then each
+//! `--section.key=value` override (its value parsed as YAML, so `5`, `true`, `1e-5`, `[0.9,
+//! 0.95]`, `null` keep their types) — are merged by the `config` crate and the result is typed
+//! through `serde_path_to_error`, so an error names the key's full path.
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use config::{Config, File, FileFormat};
+
 use crate::data::DatasetFormat;
-use serde_yaml::Value;
 
 /// Recipe errors, naming the file and key.
 #[derive(Debug, thiserror::Error)]
@@ -338,53 +340,65 @@ fn single_device() -> Distributed {
     Distributed { dp_size: 1, ep_size: 1, cp_size: 1, activation_checkpointing: false, shard_parameters: true, reshard_after_forward: true }
 }
 
-/// Set `a.b.c = value` in a YAML mapping, creating nothing: the path's parent must exist.
-fn set_path(root: &mut Value, dotted: &str, value: Value, source: &str) -> Result<(), RecipeError> {
+/// `a.b.c=value` as a YAML document `a: {b: {c: value}}` (the value's text kept as it is, so
+/// YAML types it).
+fn override_yaml(dotted: &str, value: &str) -> String {
     let keys: Vec<&str> = dotted.split('.').collect();
-    let mut node = root;
-    for (i, k) in keys.iter().enumerate() {
-        let map = node.as_mapping_mut().ok_or_else(|| RecipeError::Key {
-            source_name: source.into(),
-            key: keys[..i].join("."),
-            message: "is not a section".into(),
-        })?;
-        let key = Value::String((*k).to_string());
-        if i + 1 == keys.len() {
-            map.insert(key, value);
-            return Ok(());
+    let mut out = String::new();
+    for (depth, k) in keys.iter().enumerate() {
+        out.push_str(&"  ".repeat(depth));
+        out.push_str(k);
+        out.push(':');
+        if depth + 1 < keys.len() {
+            out.push('\n');
         }
-        node = map.entry(key).or_insert_with(|| Value::Mapping(Default::default()));
     }
-    Ok(())
+    out.push(' ');
+    out.push_str(value);
+    out.push('\n');
+    out
+}
+
+/// The recipe the examples run without one: `configs/tiny_medpix.yaml` (the bundled tiny VLM
+/// on the bundled MedPix sample), embedded at build time.
+pub const DEFAULT_RECIPE: &str = include_str!("../../configs/tiny_medpix.yaml");
+
+/// Split command-line arguments into recipe overrides (`--section.key=value`: a `.` before the
+/// `=`) and the rest (a program's own flags and positionals), each in order.
+pub fn split_overrides<I: IntoIterator<Item = String>>(args: I) -> (Vec<String>, Vec<String>) {
+    args.into_iter().partition(|a| a.starts_with("--") && a.split('=').next().is_some_and(|k| k.contains('.')))
 }
 
 impl Recipe {
     /// Parse YAML text, apply `section.key=value` overrides, type and validate it.
     pub fn from_yaml(text: &str, source: &str, overrides: &[String]) -> Result<Self, RecipeError> {
-        let mut value: Value = serde_yaml::from_str(text).map_err(|e| RecipeError::File { path: source.into(), message: e.to_string() })?;
-        if value.is_null() {
-            return Err(RecipeError::File {
-                path: source.into(),
-                message: "the recipe is empty (expected the sections step_scheduler, model, dataset, …)".into(),
-            });
+        let file = |message: String| RecipeError::File { path: source.into(), message };
+        let base = Config::builder().add_source(File::from_str(text, FileFormat::Yaml)).build().map_err(|e| match e {
+            config::ConfigError::FileParse { cause, .. } if cause.to_string().contains("expected a map") => {
+                file("a recipe is a YAML mapping of sections (step_scheduler:, model:, …)".into())
+            }
+            e => file(e.to_string()),
+        })?;
+        let empty = base.clone().try_deserialize::<config::Map<String, config::Value>>().map(|m| m.is_empty()).unwrap_or(false);
+        if empty {
+            return Err(file("the recipe is empty (expected the sections step_scheduler, model, dataset, …)".into()));
         }
-        if !value.is_mapping() {
-            return Err(RecipeError::File {
-                path: source.into(),
-                message: "a recipe is a YAML mapping of sections (step_scheduler:, model:, …)".into(),
-            });
-        }
+        let mut layers = Config::builder().add_source(base);
         let mut given: Vec<(String, String)> = Vec::new();
         for o in overrides {
             let o = o.trim_start_matches("--");
             let (k, v) = o.split_once('=').ok_or_else(|| RecipeError::Override(o.to_string()))?;
-            if k.is_empty() {
+            if k.is_empty() || k.split('.').any(str::is_empty) {
                 return Err(RecipeError::Override(o.to_string()));
             }
-            let v: Value = serde_yaml::from_str(v).map_err(|_| RecipeError::Override(o.to_string()))?;
-            set_path(&mut value, k, v, &format!("override --{o}"))?;
+            let layer = Config::builder()
+                .add_source(File::from_str(&override_yaml(k, v), FileFormat::Yaml))
+                .build()
+                .map_err(|_| RecipeError::Override(o.to_string()))?;
+            layers = layers.add_source(layer);
             given.push((k.to_string(), o.to_string()));
         }
+        let value = layers.build().map_err(|e| file(e.to_string()))?;
         // an error about a key the command line set names the override, not the file
         let attribute = |e: RecipeError| match e {
             RecipeError::Key { key, message, source_name } => {
@@ -401,6 +415,45 @@ impl Recipe {
             .map_err(attribute)?;
         recipe.validate(source).map_err(attribute)?;
         Ok(recipe)
+    }
+
+    /// [`DEFAULT_RECIPE`] with `overrides`, its relative paths (model, tokenizer, datasets)
+    /// anchored at this repository when they do not exist relative to the working directory.
+    pub fn embedded_default(overrides: &[String]) -> Result<Self, RecipeError> {
+        let mut r = Self::from_yaml(DEFAULT_RECIPE, "configs/tiny_medpix.yaml (embedded default)", overrides)?;
+        let anchor = |p: &Path| -> PathBuf {
+            if p.is_relative() && !p.exists() {
+                Path::new(env!("CARGO_MANIFEST_DIR")).join(p)
+            } else {
+                p.to_path_buf()
+            }
+        };
+        r.model.config = r.model.config.as_deref().map(anchor);
+        r.model.tokenizer = r.model.tokenizer.as_deref().map(anchor);
+        r.model.checkpoint = r.model.checkpoint.as_deref().map(anchor);
+        r.dataset.path = anchor(&r.dataset.path);
+        if let Some(v) = r.validation_dataset.as_mut() {
+            v.path = anchor(&v.path);
+        }
+        Ok(r)
+    }
+
+    /// Every key a `--section.key=value` override can set, with its value in `self` (JSON
+    /// notation; `null`: unset), one per line — for a program's `--help`.
+    pub fn override_keys(&self) -> String {
+        fn walk(prefix: &str, v: &serde_json::Value, out: &mut Vec<String>) {
+            match v {
+                serde_json::Value::Object(m) if !m.is_empty() => {
+                    for (k, x) in m {
+                        walk(&if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") }, x, out);
+                    }
+                }
+                other => out.push(format!("  --{prefix}={other}")),
+            }
+        }
+        let mut out = Vec::new();
+        walk("", &serde_json::to_value(self).unwrap_or_default(), &mut out);
+        out.join("\n")
     }
 
     /// Read a recipe file.

@@ -1,0 +1,215 @@
+//! The model in burn-train's own `Learner`: the bundled tiny VLM fine-tuned on the bundled
+//! MedPix sample with `SupervisedTraining` (its loss metrics, file checkpointer, and its
+//! terminal dashboard when stdout is a terminal, plain lines otherwise).
+//!
+//! ```text
+//! cargo run --release --features learner --example learner [-- RECIPE.yaml] [--section.key=value ...] [--dir DIR]
+//! ```
+//!
+//! The recipe is `finetune`'s (default: the embedded `configs/tiny_medpix.yaml`): the same
+//! packs in the same order, `global_batch_size / local_batch_size` micro-batches accumulated
+//! per optimizer step, AdamW with the recipe's schedule. `glm5_burn::train::learner` says
+//! which of our `Trainer`'s features this path lacks. At the end the validation loss is
+//! printed with `finetune`'s definition (label-token mean over the validation set) to compare.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use burn::backend::{Autodiff, Flex};
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+use burn::tensor::backend::Backend;
+use burn::train::metric::{LossMetric, MetricDefinition, NumericEntry};
+use burn::train::renderer::{
+    EvaluationName, EvaluationProgress, MetricState, MetricsRenderer, MetricsRendererEvaluation, MetricsRendererTraining, ProgressType,
+    TrainingProgress,
+};
+use burn::train::{Learner, SupervisedTraining};
+use clap::{CommandFactory, FromArgMatches, Parser};
+use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
+use glm5_burn::config::Glm5Config;
+use glm5_burn::data::batch::MicroBatch;
+use glm5_burn::data::chat::ChatFormat;
+use glm5_burn::data::image_processor::ImageProcessor;
+use glm5_burn::data::loader::{PackedDataset, PackingOptions, Sampler};
+use glm5_burn::train::adamw::FusedAdamW;
+use glm5_burn::train::learner::{LmItem, LmLoader, ScheduleLr};
+use glm5_burn::train::params::{freeze, trainable_counts};
+use glm5_burn::train::recipe::{split_overrides, Precision, Recipe};
+use glm5_burn::train::step::micro_loss_sum;
+use glm5_burn::train::trainer::TrainOptions;
+use glm5_burn::Glm5ForCausalLM;
+
+type B = Autodiff<Flex>;
+
+/// Plain lines when stdout is not a terminal (burn-train's dashboard otherwise): one per
+/// optimizer step with the mean loss of its micro-batches, one for the validation pass.
+struct Lines {
+    accumulation: usize,
+    train: Vec<f64>,
+    valid: Vec<f64>,
+}
+
+fn value(state: &MetricState) -> Option<f64> {
+    match state {
+        MetricState::Numeric(_, NumericEntry::Value(v)) => Some(*v),
+        MetricState::Numeric(_, NumericEntry::Aggregated { aggregated_value, .. }) => Some(*aggregated_value),
+        MetricState::Generic(_) => None,
+    }
+}
+
+impl MetricsRendererTraining for Lines {
+    fn update_train(&mut self, state: MetricState) {
+        self.train.extend(value(&state));
+    }
+
+    fn update_valid(&mut self, state: MetricState) {
+        self.valid.extend(value(&state));
+    }
+
+    fn render_train(&mut self, item: TrainingProgress, _: Vec<ProgressType>) {
+        let Some(i) = item.iteration.filter(|i| i % self.accumulation == 0) else { return };
+        let mean = self.train.iter().sum::<f64>() / self.train.len().max(1) as f64;
+        println!("step {}: loss {mean:.4} (mean of its {} micro-batches)", i / self.accumulation, self.train.len());
+        self.train.clear();
+    }
+
+    fn render_valid(&mut self, item: TrainingProgress, _: Vec<ProgressType>) {
+        let done = item.progress.as_ref().is_some_and(|p| p.items_processed == p.items_total);
+        if done && !self.valid.is_empty() {
+            let mean = self.valid.iter().sum::<f64>() / self.valid.len() as f64;
+            println!("validation: loss {mean:.4} (mean over {} batches)", self.valid.len());
+            self.valid.clear();
+        }
+    }
+}
+
+impl MetricsRendererEvaluation for Lines {
+    fn update_test(&mut self, _: EvaluationName, _: MetricState) {}
+    fn render_test(&mut self, _: EvaluationProgress, _: Vec<ProgressType>) {}
+}
+
+impl MetricsRenderer for Lines {
+    fn manual_close(&mut self) {}
+    fn register_metric(&mut self, _: MetricDefinition) {}
+}
+
+/// Fine-tune with burn-train's Learner (no recipe: the embedded tiny MedPix default).
+#[derive(Parser, Debug)]
+#[command(name = "learner", override_usage = "learner [RECIPE.yaml] [--section.key=value ...] [OPTIONS]")]
+struct Args {
+    /// Recipe file (YAML); without one, the embedded `configs/tiny_medpix.yaml`.
+    recipe: Option<PathBuf>,
+    /// Directory of burn-train's checkpoints and logs.
+    #[arg(long, default_value = "checkpoints/tiny_medpix_learner")]
+    dir: PathBuf,
+}
+
+fn main() -> Result<()> {
+    let (overrides, rest) = split_overrides(std::env::args().skip(1));
+    let matches = Args::command().get_matches_from(std::iter::once("learner".to_string()).chain(rest));
+    let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let recipe = match &args.recipe {
+        Some(p) => Recipe::from_file(p, &overrides)?,
+        None => Recipe::embedded_default(&overrides)?,
+    };
+    if recipe.distributed.dp_size != 1 {
+        bail!("distributed.dp_size = {}: the Learner path runs in one process (use finetune under mpirun)", recipe.distributed.dp_size);
+    }
+    if recipe.model.dtype != Precision::F32 {
+        println!("model.dtype {:?}: the Learner trains the module in its own precision; training in f32", recipe.model.dtype);
+    }
+    let device = Default::default();
+    B::seed(&device, recipe.rng.seed);
+
+    let (config, _) = match (&recipe.model.checkpoint, &recipe.model.config) {
+        (Some(dir), _) => glm5_burn::checkpoint::read_config(dir)?,
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("model.config: {}", path.display()))?;
+            let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("model.config: {}", path.display()))?;
+            (Glm5Config::from_hf_value(&json).with_context(|| format!("model.config: {}", path.display()))?, json)
+        }
+        (None, None) => bail!("the recipe names neither model.checkpoint nor model.config"),
+    };
+    let tok_dir = recipe.model.tokenizer.clone().or_else(|| recipe.model.checkpoint.clone()).context("model.tokenizer")?;
+    let chat = ChatFormat::from_dir(&tok_dir)?;
+    let packing = PackingOptions {
+        max_length: recipe.packed_sequence.packed_sequence_size,
+        drop_long_samples: recipe.packed_sequence.drop_long_samples,
+        seed: recipe.rng.seed,
+    };
+    let build = |s: &glm5_burn::train::recipe::DatasetSection, label: &str| -> Result<PackedDataset> {
+        let ds = PackedDataset::build(&s.path, s.format, &s.split, s.max_samples, &chat, ImageProcessor::default(), config.image_token_id, &packing)
+            .with_context(|| format!("{label} dataset"))?;
+        println!("{label}: {} packs of ≤{} tokens", ds.packs.len(), packing.max_length);
+        Ok(ds)
+    };
+    let train = build(&recipe.dataset, "train")?;
+    let val = recipe.validation_dataset.as_ref().map(|v| build(v, "validation")).transpose()?;
+
+    // the packs finetune draws, in its order: max_steps global batches of `accum` micro-batches
+    let s = &recipe.step_scheduler;
+    let accum = recipe.accumulation_steps();
+    let mut sampler = Sampler::new(train.packs.len(), recipe.rng.seed);
+    let mut global = Vec::with_capacity(s.max_steps);
+    for _ in 0..s.max_steps {
+        global.push((0..accum).map(|_| train.micro_batch(&sampler.take(s.local_batch_size))).collect::<Result<Vec<_>, _>>()?);
+    }
+    let options = TrainOptions::from_recipe(&recipe);
+    let vocab = config.text_config.vocab_size;
+    let train_items = LmItem::from_global_batches(global, vocab, options.aux_loss_coef, &options.forward);
+    let val_batches: Vec<MicroBatch> = match &val {
+        Some(v) => (0..v.packs.len()).collect::<Vec<_>>().chunks(s.local_batch_size).map(|c| v.micro_batch(c)).collect::<Result<_, _>>()?,
+        None => Vec::new(),
+    };
+    let val_items = LmItem::from_global_batches(val_batches.iter().map(|m| vec![m.clone()]).collect(), vocab, 0.0, &options.forward);
+
+    let model: Glm5ForCausalLM<B> = match &recipe.model.checkpoint {
+        Some(dir) => load_causal_lm::<B>(dir, &device, &LoadOptions { vision: true, ..Default::default() })?.model,
+        None => Glm5ForCausalLM::<B>::try_new_with_vision(&config, None, &device)?,
+    };
+    let model = freeze(model, &recipe.freeze_config);
+    let (trainable, frozen) = trainable_counts(&model);
+    println!(
+        "parameters: {:.2} M trainable, {:.2} M frozen; {} optimizer steps of {accum} micro-batches",
+        trainable as f64 / 1e6,
+        frozen as f64 / 1e6,
+        s.max_steps
+    );
+    let optim = FusedAdamW {
+        beta_1: options.betas[0] as f32,
+        beta_2: options.betas[1] as f32,
+        epsilon: options.eps as f32,
+        weight_decay: options.weight_decay as f32,
+    }
+    .init::<B, Glm5ForCausalLM<B>>();
+    let lr = ScheduleLr { schedule: options.lr, accumulation: accum, items: 0 };
+    let learner = Learner::new(model, optim, lr);
+
+    let training = SupervisedTraining::new(&args.dir, Arc::new(LmLoader::new(train_items)), Arc::new(LmLoader::new(val_items)))
+        .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new())
+        .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
+        .grads_accumulation(accum)
+        .num_epochs(1)
+        .summary();
+    let training = match std::io::stdout().is_terminal() {
+        true => training,
+        false => training.renderer(Lines { accumulation: accum, train: Vec::new(), valid: Vec::new() }),
+    };
+    let result = training.launch(learner);
+
+    // finetune's validation loss: Σ CE / Σ label tokens over the validation set
+    if !val_batches.is_empty() {
+        let (mut sum, mut count) = (0.0, 0);
+        for m in &val_batches {
+            let (s, c) = micro_loss_sum(&result.model, m, &options.forward, &device)?;
+            sum += s;
+            count += c;
+        }
+        println!("validation loss after {} steps (label-token mean, as finetune reports it): {:.4}", s.max_steps, sum / count.max(1) as f64);
+    }
+    println!("burn-train's checkpoints and logs: {}", args.dir.display());
+    Ok(())
+}
