@@ -143,3 +143,21 @@ fn data_parallel_sizes_are_checked_against_the_batch() {
     let e = ok(&["--distributed.cp_size=0"]).unwrap_err().to_string();
     assert!(e.contains("distributed.cp_size") && e.contains("at least 1"), "{e}");
 }
+
+#[test]
+fn overrides_are_told_from_program_flags() {
+    use glm5_burn::train::recipe::{split_overrides, SECTIONS};
+    let args = ["r.yaml", "--optimizer.lr=1e-4", "--validation_dataset=null", "--no-resume", "--backend=flex", "--rng.seed=3"];
+    let (overrides, rest) = split_overrides(args.iter().map(|s| s.to_string()));
+    assert_eq!(overrides, ["--optimizer.lr=1e-4", "--validation_dataset=null", "--rng.seed=3"]);
+    assert_eq!(rest, ["r.yaml", "--no-resume", "--backend=flex"]);
+    // every section is a key of the recipe
+    let r = Recipe::from_file(&shipped("tiny_medpix.yaml"), &[]).unwrap();
+    let json = serde_json::to_value(&r).unwrap();
+    let keys: Vec<&str> = json.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+    let mut sections = SECTIONS.to_vec();
+    sections.sort();
+    let mut keys = keys;
+    keys.sort();
+    assert_eq!(sections, keys);
+}

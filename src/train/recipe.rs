@@ -363,10 +363,30 @@ fn override_yaml(dotted: &str, value: &str) -> String {
 /// on the bundled MedPix sample), embedded at build time.
 pub const DEFAULT_RECIPE: &str = include_str!("../../configs/tiny_medpix.yaml");
 
-/// Split command-line arguments into recipe overrides (`--section.key=value`: a `.` before the
-/// `=`) and the rest (a program's own flags and positionals), each in order.
+/// The recipe's top-level keys (sections, and `validation_dataset`, which may be `null`).
+pub const SECTIONS: [&str; 12] = [
+    "step_scheduler",
+    "model",
+    "distributed",
+    "dataset",
+    "validation_dataset",
+    "packed_sequence",
+    "optimizer",
+    "lr_scheduler",
+    "freeze_config",
+    "checkpoint",
+    "moe",
+    "rng",
+];
+
+/// Split command-line arguments into recipe overrides (`--section.key=value`, or
+/// `--section=value` for a top-level key such as `--validation_dataset=null`) and the rest
+/// (a program's own flags and positionals), each in order.
 pub fn split_overrides<I: IntoIterator<Item = String>>(args: I) -> (Vec<String>, Vec<String>) {
-    args.into_iter().partition(|a| a.starts_with("--") && a.split('=').next().is_some_and(|k| k.contains('.')))
+    args.into_iter().partition(|a| {
+        let key = a.strip_prefix("--").map(|k| k.split('=').next().unwrap_or(k));
+        key.is_some_and(|k| k.contains('.') || (a.contains('=') && SECTIONS.contains(&k)))
+    })
 }
 
 impl Recipe {
