@@ -122,3 +122,14 @@ pub fn write_logits(path: &Path, logits: &[f32], shape: [usize; 3]) -> Result<Pa
     write_atomic(path, &serialize(&t)?)?;
     Ok(path.to_path_buf())
 }
+
+/// Write generated `sequences` (I64 `[B, L]`) atomically, as HF's `generate` returns them.
+pub fn write_sequences(path: &Path, sequences: &[i64], shape: [usize; 2]) -> Result<PathBuf, CheckpointError> {
+    let mut t = BTreeMap::new();
+    t.insert(
+        "sequences".to_string(),
+        OwnedTensor { dtype: Dtype::I64, shape: shape.to_vec(), data: sequences.iter().flat_map(|x| x.to_le_bytes()).collect() },
+    );
+    write_atomic(path, &serialize(&t)?)?;
+    Ok(path.to_path_buf())
+}

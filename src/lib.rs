@@ -18,6 +18,7 @@ pub mod config;
 pub mod data;
 pub mod distributed;
 pub mod error;
+pub mod generate;
 pub mod io;
 pub mod model;
 pub mod ops;

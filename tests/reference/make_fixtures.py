@@ -987,6 +987,89 @@ def config_defaults_fixture():
     print("config_defaults: written")
 
 
+
+# Sampling configurations of `sampling.safetensors`: (temperature, top_k, top_p).
+SAMPLING = [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9), (0.8, 20, 0.95), (1.3, 3, 0.5), (1.0, 50, 0.8)]
+
+
+def sampling_fixture():
+    """HF's logits warpers, in generate()'s order, on random rows (tests/sampling.rs).
+
+    Rows come from a seeded normal with a few exact ties at the top; a row set is kept only if
+    no cumulative probability lies within 1e-5 of a top-p threshold, so float summation order
+    cannot flip a kept token."""
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+    gen = torch.Generator().manual_seed(7)
+    rows, vocab = 12, 97
+    while True:
+        logits = torch.randn(rows, vocab, generator=gen) * 3.0
+        logits[0, 10] = logits[0, 11] = logits[0].max() + 1.0  # tied maxima
+        logits[1, :4] = logits[1].max() + 0.5  # a tie across the top-3 boundary
+        ok = True
+        for t, _, p in SAMPLING:
+            if p < 1.0:
+                z = torch.sort(logits / t, descending=False).values
+                c = z.softmax(-1).cumsum(-1)
+                ok &= bool(((c - (1 - p)).abs() > 1e-5).all())
+        if ok:
+            break
+    tensors = {"logits": logits.contiguous()}
+    for j, (t, k, p) in enumerate(SAMPLING):
+        procs = LogitsProcessorList()
+        if t != 1.0:
+            procs.append(TemperatureLogitsWarper(t))
+        if k != 0:
+            procs.append(TopKLogitsWarper(top_k=k, min_tokens_to_keep=1))
+        if p < 1.0:
+            procs.append(TopPLogitsWarper(top_p=p, min_tokens_to_keep=1))
+        tensors[f"warped_{j}"] = procs(None, logits.clone()).contiguous()
+        tensors[f"config_{j}"] = torch.tensor([t, float(k), p], dtype=torch.float32)
+    tensors["greedy"] = logits.argmax(-1).to(torch.int64)
+    save_file(tensors, str(OUT / "sampling.safetensors"))
+    print("sampling: %d rows x %d, %d configurations" % (rows, vocab, len(SAMPLING)))
+
+
+def generate_fixture(name, new_tokens=8, margin=1e-3):
+    """HF's greedy `generate()` on a model fixture's prompt, in float64 (tests/generate.rs).
+
+    The EOS id is the token row 0 produces at its third step: generation stops there for one
+    row, before `max_new_tokens`; with several rows row 0 ends mid-batch and is padded with
+    `pad_token_id` while the others continue. Every step's top-1/top-2 logit gap of
+    every unfinished row exceeds `margin`, so the fp32 run cannot pick another token."""
+    d = OUT / name
+    io = load_file(d / "io.safetensors")
+    ids, mask = io["input_ids"], io["attention_mask"]
+    model = Glm5NextForConditionalGeneration.from_pretrained(d).double().eval()
+    eager_experts(model)
+    pad = model.config.text_config.pad_token_id
+    pad = 0 if pad is None else pad
+
+    def run(eos):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                                  eos_token_id=eos, pad_token_id=pad, output_scores=True,
+                                  return_dict_in_generate=True)
+    free = run(None)
+    eos = int(free.sequences[0, ids.shape[1] + 2])
+    out = run(eos)
+    seqs = out.sequences
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool)
+    for step, scores in enumerate(out.scores):
+        top = scores.topk(2, dim=-1).values
+        gap = (top[:, 0] - top[:, 1])[~finished]
+        assert gap.numel() == 0 or gap.min().item() > margin, f"{name}: step {step} top-1/top-2 gap {gap.min().item():.2e}"
+        finished |= seqs[:, ids.shape[1] + step] == eos
+    # one row: generation stops at its EOS, before max_new_tokens; several: row 0 ends mid-batch
+    # and is padded while another continues
+    s = ids.shape[1]
+    assert finished[0] and (seqs.shape[1] == s + 3 if ids.shape[0] == 1 else seqs.shape[1] > s + 3), seqs.shape
+    save_file({"input_ids": ids.contiguous(), "attention_mask": mask.contiguous(), "sequences": seqs.contiguous(),
+               "eos_token_id": torch.tensor([eos]), "pad_token_id": torch.tensor([pad]),
+               "max_new_tokens": torch.tensor([new_tokens])},
+              str(d / "generate.safetensors"))
+    print(f"{name}: generate {tuple(ids.shape)} -> {tuple(seqs.shape)}, eos {eos}, rows ended {finished.tolist()}")
+
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
     torch.set_default_dtype(torch.float32)
@@ -1016,6 +1099,11 @@ def main():
         config_fixture()
     if not only or "config_defaults" in only:
         config_defaults_fixture()
+    if not only or "sampling" in only:
+        sampling_fixture()
+    for name in ("base_k4", "leftpad"):
+        if not only or f"generate_{name}" in only:
+            generate_fixture(name)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,186 @@
+//! Generate with a checkpoint: token ids in, sequences out (as HF's `generate` returns them),
+//! or a question about an image answered on the terminal as it is generated.
+//!
+//! ```text
+//! cargo run --release --example generate -- --checkpoint DIR --input IN.safetensors --max-new-tokens N --output OUT.safetensors
+//! cargo run --release --example generate -- --checkpoint DIR --tokenizer DIR --image FILE --prompt TEXT
+//! ```
+//!
+//! `IN` is what `logits` reads (`input_ids` I64 `[B, S]`, optional `attention_mask`,
+//! `pixel_values`, `image_grid_thw`); `OUT` gets `sequences` I64 `[B, S + n]` (n ≤ N: generation
+//! stops once every row has ended; ended rows are padded with `pad_token_id`). EOS ids come
+//! from the checkpoint's `generation_config.json` / `config.json` unless `--eos` is given.
+//! Greedy by default; `--do-sample` with `--temperature`, `--top-k`, `--top-p`, `--seed`.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use burn::tensor::{DType, Tensor, TensorData};
+use clap::{Parser, ValueEnum};
+use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
+use glm5_burn::generate::{checkpoint_eos_ids, generate, GenerateOptions, Prompt, SamplingConfig};
+use glm5_burn::io::{write_sequences, TokenInputs};
+use glm5_burn::{ForwardOptions, Glm5Backend};
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Precision {
+    F32,
+    Bf16,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BackendChoice {
+    Flex,
+    Tch,
+    Cuda,
+    Vulkan,
+}
+
+/// Generate tokens with a GLM-5.3-Flash checkpoint.
+#[derive(Parser)]
+struct Args {
+    /// Checkpoint directory (config.json + safetensors).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Input safetensors (`input_ids`, optional `attention_mask`, `pixel_values`, `image_grid_thw`).
+    #[arg(long, required_unless_present = "prompt", conflicts_with = "prompt")]
+    input: Option<PathBuf>,
+    /// Output safetensors receiving `sequences` (I64 [B, S+n]).
+    #[arg(long, required_unless_present = "prompt")]
+    output: Option<PathBuf>,
+    /// A question, rendered with the tokenizer's chat template (images first); the answer is printed as generated.
+    #[arg(long, requires = "tokenizer")]
+    prompt: Option<String>,
+    /// Images for the prompt (repeatable).
+    #[arg(long = "image", requires = "prompt")]
+    images: Vec<PathBuf>,
+    /// Tokenizer directory (tokenizer.json and its chat template).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// At most this many new tokens per row.
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// EOS ids (repeatable; default: the checkpoint's).
+    #[arg(long = "eos")]
+    eos: Vec<i64>,
+    /// Sample instead of greedy decoding.
+    #[arg(long)]
+    do_sample: bool,
+    /// Sampling temperature.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Top-k filter (0: off).
+    #[arg(long, default_value_t = 50)]
+    top_k: usize,
+    /// Top-p (nucleus) filter (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Seed of the draws.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Backend to run on.
+    #[arg(long, value_enum, default_value = "flex")]
+    backend: BackendChoice,
+    /// Weight and activation precision.
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: Precision,
+}
+
+fn main() {
+    let args = Args::parse();
+    let result = match args.backend {
+        BackendChoice::Flex => run::<burn::backend::Flex>(&args, &Default::default()),
+        #[cfg(feature = "tch")]
+        BackendChoice::Tch => run::<burn::backend::LibTorch>(&args, &burn::backend::libtorch::LibTorchDevice::Cpu),
+        #[cfg(feature = "cuda")]
+        BackendChoice::Cuda => run::<burn::backend::Cuda>(&args, &Default::default()),
+        #[cfg(feature = "vulkan")]
+        BackendChoice::Vulkan => run::<burn::backend::Vulkan>(&args, &Default::default()),
+        #[allow(unreachable_patterns)]
+        _ => Err(anyhow::anyhow!("this binary was built without that backend's cargo feature")),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
+    let dtype = if matches!(args.dtype, Precision::Bf16) { DType::BF16 } else { DType::F32 };
+    let eos = if args.eos.is_empty() { checkpoint_eos_ids(&args.checkpoint)? } else { args.eos.clone() };
+    let sampling = SamplingConfig { do_sample: args.do_sample, temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed };
+    if let Some(question) = &args.prompt {
+        return answer::<B>(args, question, dtype, eos, sampling, device);
+    }
+    let (input, output) = (args.input.clone().expect("clap requires it"), args.output.clone().expect("clap requires it"));
+    let inputs = TokenInputs::read(&input)?;
+    let load = LoadOptions { vision: inputs.images.is_some(), ..LoadOptions::with_dtype(dtype) };
+    let loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
+    let text = &loaded.config.text_config;
+    let opts = GenerateOptions {
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        eos_token_ids: eos,
+        pad_token_id: text.pad_token_id.unwrap_or(0),
+        max_positions: text.max_position_embeddings,
+    };
+    let pixels = inputs.images.as_ref().map(|im| {
+        (Tensor::<B, 2>::from_data(TensorData::new(im.pixel_values.clone(), [im.n_patches, im.patch_dim]), device), im.grid_thw.as_slice())
+    });
+    let prompt = Prompt { ids: &inputs.ids, batch: inputs.batch, seq: inputs.seq, mask: Some(&inputs.mask), images: pixels };
+    let start = std::time::Instant::now();
+    let out = generate(&loaded.model, prompt, &opts, &ForwardOptions::default(), |_| {}).with_context(|| input.display().to_string())?;
+    let len = inputs.seq + out.new_tokens;
+    eprintln!("generated {} tokens per row in {:.2?}; rows ended on EOS: {:?}", out.new_tokens, start.elapsed(), out.ended);
+    write_sequences(&output, &out.sequences, [inputs.batch, len])?;
+    eprintln!("wrote {}", output.display());
+    Ok(())
+}
+
+fn answer<B: Glm5Backend>(args: &Args, question: &str, dtype: DType, eos: Vec<i64>, sampling: SamplingConfig, device: &B::Device) -> Result<()> {
+    use glm5_burn::data::chat::ChatFormat;
+    use glm5_burn::data::image_processor::{ImageProcessor, RgbImage};
+    let dir = args.tokenizer.as_ref().expect("clap requires it");
+    let chat = ChatFormat::from_dir(dir).with_context(|| format!("loading the tokenizer and chat template from {}", dir.display()))?;
+    let images = args.images.iter().map(|p| RgbImage::open(p)).collect::<Result<Vec<_>, _>>()?;
+    let p = glm5_burn::data::user_prompt(&chat, &ImageProcessor::default(), &images, question)?;
+    let loaded = load_causal_lm::<B>(&args.checkpoint, device, &LoadOptions { vision: !images.is_empty(), ..LoadOptions::with_dtype(dtype) })?;
+    let image_id = chat.tokenizer.token_to_id("<|image|>").map(|x| x as i64);
+    if !images.is_empty() && image_id != Some(loaded.config.image_token_id) {
+        bail!("the tokenizer's <|image|> id {image_id:?} differs from the checkpoint's image_token_id {}", loaded.config.image_token_id);
+    }
+    // the chat format's turn end stops an answer too
+    let mut eos = eos;
+    eos.extend(["<|user|>", "<|endoftext|>"].iter().filter_map(|t| chat.tokenizer.token_to_id(t)).map(|x| x as i64));
+    let text = &loaded.config.text_config;
+    let opts = GenerateOptions {
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        eos_token_ids: eos.clone(),
+        pad_token_id: text.pad_token_id.unwrap_or(0),
+        max_positions: text.max_position_embeddings,
+    };
+    let n = p.pixel_values.len() / p.patch_dim.max(1);
+    let pixels = (!images.is_empty())
+        .then(|| (Tensor::<B, 2>::from_data(TensorData::new(p.pixel_values.clone(), [n, p.patch_dim]), device), p.grid_thw.as_slice()));
+    let prompt = Prompt { ids: &p.ids, batch: 1, seq: p.ids.len(), mask: None, images: pixels };
+    let mut answer: Vec<u32> = Vec::new();
+    let mut shown = 0;
+    let mut stdout = std::io::stdout();
+    generate(&loaded.model, prompt, &opts, &ForwardOptions::default(), |t| {
+        if !eos.contains(&t[0]) {
+            answer.push(t[0] as u32);
+            // print what the new token adds to the decoded answer
+            if let Ok(text) = chat.tokenizer.decode(&answer, true) {
+                if text.len() > shown && text.is_char_boundary(shown) {
+                    let _ = write!(stdout, "{}", &text[shown..]);
+                    let _ = stdout.flush();
+                    shown = text.len();
+                }
+            }
+        }
+    })?;
+    println!();
+    Ok(())
+}

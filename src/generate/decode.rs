@@ -1,0 +1,177 @@
+//! Autoregressive generation with HF `generate()`'s semantics (`GenerationMixin._sample`):
+//!
+//! ```text
+//! repeat up to max_new_tokens:
+//!     z ← logits of each row's last position          (the whole sequence re-run: no caches yet)
+//!     t_r ← choose(z_r) if row r is unfinished, else pad_token_id
+//!     append t; attention_mask gains a 1 for every row
+//!     row r finishes when t_r is an EOS id; stop when every row has
+//! sequences: [B, S + n], n ≤ max_new_tokens
+//! ```
+//!
+//! Rows may be left-padded (`attention_mask` 0 before the prompt), as HF batches prompts.
+//! Every step runs the whole sequence through the model, so a step costs a full forward: the
+//! per-layer KDA and DSA caches that make a decode step O(1) / O(index_topk) in the context
+//! are the next piece; this loop fixes the semantics they must keep.
+
+use burn::tensor::{DType, Tensor};
+
+use super::sampling::{SamplingConfig, SamplingError, TokenSampler};
+use crate::error::ModelError;
+use crate::model::Glm5ForCausalLM;
+use crate::ops::backend::Glm5Backend;
+use crate::text::{ForwardOptions, TokenMask};
+
+/// When to stop and how to fill ended rows.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// At most this many new tokens per row (≥ 1).
+    pub max_new_tokens: usize,
+    /// Greedy or sampled choice.
+    pub sampling: SamplingConfig,
+    /// A row ends when it produces one of these (`config.json` / `generation_config.json`
+    /// `eos_token_id`, plus the caller's stop tokens).
+    pub eos_token_ids: Vec<i64>,
+    /// What ended rows receive.
+    pub pad_token_id: i64,
+    /// The model's `max_position_embeddings`: longer prompts are refused, generation stops there.
+    pub max_positions: usize,
+}
+
+/// Generation errors, naming the input at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    /// The prompt or an option is unusable.
+    #[error("generate: {0}")]
+    Input(String),
+    /// A sampling value is out of range.
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    /// The forward rejected the inputs.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+/// A batch of prompts: `[B, S]` ids, optional `[B, S]` mask (left padding), optional images for
+/// the `<|image|>` placeholders.
+pub struct Prompt<'a, B: Glm5Backend> {
+    /// `[B·S]` row-major.
+    pub ids: &'a [i64],
+    /// Rows B.
+    pub batch: usize,
+    /// Columns S.
+    pub seq: usize,
+    /// `[B·S]`, true = token (None: all tokens).
+    pub mask: Option<&'a [bool]>,
+    /// `pixel_values` `[N_patches, patch_dim]` and `image_grid_thw`.
+    pub images: Option<(Tensor<B, 2>, &'a [[usize; 3]])>,
+}
+
+/// What [`generate`] returns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generated {
+    /// `[B, S + new_tokens]` row-major: the prompts and what followed, ended rows padded.
+    pub sequences: Vec<i64>,
+    /// Rows B.
+    pub batch: usize,
+    /// Tokens added per row.
+    pub new_tokens: usize,
+    /// Whether each row ended on an EOS id (false: it reached the length limit).
+    pub ended: Vec<bool>,
+}
+
+/// Generate after `prompt`. `on_tokens` receives each step's tokens (one per row, `pad` for
+/// ended rows) as soon as they are chosen — the streaming hook.
+pub fn generate<B: Glm5Backend>(
+    model: &Glm5ForCausalLM<B>,
+    prompt: Prompt<'_, B>,
+    opts: &GenerateOptions,
+    forward: &ForwardOptions,
+    mut on_tokens: impl FnMut(&[i64]),
+) -> Result<Generated, GenerateError> {
+    let (b, s) = (prompt.batch, prompt.seq);
+    let bad = |m: String| Err(GenerateError::Input(m));
+    if b == 0 || s == 0 {
+        return bad(format!("an empty prompt ([{b}, {s}]): at least one token per row"));
+    }
+    if prompt.ids.len() != b * s {
+        return bad(format!("{} input_ids for shape [{b}, {s}]", prompt.ids.len()));
+    }
+    if opts.max_new_tokens == 0 {
+        return bad("max_new_tokens is 0: nothing to generate".into());
+    }
+    if s > opts.max_positions {
+        return bad(format!("the prompt has {s} positions, more than max_position_embeddings ({})", opts.max_positions));
+    }
+    let mut mask: Vec<Vec<bool>> = match prompt.mask {
+        Some(m) if m.len() != b * s => return bad(format!("attention_mask has {} entries for shape [{b}, {s}]", m.len())),
+        Some(m) => m.chunks(s).map(|r| r.to_vec()).collect(),
+        None => vec![vec![true; s]; b],
+    };
+    if let Some(r) = mask.iter().position(|row| !row.iter().any(|&x| x)) {
+        return bad(format!("row {r} of attention_mask has no token"));
+    }
+    let mut rows: Vec<Vec<i64>> = prompt.ids.chunks(s).map(|r| r.to_vec()).collect();
+    let mut sampler = TokenSampler::new(opts.sampling)?;
+    let mut ended = vec![false; b];
+    let device = model.language_model.embed_tokens.weight.device();
+    let steps = opts.max_new_tokens.min(opts.max_positions - s);
+    let mut new_tokens = 0;
+    for _ in 0..steps {
+        let len = rows[0].len();
+        let ids: Vec<i64> = rows.concat();
+        let flat_mask: Vec<bool> = mask.concat();
+        let out = model.forward_multimodal(&ids, b, len, Some(TokenMask::new(flat_mask, b, len, &device)), prompt.images.clone(), forward, false)?;
+        let v = out.logits.dims()[2];
+        let last: Vec<f32> = out
+            .logits
+            .slice([0..b, len - 1..len, 0..v])
+            .cast(DType::F32)
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .map_err(|e| GenerateError::Input(format!("reading the logits: {e:?}")))?;
+        let tokens: Vec<i64> = (0..b)
+            .map(|r| if ended[r] { opts.pad_token_id } else { sampler.choose(&last[r * v..(r + 1) * v]) as i64 })
+            .collect();
+        for (r, &t) in tokens.iter().enumerate() {
+            rows[r].push(t);
+            mask[r].push(true);
+            ended[r] |= opts.eos_token_ids.contains(&t);
+        }
+        new_tokens += 1;
+        on_tokens(&tokens);
+        if ended.iter().all(|&e| e) {
+            break;
+        }
+    }
+    Ok(Generated { sequences: rows.concat(), batch: b, new_tokens, ended })
+}
+
+/// The EOS ids a checkpoint declares: `eos_token_id` (an id or a list) of
+/// `generation_config.json`, else of `config.json` (top level or `text_config`), as HF's
+/// `GenerationConfig.from_model_config` finds them. Empty when none is declared.
+pub fn checkpoint_eos_ids(dir: &std::path::Path) -> Result<Vec<i64>, GenerateError> {
+    let ids = |v: &serde_json::Value| -> Vec<i64> {
+        match v {
+            serde_json::Value::Number(n) => n.as_i64().into_iter().collect(),
+            serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_i64()).collect(),
+            _ => Vec::new(),
+        }
+    };
+    for (file, paths) in [("generation_config.json", &[&["eos_token_id"][..]][..]), ("config.json", &[&["eos_token_id"][..], &["text_config", "eos_token_id"][..]][..])] {
+        let path = dir.join(file);
+        if !path.is_file() {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| GenerateError::Input(format!("{}: {e}", path.display())))?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| GenerateError::Input(format!("{}: {e}", path.display())))?;
+        for keys in paths {
+            let v = keys.iter().fold(Some(&json), |v, k| v.and_then(|v| v.get(*k)));
+            if let Some(found) = v.map(ids).filter(|x| !x.is_empty()) {
+                return Ok(found);
+            }
+        }
+    }
+    Ok(Vec::new())
+}

@@ -1,0 +1,77 @@
+//! Generation (`generate::decode`) against HF `generate(do_sample=False)` run in float64 on the
+//! model fixtures (`make_fixtures.py generate_base_k4 generate_leftpad`): the same sequences —
+//! one row stopping at its EOS before `max_new_tokens`; two left-padded rows, one ending
+//! mid-batch and padded while the other runs to the limit — with every step's tokens streamed;
+//! bad inputs are errors naming them.
+
+mod common;
+
+use burn::backend::Flex;
+use burn::tensor::Tensor;
+use common::*;
+use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
+use glm5_burn::generate::{generate, GenerateOptions, Prompt, SamplingConfig};
+use glm5_burn::ForwardOptions;
+
+fn hf_case(name: &str) {
+    let dir = fixtures().join(name);
+    let io = Io::open(&dir.join("generate.safetensors"));
+    let shape = io.shape("input_ids");
+    let (b, s) = (shape[0], shape[1]);
+    let ids = io.i64("input_ids");
+    let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
+    let want = io.i64("sequences");
+    let device = Default::default();
+    let loaded = load_causal_lm::<Flex>(&dir, &device, &LoadOptions::default()).unwrap();
+    let opts = GenerateOptions {
+        max_new_tokens: io.i64("max_new_tokens")[0] as usize,
+        sampling: SamplingConfig::default(),
+        eos_token_ids: io.i64("eos_token_id"),
+        pad_token_id: io.i64("pad_token_id")[0],
+        max_positions: loaded.config.text_config.max_position_embeddings,
+    };
+    let mut streamed: Vec<Vec<i64>> = Vec::new();
+    let prompt = Prompt { ids: &ids, batch: b, seq: s, mask: Some(&mask), images: None };
+    let out = generate(&loaded.model, prompt, &opts, &ForwardOptions::default(), |t| streamed.push(t.to_vec())).unwrap();
+    let len = want.len() / b;
+    assert_eq!(out.new_tokens, len - s, "{name}: tokens generated");
+    assert_eq!(out.sequences, want, "{name}: sequences differ from HF generate");
+    assert_eq!(streamed.len(), out.new_tokens);
+    for (step, tokens) in streamed.iter().enumerate() {
+        for r in 0..b {
+            assert_eq!(tokens[r], want[r * len + s + step], "{name}: streamed token {step} of row {r}");
+        }
+    }
+    println!("{name}: [{b}, {s}] → [{b}, {len}] as HF's greedy generate, ended {:?}", out.ended);
+}
+
+#[test]
+fn greedy_generation_stops_at_eos_like_hf() {
+    hf_case("base_k4");
+}
+
+#[test]
+fn left_padded_batch_pads_the_row_that_ended_like_hf() {
+    hf_case("leftpad");
+}
+
+#[test]
+fn bad_inputs_are_errors_naming_them() {
+    let dir = fixtures().join("base_k4");
+    let device = Default::default();
+    let loaded = load_causal_lm::<Flex>(&dir, &device, &LoadOptions::default()).unwrap();
+    let opts = GenerateOptions { max_new_tokens: 2, sampling: SamplingConfig::default(), eos_token_ids: vec![], pad_token_id: 0, max_positions: 16 };
+    let run = |ids: &[i64], seq: usize, opts: &GenerateOptions, images: Option<(Tensor<Flex, 2>, &[[usize; 3]])>| {
+        let prompt = Prompt { ids, batch: 1, seq, mask: None, images };
+        generate(&loaded.model, prompt, opts, &ForwardOptions::default(), |_| {}).unwrap_err().to_string()
+    };
+    assert!(run(&[], 0, &opts, None).contains("empty prompt"));
+    assert!(run(&[1; 20], 20, &opts, None).contains("more than max_position_embeddings (16)"));
+    let zero = GenerateOptions { max_new_tokens: 0, ..opts.clone() };
+    assert!(run(&[1, 2], 2, &zero, None).contains("max_new_tokens is 0"));
+    let hot = GenerateOptions { sampling: SamplingConfig { do_sample: true, temperature: -1.0, ..SamplingConfig::default() }, ..opts.clone() };
+    assert!(run(&[1, 2], 2, &hot, None).contains("temperature"));
+    let pixels = Tensor::<Flex, 2>::zeros([4, 1176], &device);
+    let e = run(&[1, 2], 2, &opts, Some((pixels, &[[1, 2, 2]])));
+    assert!(e.contains("pixel_values") || e.contains("image"), "{e}");
+}
