@@ -14,7 +14,7 @@
 //! per-layer KDA and DSA caches that make a decode step O(1) / O(index_topk) in the context
 //! are the next piece; this loop fixes the semantics they must keep.
 
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 
 use super::sampling::{SamplingConfig, SamplingError, TokenSampler};
 use crate::error::ModelError;
@@ -121,7 +121,16 @@ pub fn generate<B: Glm5Backend>(
         let len = rows[0].len();
         let ids: Vec<i64> = rows.concat();
         let flat_mask: Vec<bool> = mask.concat();
-        let out = model.forward_multimodal(&ids, b, len, Some(TokenMask::new(flat_mask, b, len, &device)), prompt.images.clone(), forward, false)?;
+        let mask_t = Some(TokenMask::new(flat_mask, b, len, &device));
+        let out = match &prompt.images {
+            // text only: every id is embedded as a token, a generated `<|image|>` id included, as
+            // HF embeds decoded tokens
+            None => {
+                model.check_ids(&ids)?;
+                model.forward(Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, len]), &device), mask_t, forward, false)
+            }
+            Some(_) => model.forward_multimodal(&ids, b, len, mask_t, prompt.images.clone(), forward, false)?,
+        };
         let v = out.logits.dims()[2];
         let last: Vec<f32> = out
             .logits
@@ -131,9 +140,7 @@ pub fn generate<B: Glm5Backend>(
             .convert::<f32>()
             .into_vec()
             .map_err(|e| GenerateError::Input(format!("reading the logits: {e:?}")))?;
-        let tokens: Vec<i64> = (0..b)
-            .map(|r| if ended[r] { opts.pad_token_id } else { sampler.choose(&last[r * v..(r + 1) * v]) as i64 })
-            .collect();
+        let tokens: Vec<i64> = (0..b).map(|r| if ended[r] { opts.pad_token_id } else { sampler.choose(&last[r * v..(r + 1) * v]) as i64 }).collect();
         for (r, &t) in tokens.iter().enumerate() {
             rows[r].push(t);
             mask[r].push(true);
@@ -159,7 +166,10 @@ pub fn checkpoint_eos_ids(dir: &std::path::Path) -> Result<Vec<i64>, GenerateErr
             _ => Vec::new(),
         }
     };
-    for (file, paths) in [("generation_config.json", &[&["eos_token_id"][..]][..]), ("config.json", &[&["eos_token_id"][..], &["text_config", "eos_token_id"][..]][..])] {
+    for (file, paths) in [
+        ("generation_config.json", &[&["eos_token_id"][..]][..]),
+        ("config.json", &[&["eos_token_id"][..], &["text_config", "eos_token_id"][..]][..]),
+    ] {
         let path = dir.join(file);
         if !path.is_file() {
             continue;
@@ -167,7 +177,7 @@ pub fn checkpoint_eos_ids(dir: &std::path::Path) -> Result<Vec<i64>, GenerateErr
         let text = std::fs::read_to_string(&path).map_err(|e| GenerateError::Input(format!("{}: {e}", path.display())))?;
         let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| GenerateError::Input(format!("{}: {e}", path.display())))?;
         for keys in paths {
-            let v = keys.iter().fold(Some(&json), |v, k| v.and_then(|v| v.get(*k)));
+            let v = keys.iter().try_fold(&json, |v, k| v.get(*k));
             if let Some(found) = v.map(ids).filter(|x| !x.is_empty()) {
                 return Ok(found);
             }

@@ -989,15 +989,15 @@ def config_defaults_fixture():
 
 
 # Sampling configurations of `sampling.safetensors`: (temperature, top_k, top_p).
-SAMPLING = [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9), (0.8, 20, 0.95), (1.3, 3, 0.5), (1.0, 50, 0.8)]
+SAMPLING = [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9), (0.8, 20, 0.95), (1.3, 3, 0.6), (1.0, 50, 0.8)]
 
 
 def sampling_fixture():
     """HF's logits warpers, in generate()'s order, on random rows (tests/sampling.rs).
 
     Rows come from a seeded normal with a few exact ties at the top; a row set is kept only if
-    no cumulative probability lies within 1e-5 of a top-p threshold, so float summation order
-    cannot flip a kept token."""
+    no cumulative probability (after temperature and top-k) lies within 1e-5 of a top-p
+    threshold, so float summation order and the order of tied tokens cannot flip a kept token."""
     from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
     gen = torch.Generator().manual_seed(7)
@@ -1007,10 +1007,13 @@ def sampling_fixture():
         logits[0, 10] = logits[0, 11] = logits[0].max() + 1.0  # tied maxima
         logits[1, :4] = logits[1].max() + 0.5  # a tie across the top-3 boundary
         ok = True
-        for t, _, p in SAMPLING:
+        for t, k, p in SAMPLING:
             if p < 1.0:
-                z = torch.sort(logits / t, descending=False).values
-                c = z.softmax(-1).cumsum(-1)
+                # the distribution top-p sees: after temperature and top-k
+                z = logits / t
+                if k:
+                    z = TopKLogitsWarper(top_k=k)(None, z.clone())
+                c = torch.sort(z, descending=False).values.softmax(-1).cumsum(-1)
                 ok &= bool(((c - (1 - p)).abs() > 1e-5).all())
         if ok:
             break
