@@ -18,6 +18,7 @@ use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
 use crate::config::Glm5Config;
 use crate::error::ModelError;
+use crate::generate::cache::DecodeCache;
 use crate::ops::backend::Glm5Backend;
 use crate::text::mlp::linear;
 use crate::text::model::{TextModel, TextOutput};
@@ -164,6 +165,87 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     where
         B: Glm5Backend,
     {
+        let embeds = self.embed_multimodal(ids, batch, seq, images)?;
+        let device = embeds.device();
+        let mask = mask.unwrap_or_else(|| TokenMask::all(batch, seq, &device));
+        let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
+        Ok(CausalLmOutput { logits: self.head(text.hidden.clone()), text })
+    }
+
+    /// Prefill for decoding: runs the prompt (`ids` `[B, S]` row-major, `mask` its validity —
+    /// left padding as HF batches prompts —, images for its `<|image|>` placeholders) through
+    /// the model, filling fresh per-layer caches. Returns the logits of each row's last
+    /// position `[B, 1, V]` and the caches for [`Self::decode_step`]. Without images every id
+    /// is embedded as a token. Runs on an unsharded model.
+    #[allow(clippy::too_many_arguments)] // forward_multimodal's arguments
+    pub fn prefill(
+        &self,
+        ids: &[i64],
+        batch: usize,
+        seq: usize,
+        mask: Option<&[bool]>,
+        images: Option<(Tensor<B, 2>, &[[usize; 3]])>,
+        opts: &ForwardOptions,
+    ) -> Result<(Tensor<B, 3>, DecodeCache<B>), ModelError>
+    where
+        B: Glm5Backend,
+    {
+        let err = |name: &str, message: String| ModelError::Input { name: name.into(), message };
+        if self.language_model.shards.is_some() {
+            return Err(err("model", "decoding runs on an unsharded model (this one is sharded over a data-parallel group)".into()));
+        }
+        if batch == 0 || seq == 0 || ids.len() != batch * seq {
+            return Err(err("input_ids", format!("{} ids for shape [{batch}, {seq}] (at least one token per row)", ids.len())));
+        }
+        let embeds = match images {
+            Some(_) => self.embed_multimodal(ids, batch, seq, images)?,
+            None => {
+                self.check_ids(ids)?;
+                let device = self.language_model.embed_tokens.weight.device();
+                self.language_model.embed(Tensor::from_data(TensorData::new(ids.to_vec(), [batch, seq]), &device))
+            }
+        };
+        let device = embeds.device();
+        let mask = match mask {
+            Some(m) if m.len() != batch * seq => return Err(err("attention_mask", format!("{} entries for shape [{batch}, {seq}]", m.len()))),
+            Some(m) => TokenMask::new(m.to_vec(), batch, seq, &device),
+            None => TokenMask::all(batch, seq, &device),
+        };
+        let mut cache = DecodeCache::new(&self.language_model, batch, embeds.dtype(), &device);
+        let hidden = self.language_model.forward_cached(embeds, &mask, &mut cache, opts);
+        let d = hidden.dims()[2];
+        Ok((self.head(hidden.slice([0..batch, seq - 1..seq, 0..d])), cache))
+    }
+
+    /// One decode step: the next `T` tokens of every row (`ids` `[B, T]` row-major, all valid),
+    /// continuing from `cache` (filled by [`Self::prefill`]) and advancing it. Returns their
+    /// logits `[B, T, V]`. A KDA layer costs O(1) in the context length, a DSA layer's
+    /// attention O(index width) and its indexer O(context / kpool) per token.
+    pub fn decode_step(&self, ids: &[i64], cache: &mut DecodeCache<B>, opts: &ForwardOptions) -> Result<Tensor<B, 3>, ModelError>
+    where
+        B: Glm5Backend,
+    {
+        let batch = cache.batch;
+        if cache.is_empty() {
+            return Err(ModelError::Input { name: "cache".into(), message: "decode_step before prefill: the cache holds no prompt".into() });
+        }
+        if ids.is_empty() || ids.len() % batch != 0 {
+            return Err(ModelError::Input { name: "input_ids".into(), message: format!("{} ids for {batch} rows", ids.len()) });
+        }
+        self.check_ids(ids)?;
+        let t = ids.len() / batch;
+        let device = self.language_model.embed_tokens.weight.device();
+        let embeds = self.language_model.embed(Tensor::from_data(TensorData::new(ids.to_vec(), [batch, t]), &device));
+        let hidden = self.language_model.forward_cached(embeds, &TokenMask::all(batch, t, &device), cache, opts);
+        Ok(self.head(hidden))
+    }
+
+    /// Input embeddings `[B, S, D]` of `ids` with the vision tower's features at the
+    /// `<|image|>` placeholders (see [`Self::forward_multimodal`]).
+    fn embed_multimodal(&self, ids: &[i64], batch: usize, seq: usize, images: Option<(Tensor<B, 2>, &[[usize; 3]])>) -> Result<Tensor<B, 3>, ModelError>
+    where
+        B: Glm5Backend,
+    {
         self.check_ids(ids)?;
         let err = |name: &str, message: String| ModelError::Input { name: name.into(), message };
         if ids.len() != batch * seq {
@@ -227,9 +309,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
                 embeds = flat.select_assign(0, idx, feats - current, burn::tensor::IndexingUpdateOp::Add).reshape([batch, seq, d]);
             }
         }
-        let mask = mask.unwrap_or_else(|| TokenMask::all(batch, seq, &device));
-        let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
-        Ok(CausalLmOutput { logits: self.head(text.hidden.clone()), text })
+        Ok(embeds)
     }
 
     /// A sharded model gathers its vision tower in every forward, images or not, so that every

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! repeat up to max_new_tokens:
-//!     z ← logits of each row's last position          (the whole sequence re-run: no caches yet)
+//!     z ← logits of each row's last position          (prefill, then one cached decode step)
 //!     t_r ← choose(z_r) if row r is unfinished, else pad_token_id
 //!     append t; attention_mask gains a 1 for every row
 //!     row r finishes when t_r is an EOS id; stop when every row has
@@ -10,17 +10,18 @@
 //! ```
 //!
 //! Rows may be left-padded (`attention_mask` 0 before the prompt), as HF batches prompts.
-//! Every step runs the whole sequence through the model, so a step costs a full forward: the
-//! per-layer KDA and DSA caches that make a decode step O(1) / O(index_topk) in the context
-//! are the next piece; this loop fixes the semantics they must keep.
+//! The prompt runs once ([`Glm5ForCausalLM::prefill`]), filling the per-layer caches
+//! ([`super::cache`]); each new token is then one [`Glm5ForCausalLM::decode_step`]: O(1) in the
+//! context for KDA layers, O(index width) attention and O(context / kpool) indexer scoring for
+//! DSA layers.
 
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Tensor};
 
 use super::sampling::{SamplingConfig, SamplingError, TokenSampler};
 use crate::error::ModelError;
 use crate::model::Glm5ForCausalLM;
 use crate::ops::backend::Glm5Backend;
-use crate::text::{ForwardOptions, TokenMask};
+use crate::text::ForwardOptions;
 
 /// When to stop and how to fill ended rows.
 #[derive(Debug, Clone)]
@@ -103,7 +104,7 @@ pub fn generate<B: Glm5Backend>(
     if s > opts.max_positions {
         return bad(format!("the prompt has {s} positions, more than max_position_embeddings ({})", opts.max_positions));
     }
-    let mut mask: Vec<Vec<bool>> = match prompt.mask {
+    let mask: Vec<Vec<bool>> = match prompt.mask {
         Some(m) if m.len() != b * s => return bad(format!("attention_mask has {} entries for shape [{b}, {s}]", m.len())),
         Some(m) => m.chunks(s).map(|r| r.to_vec()).collect(),
         None => vec![vec![true; s]; b],
@@ -114,27 +115,19 @@ pub fn generate<B: Glm5Backend>(
     let mut rows: Vec<Vec<i64>> = prompt.ids.chunks(s).map(|r| r.to_vec()).collect();
     let mut sampler = TokenSampler::new(opts.sampling)?;
     let mut ended = vec![false; b];
-    let device = model.language_model.embed_tokens.weight.device();
     let steps = opts.max_new_tokens.min(opts.max_positions - s);
+    let flat_mask: Vec<bool> = mask.concat();
+    let (mut logits, mut cache) = model.prefill(prompt.ids, b, s, Some(&flat_mask), prompt.images.clone(), forward)?;
     let mut new_tokens = 0;
-    for _ in 0..steps {
-        let len = rows[0].len();
-        let ids: Vec<i64> = rows.concat();
-        let flat_mask: Vec<bool> = mask.concat();
-        let mask_t = Some(TokenMask::new(flat_mask, b, len, &device));
-        let out = match &prompt.images {
-            // text only: every id is embedded as a token, a generated `<|image|>` id included, as
-            // HF embeds decoded tokens
-            None => {
-                model.check_ids(&ids)?;
-                model.forward(Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, len]), &device), mask_t, forward, false)
-            }
-            Some(_) => model.forward_multimodal(&ids, b, len, mask_t, prompt.images.clone(), forward, false)?,
-        };
-        let v = out.logits.dims()[2];
-        let last: Vec<f32> = out
-            .logits
-            .slice([0..b, len - 1..len, 0..v])
+    for step in 0..steps {
+        if step > 0 {
+            let last: Vec<i64> = rows.iter().map(|r| r[r.len() - 1]).collect();
+            logits = model.decode_step(&last, &mut cache, forward)?;
+        }
+        let [_, t, v] = logits.dims();
+        let last: Vec<f32> = logits
+            .clone()
+            .slice([0..b, t - 1..t, 0..v])
             .cast(DType::F32)
             .into_data()
             .convert::<f32>()
@@ -143,7 +136,6 @@ pub fn generate<B: Glm5Backend>(
         let tokens: Vec<i64> = (0..b).map(|r| if ended[r] { opts.pad_token_id } else { sampler.choose(&last[r * v..(r + 1) * v]) as i64 }).collect();
         for (r, &t) in tokens.iter().enumerate() {
             rows[r].push(t);
-            mask[r].push(true);
             ended[r] |= opts.eos_token_ids.contains(&t);
         }
         new_tokens += 1;

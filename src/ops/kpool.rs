@@ -166,13 +166,23 @@ impl KpoolSelect {
     ///
     /// Returns `[B, S, width]` row-major indices, −1 = none.
     pub fn select(&self, scores: &[f32], mask: &[bool], batch: usize, seq: usize) -> Vec<i64> {
+        self.select_queries(scores, mask, batch, seq, 0)
+    }
+
+    /// [`Self::select`] for the queries at positions `q0..seq` only — the rows a decode step
+    /// adds to a cached context of `q0` positions. `scores` is `[B, seq − q0, P]` with
+    /// `P = ceil(seq / kpool)`, `mask` the `[B, seq]` validity of the whole context; returns
+    /// `[B, seq − q0, width]`. The selection of a query depends only on the positions up to it,
+    /// so these rows equal the last rows of a selection over the whole context.
+    pub fn select_queries(&self, scores: &[f32], mask: &[bool], batch: usize, seq: usize, q0: usize) -> Vec<i64> {
         let kp = self.kpool;
         let n_pools = seq.div_ceil(kp);
-        assert_eq!(scores.len(), batch * seq * n_pools, "pool score buffer has the wrong size");
+        let rows = seq - q0.min(seq);
+        assert_eq!(scores.len(), batch * rows * n_pools, "pool score buffer has the wrong size");
         let width = self.width();
         let budget = self.index_topk / kp;
         let layouts = pool_layouts(mask, batch, seq, kp);
-        let mut out = vec![-1i64; batch * seq * width];
+        let mut out = vec![-1i64; batch * rows * width];
         // descending score, then ascending pool index: a total order, so the top `budget` is
         // one set and its order one list, whatever the selection algorithm
         let order = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
@@ -188,13 +198,14 @@ impl KpoolSelect {
                 })
                 .collect();
             // queries are independent: in parallel, each with its own candidate buffer
-            out[b * seq * width..(b + 1) * seq * width].par_chunks_mut(width.max(1)).enumerate().for_each_init(
+            out[b * rows * width..(b + 1) * rows * width].par_chunks_mut(width.max(1)).enumerate().for_each_init(
                 || Vec::with_capacity(n_pools),
-                |cand: &mut Vec<(f32, usize)>, (t, o)| {
+                |cand: &mut Vec<(f32, usize)>, (r, o)| {
+                    let t = q0 + r;
                     if !row_mask[t] {
                         return;
                     }
-                    let srow = &scores[(b * seq + t) * n_pools..(b * seq + t + 1) * n_pools];
+                    let srow = &scores[(b * rows + r) * n_pools..(b * rows + r + 1) * n_pools];
                     cand.clear();
                     for p in 0..n_pools {
                         if complete[p] && pool_token(lay, kp, p, kp - 1) <= t {

@@ -141,7 +141,8 @@ pub fn entry_rows<B: Backend>(idx: Tensor<B, 2, Int>, m: usize) -> Tensor<B, 2, 
 }
 
 /// Absorbed-latent sparse form, processed in blocks of `block` queries: `q` `[B, S, H, dq]`,
-/// the normalised latent `[B, S, R]`, `w_ukv` = `kv_b_proj`'s weight per head
+/// the normalised latent `[B, M, R]` of the `M` positions the indices point into (`M = S` in
+/// a forward; the cached context in a decode step, whose queries are its last `S`), `w_ukv` = `kv_b_proj`'s weight per head
 /// `[H, dq + dv, R]` (`W_UK` rows first, then `W_UV`), `indices` `[B, S, W]` row-major
 /// (−1 = none) → `[B, S, H, dv]`. With `path = Op` on a backend that has one, each block's
 /// attention is the backend op
@@ -158,7 +159,7 @@ pub fn sparse_absorbed<B: Glm5Backend>(
 ) -> Tensor<B, 4> {
     let kernel = path.use_op::<B>("sparse attention", B::sparse_attention_impl());
     let [b, s, h, dq] = q.dims();
-    let r = latent.dims()[2];
+    let [_, m, r] = latent.dims();
     let dv = w_ukv.dims()[1] - dq;
     let width = indices.len() / (b * s).max(1);
     assert_eq!(indices.len(), b * s * width, "sparse attention: {} indices for {b}×{s} queries", indices.len());
@@ -169,7 +170,7 @@ pub fn sparse_absorbed<B: Glm5Backend>(
     // q̃ = W_UKᵀ q per head: [H, B·S, dq] @ [H, dq, R] -> [H, B·S, R]
     let q_lat = q.reshape([b * s, h, dq]).swap_dims(0, 1).matmul(w_uk);
     let q_lat = q_lat.swap_dims(0, 1).reshape([b, s, h, r]);
-    let lat_flat = latent.reshape([b * s, r]);
+    let lat_flat = latent.reshape([b * m, r]);
     let mut outs = Vec::new();
     for lo in (0..s).step_by(block) {
         let hi = (lo + block).min(s);
@@ -181,7 +182,7 @@ pub fn sparse_absorbed<B: Glm5Backend>(
             for bi in 0..b {
                 for t in lo..hi {
                     for &i in &indices[(bi * s + t) * width..(bi * s + t + 1) * width] {
-                        rows.push(if i >= 0 && (i as usize) < s { (bi * s) as i64 + i } else { -1 });
+                        rows.push(if i >= 0 && (i as usize) < m { (bi * m) as i64 + i } else { -1 });
                     }
                 }
             }
@@ -197,9 +198,9 @@ pub fn sparse_absorbed<B: Glm5Backend>(
         for bi in 0..b {
             for t in lo..hi {
                 for &i in &indices[(bi * s + t) * width..(bi * s + t + 1) * width] {
-                    let ok = i >= 0 && (i as usize) < s;
+                    let ok = i >= 0 && (i as usize) < m;
                     valid.push(ok);
-                    pos.push(if ok { (bi * s) as i64 + i } else { (bi * s) as i64 });
+                    pos.push(if ok { (bi * m) as i64 + i } else { (bi * m) as i64 });
                 }
             }
         }

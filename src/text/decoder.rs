@@ -18,6 +18,7 @@ use super::moe::Moe;
 use super::norm::RmsNorm;
 use super::{ForwardOptions, TokenMask};
 use crate::config::{IndexerType, LayerType, MlpType, TextConfig};
+use crate::generate::cache::LayerCache;
 use crate::profile;
 
 /// Token mixer of a layer.
@@ -96,28 +97,63 @@ impl<B: Backend> DecoderLayer<B> {
     where
         B: crate::ops::backend::Glm5Backend,
     {
+        self.forward_inner(streams, mask, indices, opts, None)
+    }
+
+    /// A cached step: `streams` `[B, T, n, D]` are the next `T` positions (`mask`: their
+    /// validity; `context`: the `[B, L]` validity of the whole context, these included),
+    /// continuing from `cache`, which is advanced. An empty DSA cache is a prefill: the layer
+    /// runs its ordinary forward over the prompt and keeps what decoding needs.
+    pub fn forward_cached(
+        &self,
+        streams: Tensor<B, 4>,
+        mask: &TokenMask<B>,
+        context: &[bool],
+        cache: &mut LayerCache<B>,
+        indices: &mut Option<Vec<i64>>,
+        opts: &ForwardOptions,
+    ) -> LayerOutput<B>
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
+        self.forward_inner(streams, mask, indices, opts, Some((context, cache)))
+    }
+
+    /// The layer, uncached or (with `cached`) a cached step.
+    fn forward_inner(
+        &self,
+        streams: Tensor<B, 4>,
+        mask: &TokenMask<B>,
+        indices: &mut Option<Vec<i64>>,
+        opts: &ForwardOptions,
+        cached: Option<(&[bool], &mut LayerCache<B>)>,
+    ) -> LayerOutput<B>
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
         let hc = profile::scope("mhc");
         let (w, h) = self.attn_hc.pre(streams.clone());
         drop(hc);
         let h = self.input_layernorm.forward(h);
         let mut index_margin = None;
-        let y = match &self.self_attn {
-            Mixer::Kda(kda) => {
-                let _t = profile::scope("kda");
-                kda.forward(h, mask, opts)
-            }
-            Mixer::Mla(mla) => {
-                let _t = profile::scope("dsa (incl. indexer)");
-                let (y, idx, margin) = match &mask.documents {
-                    Some(docs) => mla.forward_documents(h, docs, indices.as_deref(), opts),
-                    None => mla.forward(h, mask, indices.as_deref(), opts),
+        let y = match (&self.self_attn, cached) {
+            (Mixer::Kda(kda), Some((_, LayerCache::Kda(c)))) => kda.forward_cached(h, mask, c, opts),
+            (Mixer::Mla(mla), Some((context, LayerCache::Dsa(c)))) => {
+                let (y, idx) = match c {
+                    Some(c) => mla.forward_cached(h, context, c, indices.as_deref(), opts),
+                    None => {
+                        let (y, idx, fresh) = mla.forward_prefill(h, mask, indices.as_deref(), opts);
+                        *c = Some(fresh);
+                        (y, idx)
+                    }
                 };
                 if mla.indexer.is_some() {
                     *indices = Some(idx);
                 }
-                index_margin = margin;
                 y
             }
+            (_, Some(_)) => panic!("decode cache and layer kinds disagree (a cache built for another model)"),
+            (mixer, None) => self.mixer_forward(mixer, h, mask, indices, opts, &mut index_margin),
         };
         let hc = profile::scope("mhc");
         let streams = HyperConnection::post(w, y, streams);
@@ -137,5 +173,38 @@ impl<B: Backend> DecoderLayer<B> {
         };
         let _t = profile::scope("mhc");
         LayerOutput { streams: HyperConnection::post(w, y, streams), router_logits, index_margin }
+    }
+
+    /// The token mixer of an uncached forward.
+    fn mixer_forward(
+        &self,
+        mixer: &Mixer<B>,
+        h: Tensor<B, 3>,
+        mask: &TokenMask<B>,
+        indices: &mut Option<Vec<i64>>,
+        opts: &ForwardOptions,
+        index_margin: &mut Option<f32>,
+    ) -> Tensor<B, 3>
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
+        match mixer {
+            Mixer::Kda(kda) => {
+                let _t = profile::scope("kda");
+                kda.forward(h, mask, opts)
+            }
+            Mixer::Mla(mla) => {
+                let _t = profile::scope("dsa (incl. indexer)");
+                let (y, idx, margin) = match &mask.documents {
+                    Some(docs) => mla.forward_documents(h, docs, indices.as_deref(), opts),
+                    None => mla.forward(h, mask, indices.as_deref(), opts),
+                };
+                if mla.indexer.is_some() {
+                    *indices = Some(idx);
+                }
+                *index_margin = margin;
+                y
+            }
+        }
     }
 }

@@ -23,7 +23,8 @@ use super::norm::LayerNorm;
 use super::TokenMask;
 use crate::config::TextConfig;
 use crate::ops::backend::Glm5Backend;
-use crate::ops::kpool::{pool_layouts, reference_compress, reference_select, KpoolSelect};
+use crate::generate::cache::IndexerCache;
+use crate::ops::kpool::{pool_layouts, reference_compress, reference_scores, reference_select, KpoolSelect};
 use crate::ops::PathKind;
 
 /// The KPool indexer of a full DSA layer (HF `Glm5NextTextIndexer`): scores pooled keys per query and selects `index_topk` tokens; detached (no gradient).
@@ -114,8 +115,7 @@ impl<B: Backend> Indexer<B> {
         let (h, d) = (self.n_heads, self.head_dim);
 
         let q = this.wq_b.forward(q_resid).cast(DType::F32).reshape([b, s, h, d]);
-        let k = this.k_norm.forward(this.wk.forward(x.clone())); // [B,S,d]
-        let gate = x.clone().matmul(this.index_kpool_compress_gate.val().transpose().unsqueeze::<3>()); // [B,S,d]
+        let (k, gate) = this.key_inputs(x.clone());
         let ape = this.index_kpool_compress_ape.val();
         let first: Vec<usize> = pool_layouts(&mask.host, b, s, self.kpool).iter().map(|l| l.first).collect();
         let pooled = if kernel {
@@ -126,6 +126,77 @@ impl<B: Backend> Indexer<B> {
         };
         let w = this.weights_proj.forward(x).cast(DType::F32) * (h as f64).powf(-0.5); // [B,S,H]
         (q, w, pooled)
+    }
+
+    /// Per-position pooling inputs of (detached) `x` `[B, S, D]`: the LayerNorm'd keys `k^I`
+    /// and the compression gates `γ`, both `[B, S, d]`. Call on [`Self::untracked`].
+    fn key_inputs(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let k = self.k_norm.forward(self.wk.forward(x.clone()));
+        let gate = x.matmul(self.index_kpool_compress_gate.val().transpose().unsqueeze::<3>());
+        (k, gate)
+    }
+
+    /// The decoding cache of a prompt `x` `[B, S, D]` with validity `mask`: its keys, gates
+    /// and pooled keys (pools anchored at each row's first token, as in [`Self::forward`]).
+    pub fn prompt_cache(&self, x: Tensor<B, 3>, mask: &TokenMask<B>) -> IndexerCache<B> {
+        let this = self.untracked();
+        let [b, s, _] = x.dims();
+        let (keys, gates) = this.key_inputs(x.detach());
+        let first: Vec<usize> = pool_layouts(&mask.host, b, s, self.kpool).iter().map(|l| l.first).collect();
+        let pooled = reference_compress(keys.clone(), gates.clone(), this.index_kpool_compress_ape.val(), &first);
+        IndexerCache { keys, gates, pooled }
+    }
+
+    /// The selection of a decode step: `x` `[B, T, D]` and `q_resid` `[B, T, q_lora]` are the
+    /// step's last `T` positions of the context whose validity is `context` (`[B, L]`
+    /// row-major, these positions included). Appends their keys and gates to `cache`,
+    /// recomputes only the pools they fall into (earlier pools are complete and final), then
+    /// scores the `T` queries against the `ceil(L/kpool)` pooled keys — O(L / kpool) per
+    /// query — and selects as [`Self::forward`] would for these rows. Returns `[B, T, width]`.
+    pub fn forward_cached(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, cache: &mut IndexerCache<B>, context: &[bool]) -> Vec<i64> {
+        let this = self.untracked();
+        let (x, q_resid) = (x.detach(), q_resid.detach());
+        let [b, t, _] = x.dims();
+        let (h, d, kp) = (self.n_heads, self.head_dim, self.kpool);
+        let (keys, gates) = this.key_inputs(x.clone());
+        cache.keys = Tensor::cat(vec![cache.keys.clone(), keys], 1);
+        cache.gates = Tensor::cat(vec![cache.gates.clone(), gates], 1);
+        let len = cache.keys.dims()[1];
+        let q0 = len - t;
+        let n_pools = len.div_ceil(kp);
+        let ape = this.index_kpool_compress_ape.val();
+        let device = x.device();
+        let rows: Vec<Tensor<B, 3>> = pool_layouts(context, b, len, kp)
+            .iter()
+            .enumerate()
+            .map(|(r, lay)| {
+                // pools before `p0` end before the new positions
+                let p0 = q0.saturating_sub(lay.first) / kp;
+                let start = (lay.first + p0 * kp).min(len - 1);
+                let part = |m: &Tensor<B, 3>| m.clone().slice([r..r + 1, start..len, 0..d]);
+                let fresh = reference_compress(part(&cache.keys), part(&cache.gates), ape.clone(), &[0]);
+                let mut row = vec![fresh];
+                if p0 > 0 {
+                    row.insert(0, cache.pooled.clone().slice([r..r + 1, 0..p0, 0..d]));
+                }
+                let row = Tensor::cat(row, 1);
+                // pools past the row's end (left-padded rows have fewer) are never complete
+                let have = row.dims()[1];
+                match have.cmp(&n_pools) {
+                    std::cmp::Ordering::Less => Tensor::cat(vec![row, Tensor::zeros([1, n_pools - have, d], (&device, DType::F32))], 1),
+                    _ => row.slice([0..1, 0..n_pools, 0..d]),
+                }
+            })
+            .collect();
+        cache.pooled = Tensor::cat(rows, 0);
+        let q = this.wq_b.forward(q_resid).cast(DType::F32).reshape([b, t, h, d]);
+        let w = this.weights_proj.forward(x).cast(DType::F32) * (h as f64).powf(-0.5);
+        let scores: Vec<f32> = reference_scores(q, w, cache.pooled.clone(), self.score_scale())
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .expect("pool scores are f32");
+        self.selector().select_queries(&scores, context, b, len, q0)
     }
 
     /// `1/√d`, the scale of the pool scores.

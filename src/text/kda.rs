@@ -27,6 +27,7 @@ use super::mlp::linear;
 use super::norm::GatedRmsNorm;
 use super::{ForwardOptions, KdaImpl, PathKind, TokenMask};
 use crate::config::{Activation, TextConfig};
+use crate::generate::cache::KdaCache;
 use crate::ops::backend::{causal_conv1d, Glm5Backend};
 use crate::ops::kda::{kda_chunked, kda_recurrent, KdaInputs};
 
@@ -230,9 +231,53 @@ impl<B: Backend> KdaAttention<B> {
         self.o_proj.forward(o)
     }
 
+    /// A cached step (prefill or decode): `u` `[B, T, D]` are the next `T` positions of every
+    /// row (`mask`: their validity — left padding in a prompt), continuing from `cache`'s conv
+    /// windows and recurrent state, which are advanced past them. Each short conv runs over
+    /// its `W − 1` cached inputs followed by the new ones, so its outputs are those of the
+    /// whole-sequence conv; the scan starts from the cached state. A single token takes the
+    /// token recurrence (O(1) in the context), longer steps the configured form.
+    pub fn forward_cached(&self, u: Tensor<B, 3>, mask: &TokenMask<B>, cache: &mut KdaCache<B>, opts: &ForwardOptions) -> Tensor<B, 3>
+    where
+        B: Glm5Backend,
+    {
+        let u = if mask.has_padding() { u.clone() * mask.float.clone().cast(u.dtype()) } else { u };
+        let [b, t, _] = u.dims();
+        let (h, hd) = (self.num_heads, self.head_dim);
+        let p = h * hd;
+        let dtype = u.dtype();
+        let branch = |proj: &Linear<B>, conv: &DepthwiseConv<B>, window: &mut Tensor<B, 3>| {
+            let x = proj.forward(u.clone());
+            let keep = window.dims()[1];
+            let y = if keep == 0 {
+                conv.forward(x)
+            } else {
+                let full = Tensor::cat(vec![window.clone().cast(x.dtype()), x], 1); // [B, W−1+T, P]
+                *window = full.clone().slice([0..b, t..t + keep, 0..p]);
+                conv.forward(full).slice([0..b, keep..keep + t, 0..p])
+            };
+            self.act.apply_op(y).cast(dtype).reshape([b, t, h, hd])
+        };
+        let [wq, wk, wv] = &mut cache.conv;
+        let q = branch(&self.q_proj, &self.q_conv1d, wq);
+        let k = branch(&self.k_proj, &self.k_conv1d, wk);
+        let v = branch(&self.v_proj, &self.v_conv1d, wv);
+        let g = self.forget_gate(u.clone());
+        let beta = sigmoid(self.b_proj.forward(u.clone()));
+        let x = KdaInputs { q, k, v, g, beta, initial_state: Some(cache.state.clone()) };
+        let (o, state) = match opts.kda {
+            KdaImpl::Chunked(c) if t > 1 => kda_chunked(x, c, opts.linear_path),
+            _ => kda_recurrent(x),
+        };
+        cache.state = state;
+        let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([b, t, h, hd]);
+        let o = self.o_norm.forward(o, gate).reshape([b, t, h * hd]);
+        self.o_proj.forward(o)
+    }
+
     /// Like [`Self::forward`], starting from a recurrent state `[B, H, d, d]` (fp32) and
-    /// returning the final one — the hand-off used by decoding and context parallelism. The
-    /// short-conv window still starts from zeros (its `W − 1`-token cache is not carried yet).
+    /// returning the final one. The short-conv window starts from zeros (decoding carries it:
+    /// [`Self::forward_cached`]).
     pub fn forward_with_state(
         &self,
         u: Tensor<B, 3>,

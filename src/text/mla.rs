@@ -23,6 +23,7 @@ use super::mlp::linear;
 use super::norm::RmsNorm;
 use super::{AttentionImpl, ForwardOptions, TokenMask};
 use crate::config::TextConfig;
+use crate::generate::cache::DsaCache;
 use crate::ops::backend::Glm5Backend;
 use crate::ops::sparse_attn::{dense_masked, sparse_absorbed};
 
@@ -125,6 +126,72 @@ impl<B: Backend> MlaAttention<B> {
     where
         B: Glm5Backend,
     {
+        let (y, idx, margin, _) = self.forward_latent(x, mask, shared_indices, opts);
+        (y, idx, margin)
+    }
+
+    /// Prefill of a prompt `x` `[B, S, D]`: [`Self::forward`], also returning the layer's
+    /// decoding cache (the prompt's latent rows and, for a full layer, its indexer keys).
+    pub fn forward_prefill(
+        &self,
+        x: Tensor<B, 3>,
+        mask: &TokenMask<B>,
+        shared_indices: Option<&[i64]>,
+        opts: &ForwardOptions,
+    ) -> (Tensor<B, 3>, Vec<i64>, DsaCache<B>)
+    where
+        B: Glm5Backend,
+    {
+        let indexer = self.indexer.as_ref().map(|ix| ix.prompt_cache(x.clone(), mask));
+        let (y, idx, _, latent) = self.forward_latent(x, mask, shared_indices, opts);
+        (y, idx, DsaCache { latent, indexer })
+    }
+
+    /// A decode step: `x` `[B, T, D]` are the context's last `T` positions (`context`: its
+    /// `[B, L]` validity, these included). Appends their latent rows (and indexer keys) to
+    /// `cache`, selects with the indexer's cached pools (or takes `shared_indices` `[B, T, W]`,
+    /// the preceding full layer's rows of this step) and attends in the absorbed form over the
+    /// selected latent rows — O(index width) per query, whatever the context length.
+    /// Returns (`[B, T, D]`, the index rows `[B, T, W]`).
+    pub fn forward_cached(
+        &self,
+        x: Tensor<B, 3>,
+        context: &[bool],
+        cache: &mut DsaCache<B>,
+        shared_indices: Option<&[i64]>,
+        opts: &ForwardOptions,
+    ) -> (Tensor<B, 3>, Vec<i64>)
+    where
+        B: Glm5Backend,
+    {
+        let [b, t, _] = x.dims();
+        let (h, dq, dv, r) = (self.num_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank);
+        let q_resid = self.q_a_layernorm.forward(self.q_a_proj.forward(x.clone()));
+        let q = self.q_b_proj.forward(q_resid.clone()).reshape([b, t, h, dq]);
+        let latent = self.kv_a_layernorm.forward(self.kv_a_proj_with_mqa.forward(x.clone()));
+        cache.latent = Tensor::cat(vec![cache.latent.clone(), latent], 1);
+        let indices = match (&self.indexer, &mut cache.indexer, shared_indices) {
+            (Some(ix), Some(ic), _) => ix.forward_cached(x, q_resid, ic, context),
+            (None, _, Some(prev)) => prev.to_vec(),
+            _ => panic!("DSA cache and layer disagree (a cache built for another model)"),
+        };
+        let w_ukv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]);
+        let scale = (dq as f64).powf(-0.5);
+        let o = sparse_absorbed(q, cache.latent.clone(), w_ukv, &indices, scale, opts.sparse_block, opts.attn_path);
+        (self.o_proj.forward(o.reshape([b, t, h * dv])), indices)
+    }
+
+    /// [`Self::forward`], also returning the normalised latent `[B, S, R]`.
+    fn forward_latent(
+        &self,
+        x: Tensor<B, 3>,
+        mask: &TokenMask<B>,
+        shared_indices: Option<&[i64]>,
+        opts: &ForwardOptions,
+    ) -> (Tensor<B, 3>, Vec<i64>, Option<f32>, Tensor<B, 3>)
+    where
+        B: Glm5Backend,
+    {
         let [b, s, _] = x.dims();
         let (h, dq, dv, r) = (self.num_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank);
         let q_resid = self.q_a_layernorm.forward(self.q_a_proj.forward(x.clone()));
@@ -149,13 +216,13 @@ impl<B: Backend> MlaAttention<B> {
         let o = if sparse {
             // kv_b_proj weight is [R, H·(dq+dv)] (Burn layout): split per head
             let w_ukv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]); // [H, dq+dv, R]
-            sparse_absorbed(q, latent, w_ukv, &indices, scale, opts.sparse_block, opts.attn_path)
+            sparse_absorbed(q, latent.clone(), w_ukv, &indices, scale, opts.sparse_block, opts.attn_path)
         } else {
-            let kv = self.kv_b_proj.forward(latent).reshape([b, s, h, dq + dv]);
+            let kv = self.kv_b_proj.forward(latent.clone()).reshape([b, s, h, dq + dv]);
             let k = kv.clone().slice([0..b, 0..s, 0..h, 0..dq]);
             let v = kv.slice([0..b, 0..s, 0..h, dq..dq + dv]);
             dense_masked(q, k, v, &indices, width, scale)
         };
-        (self.o_proj.forward(o.reshape([b, s, h * dv])), indices, margin)
+        (self.o_proj.forward(o.reshape([b, s, h * dv])), indices, margin, latent)
     }
 }

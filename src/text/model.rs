@@ -20,6 +20,7 @@ use super::norm::RmsNorm;
 use super::{ForwardOptions, TokenMask};
 use crate::config::TextConfig;
 use crate::distributed::{CollectiveBackend, ShardPlan};
+use crate::generate::cache::DecodeCache;
 
 /// The text decoder (`model.language_model`): embedding, mHC-wrapped decoder layers, final norm.
 #[derive(Module, Debug)]
@@ -121,6 +122,26 @@ impl<B: Backend> TextModel<B> {
             }
             _ => e,
         }
+    }
+
+    /// A cached step of the decoder: input embeddings `[B, T, D]` of the next `T` positions of
+    /// every row (`mask`: their validity), continuing from `cache` and advancing it. The first
+    /// step over an empty cache is the prefill of a prompt. Returns the final-norm hidden
+    /// states `[B, T, D]` of these positions. Runs on an unsharded model.
+    pub fn forward_cached(&self, embeds: Tensor<B, 3>, mask: &TokenMask<B>, cache: &mut DecodeCache<B>, opts: &ForwardOptions) -> Tensor<B, 3>
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
+        let [b, t, d] = embeds.dims();
+        let n = self.hc_mult;
+        cache.push(&mask.host, t);
+        let context = cache.mask();
+        let mut x = embeds.unsqueeze_dim::<4>(2).expand([b, t, n, d]);
+        let mut indices: Option<Vec<i64>> = None;
+        for (layer, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.forward_cached(x, mask, &context, c, &mut indices, opts).streams;
+        }
+        self.norm.forward(x.mean_dim(2).reshape([b, t, d]))
     }
 
     /// Run the decoder on input embeddings `[B, S, D]`.
