@@ -681,7 +681,8 @@ mod mpi_engine {
 
     fn metrics(dir: &std::path::Path) -> Vec<serde_json::Value> {
         let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
-        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+        // step lines only (a fresh run's step-0 validation line has no loss)
+        text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).filter(|v| v.get("loss").is_some()).collect()
     }
 
     /// `mpirun -np 2 finetune --distributed.dp_size=2` follows the single-process run of the

@@ -47,6 +47,8 @@ fn trace(ckpt: &Path) -> Vec<(u64, f64, f64)> {
     let text = std::fs::read_to_string(ckpt.join("metrics.jsonl")).unwrap();
     text.lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        // step lines (a fresh run's validation of its starting point is a step-0 line without a loss)
+        .filter(|v| v.get("loss").is_some())
         .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap(), v["grad_norm"].as_f64().unwrap()))
         .collect()
 }
@@ -66,6 +68,16 @@ fn killed_and_resumed_run_matches_an_uninterrupted_one() {
     let full = trace(&a);
     assert_eq!(full.iter().map(|t| t.0).collect::<Vec<_>>(), (1..=8).collect::<Vec<_>>(), "{log}");
     assert!(full[7].1 < full[0].1, "the loss falls: {full:?}");
+    // validation answers the questions greedily: exact match at the start (step 0) and at each validation
+    let rows: Vec<Value> = std::fs::read_to_string(a.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let acc: Vec<(u64, f64, u64)> = rows
+        .iter()
+        .filter_map(|r| Some((r["step"].as_u64()?, r["val_accuracy"].as_f64()?, r["val_answered"].as_u64()?)))
+        .collect();
+    assert_eq!(acc.iter().map(|a| a.0).collect::<Vec<_>>(), [0, 4, 8], "{rows:?}");
+    assert!(acc.iter().all(|a| (0.0..=1.0).contains(&a.1) && a.2 == 24), "24 validation questions answered: {acc:?}");
+    assert!(rows[0].get("loss").is_none() && rows[0]["val_loss"].as_f64().is_some(), "step 0 is validation only");
+    assert!(log.contains("validation exact match"), "{log}");
     let svg = std::fs::read_to_string(a.join("curves.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("validation") && svg.contains("peak RSS"), "curves.svg");
     let kept: Vec<String> =
@@ -76,7 +88,7 @@ fn killed_and_resumed_run_matches_an_uninterrupted_one() {
     let mut child = Command::new(example("finetune")).args(overrides(&b)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
     let t0 = Instant::now();
     loop {
-        let steps = std::fs::read_to_string(b.join("metrics.jsonl")).map(|t| t.lines().count()).unwrap_or(0);
+        let steps = std::fs::read_to_string(b.join("metrics.jsonl")).map(|t| t.lines().filter(|l| l.contains("\"loss\"")).count()).unwrap_or(0);
         if steps >= 5 {
             break;
         }

@@ -444,7 +444,74 @@ where
         Ok(Some(trainer.evaluate(&batches)?.0))
     };
 
+    // greedy answers to the validation questions, exact match (rank 0, unsharded models)
+    let answer_limit = s.val_answer_max_new_tokens.filter(|&n| n > 0);
+    let eos_ids: Vec<i64> = {
+        let mut ids = ["eos_token_id"]
+            .iter()
+            .chain(&["text_config"])
+            .filter_map(|k| config_json.get(k))
+            .flat_map(|v| match v {
+                Value::Number(n) => n.as_i64().into_iter().collect::<Vec<_>>(),
+                Value::Array(a) => a.iter().filter_map(|x| x.as_i64()).collect(),
+                Value::Object(o) => o.get("eos_token_id").and_then(|x| x.as_i64()).into_iter().collect(),
+                _ => Vec::new(),
+            })
+            .collect::<Vec<i64>>();
+        // the chat format's turn end stops an answer too
+        ids.extend(["<|user|>", "<|endoftext|>"].iter().filter_map(|t| chat.tokenizer.token_to_id(t)).map(|x| x as i64));
+        ids
+    };
+    let answer = |trainer: &Trainer<B>| -> Result<Option<glm5_burn::generate::eval::AnswerAccuracy>> {
+        let (Some(v), Some(max_new)) = (&val, answer_limit) else { return Ok(None) };
+        if rank != 0 {
+            return Ok(None);
+        }
+        if trainer.is_sharded() {
+            // answering needs every parameter on one rank; the loss is still validated
+            return Ok(None);
+        }
+        let records = &v.records[..s.val_answer_samples.unwrap_or(usize::MAX).min(v.records.len())];
+        let model = burn::module::AutodiffModule::valid(trainer.model());
+        let acc = glm5_burn::generate::eval::answer_accuracy(
+            &model,
+            &chat,
+            &ImageProcessor::default(),
+            records,
+            max_new,
+            &eos_ids,
+            config.text_config.max_position_embeddings,
+            &trainer.options.forward,
+        )?;
+        Ok(Some(acc))
+    };
+    let record_validation = |trainer: &Trainer<B>, line: &mut Value, bar: &ProgressBar| -> Result<()> {
+        let step = trainer.step;
+        if let Some(v) = validate(trainer)? {
+            line["val_loss"] = json!(v);
+            say(bar, format!("step {step}: validation loss {v:.4}"));
+        }
+        if let Some(acc) = answer(trainer)? {
+            line["val_accuracy"] = json!(acc.accuracy());
+            line["val_answered"] = json!(acc.answers.len());
+            let shown: Vec<String> = acc.answers.iter().take(2).map(|a| format!("{:?} (reference {:?})", a.prediction, a.reference)).collect();
+            say(bar, format!("step {step}: validation exact match {}/{} — e.g. {}", acc.correct, acc.answers.len(), shown.join(", ")));
+        }
+        Ok(())
+    };
+
+    if answer_limit.is_some() && val.is_some() && trainer.is_sharded() && rank == 0 {
+        println!("step_scheduler.val_answer_max_new_tokens: no answer accuracy in this run (answering needs an unsharded model; validation loss only)");
+    }
     let started = trainer.step;
+    // a fresh run validates its starting point (step 0) once
+    if started == 0 && val.is_some() && s.max_steps > 0 {
+        let mut line = json!({ "step": 0 });
+        record_validation(&trainer, &mut line, &bar)?;
+        if let Some(metrics) = metrics.as_mut() {
+            writeln!(metrics, "{line}").and_then(|_| metrics.flush()).with_context(|| metrics_path.display().to_string())?;
+        }
+    }
     if started >= s.max_steps {
         println!(
             "{} already holds step {started} of step_scheduler.max_steps {}: nothing to train \
@@ -489,10 +556,7 @@ where
             }
         }
         if s.val_every_steps.is_some_and(|k| k > 0 && step % k == 0) || step == s.max_steps {
-            if let Some(v) = validate(&trainer)? {
-                line["val_loss"] = json!(v);
-                say(&bar, format!("step {step}: validation loss {v:.4}"));
-            }
+            record_validation(&trainer, &mut line, &bar)?;
         }
         if let Some(metrics) = metrics.as_mut() {
             writeln!(metrics, "{line}").and_then(|_| metrics.flush()).with_context(|| metrics_path.display().to_string())?;
@@ -519,14 +583,25 @@ where
     let series = |key: &str| -> Vec<(f64, f64)> { rows.iter().filter_map(|r| Some((r["step"].as_f64()?, r[key].as_f64()?))).collect() };
     if !train_pts.is_empty() {
         let png = root.join("curves.svg");
-        let curves = plot::Curves { train: &train_pts, val: &val_pts, seconds: &series("seconds"), peak_rss_mb: &series("peak_rss_mb") };
+        let curves = plot::Curves {
+            train: &train_pts,
+            val: &val_pts,
+            seconds: &series("seconds"),
+            peak_rss_mb: &series("peak_rss_mb"),
+            val_accuracy: &series("val_accuracy"),
+        };
         plot::curves(&png, &curves).map_err(anyhow::Error::msg)?;
         let first = train_pts.first().map(|p| p.1).unwrap_or(f64::NAN);
         let last = train_pts.last().map(|p| p.1).unwrap_or(f64::NAN);
         println!(
             "run so far: steps 1..{}, loss {first:.4} → {last:.4}{}; metrics {}, curve {}",
             trainer.step,
-            val_pts.last().map(|v| format!(", validation {:.4}", v.1)).unwrap_or_default(),
+            val_pts.last().map(|v| format!(", validation {:.4}", v.1)).unwrap_or_default()
+                + &series("val_accuracy")
+                    .first()
+                    .zip(series("val_accuracy").last())
+                    .map(|(a, b)| format!(", validation exact match {:.3} (step {}) → {:.3} (step {})", a.1, a.0, b.1, b.0))
+                    .unwrap_or_default(),
             metrics_path.display(),
             png.display()
         );

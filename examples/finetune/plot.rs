@@ -16,6 +16,8 @@ pub struct Curves<'a> {
     pub seconds: &'a [(f64, f64)],
     /// Peak resident set in MB.
     pub peak_rss_mb: &'a [(f64, f64)],
+    /// Validation exact-match accuracy in [0, 1] (right axis of the loss panel).
+    pub val_accuracy: &'a [(f64, f64)],
 }
 
 /// `[lo, hi]` of the finite values, widened so a flat curve still gets a band.
@@ -31,11 +33,11 @@ fn range(points: &[&(f64, f64)], floor_zero: bool) -> std::ops::Range<f64> {
 /// Draw `c` into `path` (written to a temporary file, then renamed).
 pub fn curves(path: &Path, c: &Curves) -> Result<(), String> {
     let finite = |s: &[(f64, f64)]| s.iter().copied().filter(|p| p.1.is_finite()).collect::<Vec<_>>();
-    let (train, val, secs, rss) = (finite(c.train), finite(c.val), finite(c.seconds), finite(c.peak_rss_mb));
+    let (train, val, secs, rss, acc) = (finite(c.train), finite(c.val), finite(c.seconds), finite(c.peak_rss_mb), finite(c.val_accuracy));
     if train.is_empty() && val.is_empty() {
         return Err("no finite losses to plot".into());
     }
-    let last = train.iter().chain(&val).chain(&secs).map(|p| p.0).fold(1.0, f64::max);
+    let last = train.iter().chain(&val).chain(&secs).chain(&acc).map(|p| p.0).fold(1.0, f64::max);
     let xs = 0.0..last;
     let tmp = path.with_extension("svg.partial");
     {
@@ -50,9 +52,14 @@ pub fn curves(path: &Path, c: &Curves) -> Result<(), String> {
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(60)
+            .right_y_label_area_size(if acc.is_empty() { 0 } else { 60 })
             .build_cartesian_2d(xs.clone(), range(&losses, false))
-            .map_err(e)?;
+            .map_err(e)?
+            .set_secondary_coord(xs.clone(), 0.0..1.0);
         chart.configure_mesh().x_desc("step").y_desc("loss").light_line_style(RGBColor(236, 236, 236)).draw().map_err(e)?;
+        if !acc.is_empty() {
+            chart.configure_secondary_axes().y_desc("validation exact match").draw().map_err(e)?;
+        }
         let blue = RGBColor(31, 119, 180);
         let orange = RGBColor(230, 120, 20);
         chart
@@ -65,6 +72,14 @@ pub fn curves(path: &Path, c: &Curves) -> Result<(), String> {
             .map_err(e)?
             .label("validation")
             .legend(move |(x, y)| Circle::new((x + 10, y), 4, orange.filled()));
+        if !acc.is_empty() {
+            let green = RGBColor(44, 160, 44);
+            chart
+                .draw_secondary_series(LineSeries::new(acc.iter().copied(), green.stroke_width(2)).point_size(3))
+                .map_err(e)?
+                .label("validation exact match (right axis)")
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], green.stroke_width(2)));
+        }
         chart.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).draw().map_err(e)?;
 
         let secs_ref: Vec<&(f64, f64)> = secs.iter().collect();

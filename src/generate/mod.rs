@@ -5,6 +5,7 @@
 
 pub mod cache;
 pub mod decode;
+pub mod eval;
 pub mod sampling;
 
 pub use cache::{CacheBytes, DecodeCache, DsaCache, IndexerCache, KdaCache, LayerCache};

@@ -56,6 +56,14 @@ pub struct StepScheduler {
     /// Run validation every this many steps (`None`: only at the end).
     #[serde(default)]
     pub val_every_steps: Option<usize>,
+    /// With validation, also answer the validation questions (greedy, at most this many new
+    /// tokens each) and report exact-match accuracy after normalisation (`val_accuracy` in
+    /// `metrics.jsonl`); `None`/0: loss only. Runs on an unsharded model.
+    #[serde(default)]
+    pub val_answer_max_new_tokens: Option<usize>,
+    /// At most this many validation questions are answered (`None`: all of them).
+    #[serde(default)]
+    pub val_answer_samples: Option<usize>,
     /// What a non-finite loss or gradient norm does: `abort` (default) or `skip` the step
     /// (nothing applied, counted).
     #[serde(default)]
