@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench -- --config configs/bench_small.json --seq 512 \
-//!     [--batch 1] [--mode forward|train|both] [--warmup 10] [--steps 5] [--threads 2] [--profile]
+//!     [--batch 1] [--mode forward|train|both|decode] [--warmup 10] [--steps 5] [--threads 2] [--profile]
 //! ```
 //!
 //! Steady state: `--warmup` untimed iterations first (default 10), then the median of the
@@ -14,6 +14,13 @@
 //! A train step is forward, cross-entropy over all tokens, backward and the AdamW update
 //! (the library's `Trainer` with fp32 weights, no clipping). `--profile` adds the time per
 //! model part (forward scopes; backward and the AdamW update as wholes) for the timed iterations.
+//!
+//! `--mode decode` prefills a `--seq`-token prompt (timed once, `prefill_s`), then runs
+//! `--warmup` untimed and `--steps` timed decode steps of one greedy token per row, at context
+//! lengths `seq + warmup ..= seq + warmup + steps`: `median_s` is the median step time,
+//! `tokens_per_s` rows per second, `cache_bytes` the caches' size after the last step and
+//! `cache_bytes_per_token` what one more position adds (DSA latents and indexer keys; the KDA
+//! states are constant, `kda_cache_bytes`).
 
 use std::time::Instant;
 
@@ -39,6 +46,8 @@ enum Mode {
     Forward,
     Train,
     Both,
+    /// Prefill `--seq` tokens, then decode one token per row per step with the caches.
+    Decode,
 }
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
@@ -178,6 +187,37 @@ fn main() -> Result<()> {
             Ok(())
         })?;
         report("forward", times);
+    }
+
+    if a.mode == Mode::Decode {
+        let device = Default::default();
+        Flex::seed(&device, 0);
+        let model = Glm5ForCausalLM::<Flex>::try_new(&config, &device)?;
+        let t0 = Instant::now();
+        let (logits, mut cache) = model.prefill(&ids, a.batch, a.seq, None, None, &opts)?;
+        let greedy = |logits: Tensor<Flex, 3>| -> Vec<i64> {
+            let [b, t, v] = logits.dims();
+            logits.slice([0..b, t - 1..t, 0..v]).argmax(2).reshape([b]).into_data().convert::<i64>().into_vec().expect("ids")
+        };
+        let mut next = greedy(logits);
+        let prefill_s = t0.elapsed().as_secs_f64();
+        let before = cache.bytes();
+        let times = timed(&a, "decode", || {
+            next = greedy(model.decode_step(&next, &mut cache, &opts)?);
+            Ok(())
+        })?;
+        let after = cache.bytes();
+        let grown = (after.latent + after.indexer - before.latent - before.indexer) as f64 / (a.warmup + a.steps) as f64;
+        let med = median(times.clone());
+        println!(
+            "{}",
+            json!({"impl": "glm5-burn-flex", "mode": "decode", "prompt_tokens": tokens, "context": cache.len(), "median_s": med,
+                   "min_s": times.iter().copied().fold(f64::INFINITY, f64::min), "max_s": times.iter().copied().fold(0.0, f64::max),
+                   "warmup": a.warmup, "tokens_per_s": a.batch as f64 / med, "prefill_s": prefill_s,
+                   "cache_bytes": after.total(), "cache_bytes_per_token": grown / a.batch as f64, "kda_cache_bytes": after.kda,
+                   "peak_rss_mb": peak_rss_mb(), "threads": threads})
+        );
+        return Ok(());
     }
 
     if matches!(a.mode, Mode::Train | Mode::Both) {

@@ -16,7 +16,7 @@ fn example(name: &str) -> PathBuf {
     static BUILD: std::sync::Once = std::sync::Once::new();
     BUILD.call_once(|| {
         let status = Command::new(env!("CARGO"))
-            .args(["build", "--example", "finetune", "--example", "logits", "--example", "bench", "--example", "convert"])
+            .args(["build", "--example", "finetune", "--example", "logits", "--example", "bench", "--example", "convert", "--example", "generate"])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status()
             .expect("run cargo");
@@ -118,6 +118,15 @@ fn killed_and_resumed_run_matches_an_uninterrupted_one() {
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "logits on the finetune checkpoint failed:\n{text}");
     assert!(text.contains("next token:") && text.contains("p="), "{text}");
+    // and answers in the generate example's human mode (decoded with caches, streamed)
+    let out = Command::new(example("generate"))
+        .args(["--checkpoint", ckpt.to_str().unwrap(), "--tokenizer", ckpt.to_str().unwrap(), "--max-new-tokens", "8"])
+        .args(["--image", image.to_str().unwrap(), "--prompt", "Is the kidney lesion large or small?"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "generate on the finetune checkpoint failed:\n{text}");
+    assert!(!text.trim().is_empty(), "no answer printed");
 }
 
 #[test]

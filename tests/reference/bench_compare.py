@@ -16,6 +16,10 @@ parameters) × tokens/s for a train step, 2 × for a forward, over the backend's
 rate at the model's shapes (`--matmul` measures it: ours with `bench --matmul`, PyTorch with
 torch.mm). `--ref-max-seq` skips the reference above that length (its dense S×S masks make
 8192 slow); `--json FILE` also writes every run's raw line.
+
+`--modes decode` compares token-by-token decoding with caches after a `seq`-token prompt:
+tok/s are decoded tokens per second (one row), s/step the median decode step, the last column
+adds our cache bytes per position (DSA latents and indexer keys; KDA states are constant).
 """
 
 import argparse
@@ -111,6 +115,8 @@ def main():
             o_rss = max(x["peak_rss_mb"] for x in ours)
             flops = (6 if mode == "train" else 2) * n_active * o_tps / 1e9
             mfu = f"{flops:.1f} GFLOP/s" + (f" ({100 * flops / ours_mm['512x256x768']:.0f}% of 512x256x768)" if ours_mm else "")
+            if mode == "decode":
+                mfu += f"; cache {median([x['cache_bytes_per_token'] for x in ours]):.0f} B/position, prefill {median([x['prefill_s'] for x in ours]):.2f} s"
             if ref:
                 ratios = [o["tokens_per_s"] / h["tokens_per_s"] for o, h in zip(ours, ref)]
                 r_tps = median([x["tokens_per_s"] for x in ref])
