@@ -242,7 +242,13 @@ impl<B: Backend> Glm5ForCausalLM<B> {
 
     /// Input embeddings `[B, S, D]` of `ids` with the vision tower's features at the
     /// `<|image|>` placeholders (see [`Self::forward_multimodal`]).
-    fn embed_multimodal(&self, ids: &[i64], batch: usize, seq: usize, images: Option<(Tensor<B, 2>, &[[usize; 3]])>) -> Result<Tensor<B, 3>, ModelError>
+    fn embed_multimodal(
+        &self,
+        ids: &[i64],
+        batch: usize,
+        seq: usize,
+        images: Option<(Tensor<B, 2>, &[[usize; 3]])>,
+    ) -> Result<Tensor<B, 3>, ModelError>
     where
         B: Glm5Backend,
     {

@@ -45,10 +45,8 @@ fn decode_logits(model: &LoadedModel<B>, io: &Io, case: &Case, opts: &ForwardOpt
         let grid: Vec<[usize; 3]> = io.i64("image_grid_thw").chunks(3).map(|g| [g[0] as usize, g[1] as usize, g[2] as usize]).collect();
         (io.tensor::<2>("pixel_values", &device), grid)
     });
-    let (first, mut cache) = model
-        .model
-        .prefill(&prompt, b, p, Some(&prompt_mask), images.as_ref().map(|(px, g)| (px.clone(), g.as_slice())), opts)
-        .expect("prefill");
+    let (first, mut cache) =
+        model.model.prefill(&prompt, b, p, Some(&prompt_mask), images.as_ref().map(|(px, g)| (px.clone(), g.as_slice())), opts).expect("prefill");
     let v = first.dims()[2];
     // per row: logits of positions p−1 .. s−1
     let mut rows: Vec<Vec<f32>> = host3(first).chunks(v).map(|r| r.to_vec()).collect();
@@ -168,7 +166,10 @@ fn cache_grows_by_latent_and_indexer_rows_only() {
     let dsa = c.layer_types.iter().filter(|&&t| t == LayerType::IndexedAttention).count(); // all with full indexers here
     assert_eq!(after.latent - before.latent, dsa * c.kv_lora_rank * 4, "one f32 latent row per DSA layer");
     // keys + gates per token; the pooled keys grow by one pool every kpool tokens
-    assert_eq!(after.indexer - before.indexer, dsa * 2 * c.index_head_dim * 4 + dsa * c.index_head_dim * 4 * ((6usize.div_ceil(c.index_kpool)) - 5usize.div_ceil(c.index_kpool)));
+    assert_eq!(
+        after.indexer - before.indexer,
+        dsa * 2 * c.index_head_dim * 4 + dsa * c.index_head_dim * 4 * ((6usize.div_ceil(c.index_kpool)) - 5usize.div_ceil(c.index_kpool))
+    );
     let e = model.model.decode_step(&[], &mut cache, &opts).unwrap_err().to_string();
     assert!(e.contains("input_ids"), "{e}");
     let e = model.model.decode_step(&[1000], &mut cache, &opts).unwrap_err().to_string();

@@ -70,10 +70,8 @@ fn killed_and_resumed_run_matches_an_uninterrupted_one() {
     assert!(full[7].1 < full[0].1, "the loss falls: {full:?}");
     // validation answers the questions greedily: exact match at the start (step 0) and at each validation
     let rows: Vec<Value> = std::fs::read_to_string(a.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    let acc: Vec<(u64, f64, u64)> = rows
-        .iter()
-        .filter_map(|r| Some((r["step"].as_u64()?, r["val_accuracy"].as_f64()?, r["val_answered"].as_u64()?)))
-        .collect();
+    let acc: Vec<(u64, f64, u64)> =
+        rows.iter().filter_map(|r| Some((r["step"].as_u64()?, r["val_accuracy"].as_f64()?, r["val_answered"].as_u64()?))).collect();
     assert_eq!(acc.iter().map(|a| a.0).collect::<Vec<_>>(), [0, 4, 8], "{rows:?}");
     assert!(acc.iter().all(|a| (0.0..=1.0).contains(&a.1) && a.2 == 24), "24 validation questions answered: {acc:?}");
     assert!(rows[0].get("loss").is_none() && rows[0]["val_loss"].as_f64().is_some(), "step 0 is validation only");
@@ -333,4 +331,27 @@ fn a_truncated_optimizer_state_says_so() {
         text.contains("optimizer.mpk") && text.contains(&format!("({} bytes) is truncated or corrupt", len / 3)) && !text.contains("0.14.0"),
         "{text}"
     );
+}
+
+/// The generate example's file mode writes `sequences` exactly as HF's greedy `generate` does
+/// (`leftpad`: two left-padded rows, row 0 ends on the EOS mid-batch and is padded).
+#[test]
+fn generate_example_writes_hf_sequences() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/leftpad");
+    let out_path = tmp.path().join("out.safetensors");
+    let out = Command::new(example("generate"))
+        .args(["--checkpoint", fixture.to_str().unwrap(), "--input", fixture.join("generate.safetensors").to_str().unwrap()])
+        .args(["--max-new-tokens", "8", "--eos", "106", "--output", out_path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "generate failed:\n{text}");
+    let read = |p: &Path| {
+        let bytes = std::fs::read(p).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let t = st.tensor("sequences").unwrap();
+        (t.shape().to_vec(), t.data().chunks(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect::<Vec<i64>>())
+    };
+    assert_eq!(read(&out_path), read(&fixture.join("generate.safetensors")), "{text}");
 }

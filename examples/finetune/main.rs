@@ -501,7 +501,9 @@ where
     };
 
     if answer_limit.is_some() && val.is_some() && trainer.is_sharded() && rank == 0 {
-        println!("step_scheduler.val_answer_max_new_tokens: no answer accuracy in this run (answering needs an unsharded model; validation loss only)");
+        println!(
+            "step_scheduler.val_answer_max_new_tokens: no answer accuracy in this run (answering needs an unsharded model; validation loss only)"
+        );
     }
     let started = trainer.step;
     // a fresh run validates its starting point (step 0) once

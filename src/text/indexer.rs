@@ -22,8 +22,8 @@ use super::mlp::linear;
 use super::norm::LayerNorm;
 use super::TokenMask;
 use crate::config::TextConfig;
-use crate::ops::backend::Glm5Backend;
 use crate::generate::cache::IndexerCache;
+use crate::ops::backend::Glm5Backend;
 use crate::ops::kpool::{pool_layouts, reference_compress, reference_scores, reference_select, KpoolSelect};
 use crate::ops::PathKind;
 
@@ -191,11 +191,8 @@ impl<B: Backend> Indexer<B> {
         cache.pooled = Tensor::cat(rows, 0);
         let q = this.wq_b.forward(q_resid).cast(DType::F32).reshape([b, t, h, d]);
         let w = this.weights_proj.forward(x).cast(DType::F32) * (h as f64).powf(-0.5);
-        let scores: Vec<f32> = reference_scores(q, w, cache.pooled.clone(), self.score_scale())
-            .into_data()
-            .convert::<f32>()
-            .into_vec()
-            .expect("pool scores are f32");
+        let scores: Vec<f32> =
+            reference_scores(q, w, cache.pooled.clone(), self.score_scale()).into_data().convert::<f32>().into_vec().expect("pool scores are f32");
         self.selector().select_queries(&scores, context, b, len, q0)
     }
 
