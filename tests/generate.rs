@@ -1,7 +1,8 @@
 //! Generation (`generate::decode`) against HF `generate(do_sample=False)` run in float64 on the
-//! model fixtures (`make_fixtures.py generate_base_k4 generate_leftpad`): the same sequences —
-//! one row stopping at its EOS before `max_new_tokens`; two left-padded rows, one ending
-//! mid-batch and padded while the other runs to the limit — with every step's tokens streamed;
+//! model fixtures (`make_fixtures.py generate_base_k4 generate_leftpad generate_vlm`): the same
+//! sequences — one row stopping at its EOS before `max_new_tokens`; two left-padded rows, one
+//! ending mid-batch and padded while the other runs to the limit; three multimodal prompts
+//! (images, a left-padded row, one ending mid-batch) — with every step's tokens streamed;
 //! bad inputs are errors naming them.
 
 mod common;
@@ -22,7 +23,13 @@ fn hf_case(name: &str) {
     let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
     let want = io.i64("sequences");
     let device = Default::default();
-    let loaded = load_causal_lm::<Flex>(&dir, &device, &LoadOptions::default()).unwrap();
+    let loaded = load_causal_lm::<Flex>(&dir, &device, &LoadOptions { vision: io.has("pixel_values"), ..LoadOptions::default() }).unwrap();
+    let grid: Vec<[usize; 3]> = if io.has("image_grid_thw") {
+        io.i64("image_grid_thw").chunks(3).map(|g| [g[0] as usize, g[1] as usize, g[2] as usize]).collect()
+    } else {
+        Vec::new()
+    };
+    let images = io.has("pixel_values").then(|| (io.tensor::<2>("pixel_values", &device), grid.as_slice()));
     let opts = GenerateOptions {
         max_new_tokens: io.i64("max_new_tokens")[0] as usize,
         sampling: SamplingConfig::default(),
@@ -31,7 +38,7 @@ fn hf_case(name: &str) {
         max_positions: loaded.config.text_config.max_position_embeddings,
     };
     let mut streamed: Vec<Vec<i64>> = Vec::new();
-    let prompt = Prompt { ids: &ids, batch: b, seq: s, mask: Some(&mask), images: None };
+    let prompt = Prompt { ids: &ids, batch: b, seq: s, mask: Some(&mask), images };
     let out = generate(&loaded.model, prompt, &opts, &ForwardOptions::default(), |t| streamed.push(t.to_vec())).unwrap();
     let len = want.len() / b;
     assert_eq!(out.new_tokens, len - s, "{name}: tokens generated");
@@ -53,6 +60,12 @@ fn greedy_generation_stops_at_eos_like_hf() {
 #[test]
 fn left_padded_batch_pads_the_row_that_ended_like_hf() {
     hf_case("leftpad");
+}
+
+#[test]
+fn multimodal_batch_with_left_padding_like_hf() {
+    // three images in the prompts (prefill only), row 1 left-padded, row 0 ends mid-batch
+    hf_case("vlm");
 }
 
 #[test]

@@ -1048,11 +1048,16 @@ def generate_fixture(name, new_tokens=8, margin=1e-3):
     pad = model.config.text_config.pad_token_id
     pad = 0 if pad is None else pad
 
+    # a multimodal prompt carries its images (used by the prefill only)
+    images = {k: io[k] for k in ("pixel_values", "image_grid_thw") if k in io}
+    if "pixel_values" in images:
+        images["pixel_values"] = images["pixel_values"].double()
+
     def run(eos):
         with torch.no_grad():
             return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                                   eos_token_id=eos, pad_token_id=pad, output_scores=True,
-                                  return_dict_in_generate=True)
+                                  return_dict_in_generate=True, **images)
     free = run(None)
     eos = int(free.sequences[0, ids.shape[1] + 2])
     out = run(eos)
@@ -1069,7 +1074,8 @@ def generate_fixture(name, new_tokens=8, margin=1e-3):
     assert finished[0] and (seqs.shape[1] == s + 3 if ids.shape[0] == 1 else seqs.shape[1] > s + 3), seqs.shape
     save_file({"input_ids": ids.contiguous(), "attention_mask": mask.contiguous(), "sequences": seqs.contiguous(),
                "eos_token_id": torch.tensor([eos]), "pad_token_id": torch.tensor([pad]),
-               "max_new_tokens": torch.tensor([new_tokens])},
+               "max_new_tokens": torch.tensor([new_tokens]),
+               **{k: v.float().contiguous() if v.is_floating_point() else v.contiguous() for k, v in images.items()}},
               str(d / "generate.safetensors"))
     print(f"{name}: generate {tuple(ids.shape)} -> {tuple(seqs.shape)}, eos {eos}, rows ended {finished.tolist()}")
 
@@ -1104,7 +1110,7 @@ def main():
         config_defaults_fixture()
     if not only or "sampling" in only:
         sampling_fixture()
-    for name in ("base_k4", "leftpad"):
+    for name in ("base_k4", "leftpad", "vlm"):
         if not only or f"generate_{name}" in only:
             generate_fixture(name)
 
