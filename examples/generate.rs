@@ -19,7 +19,7 @@ use anyhow::{bail, Context, Result};
 use burn::tensor::{DType, Tensor, TensorData};
 use clap::{Parser, ValueEnum};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
-use glm5_burn::generate::{checkpoint_eos_ids, generate, GenerateOptions, Prompt, SamplingConfig};
+use glm5_burn::generate::{checkpoint_eos_ids, generate, generate_with, GenerateOptions, Prompt, SamplingConfig, StopStrings};
 use glm5_burn::io::{write_sequences, TokenInputs};
 use glm5_burn::{ForwardOptions, Glm5Backend};
 
@@ -64,6 +64,9 @@ struct Args {
     /// EOS ids (repeatable; default: the checkpoint's).
     #[arg(long = "eos")]
     eos: Vec<i64>,
+    /// Stop strings (repeatable): a row ends once its text shows one (needs `--tokenizer`).
+    #[arg(long = "stop", requires = "tokenizer")]
+    stop: Vec<String>,
     /// Sample instead of greedy decoding.
     #[arg(long)]
     do_sample: bool,
@@ -130,9 +133,20 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
     });
     let prompt = Prompt { ids: &inputs.ids, batch: inputs.batch, seq: inputs.seq, mask: Some(&inputs.mask), images: pixels };
     let start = std::time::Instant::now();
-    let out = generate(&loaded.model, prompt, &opts, &ForwardOptions::default(), |_| {}).with_context(|| input.display().to_string())?;
+    let tokenizer = match &args.tokenizer {
+        Some(dir) => Some(load_tokenizer(dir)?),
+        None => None,
+    };
+    let out = match &tokenizer {
+        Some(tok) if !args.stop.is_empty() => {
+            let mut stop = StopStrings::new(tok, &args.stop)?;
+            generate_with(&loaded.model, prompt, &opts, &ForwardOptions::default(), &mut stop, |_| {})
+        }
+        _ => generate(&loaded.model, prompt, &opts, &ForwardOptions::default(), |_| {}),
+    }
+    .with_context(|| input.display().to_string())?;
     let len = inputs.seq + out.new_tokens;
-    eprintln!("generated {} tokens per row in {:.2?}; rows ended on EOS: {:?}", out.new_tokens, start.elapsed(), out.ended);
+    eprintln!("generated {} tokens per row in {:.2?}; rows ended (EOS or stop string): {:?}", out.new_tokens, start.elapsed(), out.ended);
     write_sequences(&output, &out.sequences, [inputs.batch, len])?;
     eprintln!("wrote {}", output.display());
     Ok(())
@@ -168,7 +182,8 @@ fn answer<B: Glm5Backend>(args: &Args, question: &str, dtype: DType, eos: Vec<i6
     let mut answer: Vec<u32> = Vec::new();
     let mut shown = 0;
     let mut stdout = std::io::stdout();
-    generate(&loaded.model, prompt, &opts, &ForwardOptions::default(), |t| {
+    let mut stop = StopStrings::new(&chat.tokenizer, &args.stop)?;
+    generate_with(&loaded.model, prompt, &opts, &ForwardOptions::default(), &mut stop, |t| {
         if !eos.contains(&t[0]) {
             answer.push(t[0] as u32);
             // print what the new token adds to the decoded answer
@@ -183,4 +198,10 @@ fn answer<B: Glm5Backend>(args: &Args, question: &str, dtype: DType, eos: Vec<i6
     })?;
     println!();
     Ok(())
+}
+
+/// The tokenizer of `dir` (its `tokenizer.json`), or `dir` itself when it is that file.
+fn load_tokenizer(dir: &std::path::Path) -> Result<tokenizers::Tokenizer> {
+    let file = if dir.is_dir() { dir.join("tokenizer.json") } else { dir.to_path_buf() };
+    tokenizers::Tokenizer::from_file(&file).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))
 }

@@ -11,7 +11,7 @@ use burn::backend::Flex;
 use burn::tensor::Tensor;
 use common::*;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
-use glm5_burn::generate::{generate, GenerateOptions, Prompt, SamplingConfig};
+use glm5_burn::generate::{generate, generate_with, GenerateOptions, Prompt, SamplingConfig, StopStrings, StoppingCriteria};
 use glm5_burn::ForwardOptions;
 
 fn hf_case(name: &str) {
@@ -87,4 +87,63 @@ fn bad_inputs_are_errors_naming_them() {
     let pixels = Tensor::<Flex, 2>::zeros([4, 1176], &device);
     let e = run(&[1, 2], 2, &opts, Some((pixels, &[[1, 2, 2]])));
     assert!(e.contains("pixel_values") || e.contains("image"), "{e}");
+}
+
+/// A stopping rule that ends a row on the fixture's EOS token gives HF's sequences without any
+/// EOS id — the hook ends rows and pads them exactly as EOS ids do.
+#[test]
+fn stopping_rule_ends_rows_like_an_eos_id() {
+    let dir = fixtures().join("leftpad");
+    let io = Io::open(&dir.join("generate.safetensors"));
+    let (b, s) = (io.shape("input_ids")[0], io.shape("input_ids")[1]);
+    let (ids, want) = (io.i64("input_ids"), io.i64("sequences"));
+    let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
+    let eos = io.i64("eos_token_id")[0];
+    let loaded = load_causal_lm::<Flex>(&dir, &Default::default(), &LoadOptions::default()).unwrap();
+    struct OnToken(i64, usize);
+    impl StoppingCriteria for OnToken {
+        fn ends(&mut self, _row: usize, sequence: &[i64]) -> bool {
+            self.1 += 1;
+            sequence.last() == Some(&self.0)
+        }
+    }
+    let opts = GenerateOptions {
+        max_new_tokens: io.i64("max_new_tokens")[0] as usize,
+        sampling: SamplingConfig::default(),
+        eos_token_ids: vec![],
+        pad_token_id: io.i64("pad_token_id")[0],
+        max_positions: 1 << 20,
+    };
+    let mut rule = OnToken(eos, 0);
+    let prompt = Prompt { ids: &ids, batch: b, seq: s, mask: Some(&mask), images: None };
+    let out = generate_with(&loaded.model, prompt, &opts, &ForwardOptions::default(), &mut rule, |_| {}).unwrap();
+    assert_eq!(out.sequences, want);
+    assert_eq!(out.ended, [true, false]);
+    // asked once per token of an unfinished row: row 0 ends at its third token
+    assert_eq!(rule.1, 3 + out.new_tokens);
+}
+
+/// Stop strings end a row at the token that completes one (spanning tokens, overlapping the
+/// newest), not later, and an occurrence further back does not stop it.
+#[test]
+fn stop_strings_end_at_the_completing_token() {
+    let tok =
+        tokenizers::Tokenizer::from_file(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/tiny_medpix/tokenizer.json")).unwrap();
+    let text = "The lesion is in the upper left quadrant.";
+    let ids: Vec<i64> = tok.encode(text, false).unwrap().get_ids().iter().map(|&i| i as i64).collect();
+    let decode = |n: usize| tok.decode(&ids[..n].iter().map(|&i| i as u32).collect::<Vec<_>>(), false).unwrap();
+    for stop in ["upper left", "quadrant", "n t", "."] {
+        // the first prefix whose text shows the string, found by decoding prefixes
+        let want = (1..=ids.len()).find(|&n| decode(n).contains(stop)).unwrap();
+        let mut rule = StopStrings::new(&tok, &[stop.to_string()]).unwrap();
+        let first = (1..=ids.len()).find(|&n| rule.ends(0, &ids[..n]));
+        assert_eq!(first, Some(want), "{stop:?} in {:?}", (1..=ids.len()).map(decode).collect::<Vec<_>>());
+        if want < ids.len() {
+            // one token later the string is only further back (unless that token shows it again)
+            let (before, after) = (decode(want), decode(want + 1));
+            let again = after.match_indices(stop).any(|(i, _)| i + stop.len() > before.len());
+            assert_eq!(rule.ends(0, &ids[..want + 1]), again, "{stop:?} one token after it completed");
+        }
+    }
+    assert!(StopStrings::new(&tok, &[String::new()]).is_err());
 }

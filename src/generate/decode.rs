@@ -77,8 +77,25 @@ pub struct Generated {
     pub batch: usize,
     /// Tokens added per row.
     pub new_tokens: usize,
-    /// Whether each row ended on an EOS id (false: it reached the length limit).
+    /// Whether each row ended on an EOS id or a stopping rule (false: it reached the length limit).
     pub ended: Vec<bool>,
+}
+
+/// A rule that ends a row besides its EOS ids (HF `StoppingCriteria`), checked after each of
+/// the row's tokens until it has ended.
+pub trait StoppingCriteria {
+    /// Whether row `row` ends now; `sequence` is the row so far (prompt, left padding
+    /// included, then the generated tokens, the newest last).
+    fn ends(&mut self, row: usize, sequence: &[i64]) -> bool;
+}
+
+/// No rule besides the EOS ids.
+pub struct NoStoppingCriteria;
+
+impl StoppingCriteria for NoStoppingCriteria {
+    fn ends(&mut self, _row: usize, _sequence: &[i64]) -> bool {
+        false
+    }
 }
 
 /// Generate after `prompt`. `on_tokens` receives each step's tokens (one per row, `pad` for
@@ -88,6 +105,19 @@ pub fn generate<B: Glm5Backend>(
     prompt: Prompt<'_, B>,
     opts: &GenerateOptions,
     forward: &ForwardOptions,
+    on_tokens: impl FnMut(&[i64]),
+) -> Result<Generated, GenerateError> {
+    generate_with(model, prompt, opts, forward, &mut NoStoppingCriteria, on_tokens)
+}
+
+/// [`generate`] with a further stopping rule (e.g. [`super::stop::StopStrings`]): a row also
+/// ends when `stopping` says so after one of its tokens, and is padded from then on.
+pub fn generate_with<B: Glm5Backend>(
+    model: &Glm5ForCausalLM<B>,
+    prompt: Prompt<'_, B>,
+    opts: &GenerateOptions,
+    forward: &ForwardOptions,
+    stopping: &mut dyn StoppingCriteria,
     mut on_tokens: impl FnMut(&[i64]),
 ) -> Result<Generated, GenerateError> {
     let (b, s) = (prompt.batch, prompt.seq);
@@ -136,7 +166,9 @@ pub fn generate<B: Glm5Backend>(
         let tokens: Vec<i64> = (0..b).map(|r| if ended[r] { opts.pad_token_id } else { sampler.choose(&last[r * v..(r + 1) * v]) as i64 }).collect();
         for (r, &t) in tokens.iter().enumerate() {
             rows[r].push(t);
-            ended[r] |= opts.eos_token_ids.contains(&t);
+            if !ended[r] {
+                ended[r] = opts.eos_token_ids.contains(&t) || stopping.ends(r, &rows[r]);
+            }
         }
         new_tokens += 1;
         on_tokens(&tokens);
