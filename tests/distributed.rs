@@ -863,6 +863,7 @@ mod mpi_engine {
             "dp_grads" => dp_grads(&g),
             "fsdp" => fsdp(std::sync::Arc::new(g)),
             "checked" => checked(g),
+            "ep_moe" => ep_moe(std::sync::Arc::new(g)),
             "rank_dies" => {
                 if g.rank() == 1 {
                     eprintln!("rank 1: exiting on purpose before the collective");
@@ -873,6 +874,119 @@ mod mpi_engine {
                 panic!("rank {}: the collective returned although rank 1 is gone", g.rank());
             }
             other => panic!("unknown scenario {other}"),
+        }
+    }
+
+    /// One MoE layer under expert parallelism against the whole layer in one process: rank
+    /// `r` holds experts `r·E/P ..` and its own tokens (uneven counts); the reference runs every
+    /// rank's tokens through the whole layer. Outputs, input gradients and every parameter's
+    /// gradient (the replicated router and shared expert summed over the ranks, as data
+    /// parallelism would) within 1e-5 relative — with balanced routing and with every token
+    /// routed to rank 0's experts (the other ranks receive nothing).
+    fn ep_moe(g: std::sync::Arc<MpiGroup>) {
+        use burn::backend::{Autodiff, Flex};
+        use burn::module::{Module, ModuleMapper, Param};
+        use burn::tensor::{Tensor, TensorData};
+        use glm5_burn::distributed::Group;
+        use glm5_burn::text::moe::{ExpertParallel, Moe};
+        type A = Autodiff<Flex>;
+        let (r, n) = (g.rank(), g.size());
+        let experts = if n == 3 { 12 } else { 8 };
+        let group: Group = g.clone();
+        if n == 3 {
+            let err = ExpertParallel::new(group.clone(), 8).unwrap_err().to_string();
+            assert!(err.contains("ep_size 3 does not divide n_routed_experts 8"), "{err}");
+        }
+        // every parameter from a formula of its position in the module: the same on every rank
+        struct Fill(usize);
+        impl ModuleMapper<A> for Fill {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<A, D>>) -> Param<Tensor<A, D>> {
+                self.0 += 1;
+                let (id, t, mapper) = param.consume();
+                let shape = t.shape();
+                let k = self.0 as f32;
+                let v: Vec<f32> = (0..shape.num_elements()).map(|i| ((i as f32 * 0.731 + k * 1.37).sin() * 0.2)).collect();
+                let t = Tensor::<A, D>::from_data(TensorData::new(v, shape), &Default::default());
+                Param::from_mapped_value(id, t.require_grad(), mapper)
+            }
+        }
+        let mut c = glm5_burn::Glm5Config::tiny().text_config;
+        c.n_routed_experts = experts;
+        c.num_experts_per_tok = 2;
+        c.n_group = 1;
+        c.topk_group = 1;
+        let device = Default::default();
+        let d = c.hidden_size;
+        let rows = |p: usize| 5 + 2 * p;
+        let xv = |p: usize| -> Vec<f32> { (0..rows(p) * d).map(|i| ((i * 13 + p * 101) as f32 * 0.173).cos()).collect() };
+        let wv = |p: usize| -> Vec<f32> { (0..rows(p) * d).map(|i| ((i * 7 + p * 31) % 11) as f32 * 0.1 - 0.5).collect() };
+        let t3 = |v: Vec<f32>, m: usize| Tensor::<A, 3>::from_data(TensorData::new(v, [1, m, d]), &device);
+        let host = |t: Tensor<burn::backend::Flex, 3>| t.into_data().into_vec::<f32>().unwrap();
+        let rel = |a: &[f32], b: &[f32]| {
+            let m = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+            a.iter().zip(b).fold(0f32, |w, (x, y)| w.max((x - y).abs())) / m
+        };
+        for skew in [false, true] {
+            let mut moe = Moe::<A>::new(&c, &device).map(&mut Fill(0));
+            if skew {
+                // the bias picks rank 0's experts for every token (selection only)
+                let el = experts / n;
+                let bias: Vec<f32> = (0..experts).map(|e| if e < el { 50.0 } else { 0.0 }).collect();
+                moe.gate.e_score_correction_bias = Param::from_tensor(Tensor::from_data(TensorData::new(bias, [experts]), &device).require_grad());
+            }
+            // the reference: every rank's tokens through the whole layer
+            let total: usize = (0..n).map(rows).sum();
+            let xr = t3((0..n).flat_map(xv).collect(), total).require_grad();
+            let (yr, _) = moe.forward(xr.clone());
+            let gr = (yr.clone() * t3((0..n).flat_map(wv).collect(), total)).sum().backward();
+            let off: usize = (0..r).map(rows).sum();
+            let mine = |v: Vec<f32>| v[off * d..(off + rows(r)) * d].to_vec();
+            // this rank: its experts, its tokens
+            let ep = std::sync::Arc::new(ExpertParallel::new(group.clone(), experts).unwrap());
+            let mut par = moe.clone();
+            par.experts = par.experts.into_parallel(ep.clone()).unwrap();
+            let x = t3(xv(r), rows(r)).require_grad();
+            let (y, _) = par.forward(x.clone());
+            let gp = (y.clone() * t3(wv(r), rows(r))).sum().backward();
+            let mut worst = [0f32; 3];
+            worst[0] = rel(&host(y.inner()), &mine(host(yr.inner())));
+            worst[1] = rel(&host(x.grad(&gp).unwrap()), &mine(host(xr.grad(&gr).unwrap())));
+            // local experts: this rank's slices of the whole layer's gradients
+            let (a, b) = (ep.first_expert(), ep.first_expert() + ep.local_experts());
+            for (ours, full) in [
+                (&par.experts.gate_proj, &moe.experts.gate_proj),
+                (&par.experts.up_proj, &moe.experts.up_proj),
+                (&par.experts.down_proj, &moe.experts.down_proj),
+            ] {
+                let o = ours.val().grad(&gp).unwrap();
+                let f = full.val().grad(&gr).unwrap();
+                let [_, p, q] = f.dims();
+                worst[2] = worst[2].max(rel(&o.into_data().into_vec::<f32>().unwrap(), &f.slice([a..b, 0..p, 0..q]).into_data().into_vec::<f32>().unwrap()));
+            }
+            // replicated parameters: summed over the ranks
+            let sum = |v: Vec<f32>| {
+                let mut v = v;
+                g.all_reduce(ReduceBuf::F32(&mut v), ReduceOp::Sum).unwrap();
+                v
+            };
+            let router = sum(par.gate.weight.val().grad(&gp).unwrap().into_data().into_vec::<f32>().unwrap());
+            let router_ref = moe.gate.weight.val().grad(&gr).unwrap().into_data().into_vec::<f32>().unwrap();
+            worst[2] = worst[2].max(rel(&router, &router_ref));
+            let shared = sum(par.shared_experts.down_proj.weight.val().grad(&gp).unwrap().into_data().into_vec::<f32>().unwrap());
+            let shared_ref = moe.shared_experts.down_proj.weight.val().grad(&gr).unwrap().into_data().into_vec::<f32>().unwrap();
+            worst[2] = worst[2].max(rel(&shared, &shared_ref));
+            assert!(worst.iter().all(|&w| w <= 1e-5), "rank {r} of {n}, skew {skew}: output / input grad / param grads {worst:?}");
+            println!("rank {r} of {n}: expert-parallel MoE ({experts} experts, skew {skew}) matches the whole layer: {worst:?}");
+        }
+    }
+
+    #[test]
+    fn expert_parallel_moe_layer_equals_the_whole_layer_on_2_3_and_4_ranks() {
+        for np in [2, 3, 4] {
+            let (ok, out, secs) = mpirun(np, "ep_moe", Duration::from_secs(300));
+            assert!(ok, "mpirun -np {np} failed:\n{out}");
+            assert_eq!(out.matches("matches the whole layer").count(), 2 * np, "{out}");
+            println!("np {np} ({secs:.1} s): {}", out.lines().filter(|l| l.contains("rank 0 of")).collect::<Vec<_>>().join(" | "));
         }
     }
 

@@ -71,6 +71,7 @@ fn batched_and_looped_experts_match_the_per_slot_definition() {
                     up_proj: Param::from_tensor(ua.clone()),
                     down_proj: Param::from_tensor(da.clone()),
                     limit,
+                    parallel: None,
                 };
                 let routing = Routing { logits: Tensor::zeros([n, e], &Default::default()), weights: wa.clone(), experts: experts.clone() };
                 ex.forward(xa.clone(), &routing)

@@ -13,6 +13,15 @@
 //! Dispatch: the selection is read back to the host, token slots are sorted by expert, each
 //! expert that received tokens runs one matmul over its gathered rows, and the weighted rows
 //! are scattered back with an add (HF `Glm5NextTextExperts.forward` does the same per expert).
+//!
+//! Expert parallelism ([`ExpertParallel`], `distributed.ep_size = P`): rank `r` of the expert
+//! group holds experts `r·E/P .. (r+1)·E/P`. The layer's one seam is route → dispatch → local
+//! grouped experts → combine: each (token, expert) slot's row is sent to the rank holding the
+//! expert (`all_to_all_v`, counts exchanged first — Megatron's all-to-all dispatcher, one row
+//! per slot), the received rows run through the local experts, the results come back by the
+//! reverse `all_to_all_v`, and the source applies the weights and sums. Dropless: any
+//! imbalance works, a rank may receive nothing. Gradients flow through both exchanges (the
+//! adjoint of an all-to-all is the all-to-all with the counts swapped).
 //! Ties in the selection go to the lower expert index.
 //! Routed experts always use SiLU; the shared expert uses `hidden_act` (like the reference).
 //! Shapes: `x` `[B, S, D]`; stacked experts `gate_proj`, `up_proj` `[E, D, I]`,
@@ -25,6 +34,8 @@ use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::mlp::{clamped_swiglu, Mlp};
 use crate::config::{Activation, TextConfig};
+use crate::distributed::collective::all_to_all_rows;
+use crate::distributed::{typed, Group};
 
 /// Router (`mlp.gate`).
 #[derive(Module, Debug)]
@@ -118,59 +129,131 @@ pub struct Experts<B: Backend> {
     pub down_proj: Param<Tensor<B, 3>>,
     /// SwiGLU clamp limit.
     pub limit: f64,
+    /// Set under expert parallelism: the stacks hold this rank's `E/P` experts only, and
+    /// tokens travel to the ranks of their experts. Not part of the checkpoint.
+    #[module(skip)]
+    pub parallel: Option<std::sync::Arc<ExpertParallel>>,
+}
+
+/// Expert parallelism of a MoE layer: the group whose ranks split the routed experts in
+/// contiguous equal ranges (rank `r` holds `r·E/P .. (r+1)·E/P`).
+#[derive(Debug, Clone)]
+pub struct ExpertParallel {
+    /// The expert-parallel group (size `P = distributed.ep_size`).
+    pub group: Group,
+    /// Routed experts of the whole layer `E` (a multiple of `P`).
+    pub n_experts: usize,
+}
+
+impl ExpertParallel {
+    /// `E / P` experts per rank; an error naming both when `P` does not divide `E`.
+    pub fn new(group: Group, n_experts: usize) -> Result<Self, crate::distributed::DistError> {
+        let p = group.size();
+        if p == 0 || n_experts % p != 0 {
+            return Err(crate::distributed::DistError::Counts {
+                op: "expert parallelism",
+                message: format!("ep_size {p} does not divide n_routed_experts {n_experts}"),
+            });
+        }
+        Ok(Self { group, n_experts })
+    }
+
+    /// Experts per rank.
+    pub fn local_experts(&self) -> usize {
+        self.n_experts / self.group.size()
+    }
+
+    /// The global index of this rank's first expert.
+    pub fn first_expert(&self) -> usize {
+        self.group.rank() * self.local_experts()
+    }
 }
 
 impl<B: Backend> Experts<B> {
-    /// `x` `[N, D]`, routing of those rows → `[N, D]`.
+    /// `x` `[N, D]`, routing of those rows → `[N, D]`: `Σ_k w_k Expert_{idx_k}(x)` per row,
+    /// over this rank's experts or, under expert parallelism, over every rank's.
     pub fn forward(&self, x: Tensor<B, 2>, routing: &Routing<B>) -> Tensor<B, 2>
     where
         B: crate::ops::backend::Glm5Backend,
     {
         let _t = crate::profile::scope("moe routed experts");
         let [n, d] = x.dims();
-        let [e, _, i] = self.gate_proj.dims();
         let k = routing.experts.len() / n.max(1);
         let device = x.device();
-        // slots sorted by expert (stable: token order inside an expert)
-        let mut slots: Vec<usize> = (0..n * k).collect();
-        slots.sort_by_key(|&s| routing.experts[s]);
-        let tokens: Vec<i64> = slots.iter().map(|&s| (s / k) as i64).collect();
-        let slot_ids: Vec<i64> = slots.iter().map(|&s| s as i64).collect();
-        let tok_t = Tensor::<B, 1, Int>::from_data(TensorData::new(tokens.clone(), [n * k]), &device);
-        let slot_t = Tensor::<B, 1, Int>::from_data(TensorData::new(slot_ids, [n * k]), &device);
+        let (y, order) = match &self.parallel {
+            None => {
+                // every slot, in slot order: row = token s / k, expert = its selection
+                let tokens: Vec<i64> = (0..n * k).map(|s| (s / k) as i64).collect();
+                (self.grouped(x.clone(), &tokens, &routing.experts), None)
+            }
+            Some(ep) => {
+                let (y, order) = self.dispatch_combine(x.clone(), routing, ep);
+                (y, Some(order))
+            }
+        };
+        // y holds slot `order[j]` in row j (slot order when `order` is None)
+        let slots: Vec<i64> = match &order {
+            Some(o) => o.iter().map(|&s| s as i64).collect(),
+            None => (0..(n * k) as i64).collect(),
+        };
+        let tokens: Vec<i64> = slots.iter().map(|&s| s / k as i64).collect();
+        let tok_t = Tensor::<B, 1, Int>::from_data(TensorData::new(tokens, [n * k]), &device);
+        let w = routing.weights.clone().reshape([n * k]);
+        let w = match order {
+            Some(_) => w.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(slots, [n * k]), &device)),
+            None => w,
+        };
+        let w = w.cast(y.dtype()).unsqueeze_dim(1);
+        Tensor::zeros([n, d], (&device, x.dtype())).select_assign(0, tok_t, y * w, IndexingUpdateOp::Add)
+    }
+
+    /// The local experts on rows: row `j` is `x[src[j]]`, computed with (local) expert
+    /// `expert[j]`; returns `[M, D]` in that row order. Rows are grouped by expert: each
+    /// expert runs one matmul per projection over its rows.
+    fn grouped(&self, x: Tensor<B, 2>, src: &[i64], expert: &[usize]) -> Tensor<B, 2>
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
+        let [n, d] = x.dims();
+        let m = src.len();
+        let [e, _, i] = self.gate_proj.dims();
+        let device = x.device();
+        // rows sorted by expert (stable: row order inside an expert)
+        let mut order: Vec<usize> = (0..m).collect();
+        order.sort_by_key(|&r| expert[r]);
         let mut counts = vec![0usize; e];
-        for &s in &slots {
-            counts[routing.experts[s]] += 1;
+        for &x in expert {
+            counts[x] += 1;
         }
         let cap = counts.iter().copied().max().unwrap_or(0);
-
-        let y = if e * cap <= 2 * n * k {
+        if e * cap <= 2 * m {
             // Near-balanced routing: every expert's rows padded to the largest group and run as
             // one batched matmul per projection, [E, cap, D] × [E, D, I]. The padding rows are
             // zeros (a zero row appended to x) and are never read back. The weights' gradients
             // come out whole, instead of one full-size zero tensor per expert slice.
-            let mut src = vec![n as i64; e * cap]; // row of x (n = the zero row)
-            let mut back = Vec::with_capacity(n * k); // padded row of each sorted slot
+            let mut pad_src = vec![n as i64; e * cap]; // row of x (n = the zero row)
+            let mut back = vec![0i64; m]; // padded row of each input row
             let mut start = 0;
             for (ex, &c) in counts.iter().enumerate() {
-                for r in 0..c {
-                    src[ex * cap + r] = tokens[start + r];
-                    back.push((ex * cap + r) as i64);
+                for j in 0..c {
+                    let r = order[start + j];
+                    pad_src[ex * cap + j] = src[r];
+                    back[r] = (ex * cap + j) as i64;
                 }
                 start += c;
             }
-            let src = Tensor::<B, 1, Int>::from_data(TensorData::new(src, [e * cap]), &device);
-            let back = Tensor::<B, 1, Int>::from_data(TensorData::new(back, [n * k]), &device);
-            let x_pad = Tensor::cat(vec![x.clone(), Tensor::zeros([1, d], (&device, x.dtype()))], 0);
-            let rows = x_pad.select(0, src).reshape([e, cap, d]);
+            let pad_src = Tensor::<B, 1, Int>::from_data(TensorData::new(pad_src, [e * cap]), &device);
+            let back = Tensor::<B, 1, Int>::from_data(TensorData::new(back, [m]), &device);
+            let x_pad = Tensor::cat(vec![x, Tensor::zeros([1, d], (&device, x.dtype()))], 0);
+            let rows = x_pad.select(0, pad_src).reshape([e, cap, d]);
             let gate = rows.clone().matmul(self.gate_proj.val());
             let up = rows.matmul(self.up_proj.val());
             let h = clamped_swiglu(gate, up, self.limit, Activation::Silu);
             h.matmul(self.down_proj.val()).reshape([e * cap, d]).select(0, back)
-        // [N·K, D]
         } else {
             // skewed routing: one group at a time, so padding never multiplies the work
-            let xs = x.clone().select(0, tok_t.clone()); // [N·K, D]
+            let sorted_src: Vec<i64> = order.iter().map(|&r| src[r]).collect();
+            let xs = x.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(sorted_src, [m]), &device)); // [M, D] by expert
             let mut outs = Vec::new();
             let mut start = 0;
             for (ex, &count) in counts.iter().enumerate() {
@@ -184,10 +267,79 @@ impl<B: Backend> Experts<B> {
                 outs.push(h.matmul(self.down_proj.val().slice([ex..ex + 1, 0..i, 0..d]).reshape([i, d])));
                 start += count;
             }
-            Tensor::cat(outs, 0) // [N·K, D]
+            // back to row order: row r sits at its rank in `order`
+            let mut inverse = vec![0i64; m];
+            for (j, &r) in order.iter().enumerate() {
+                inverse[r] = j as i64;
+            }
+            Tensor::cat(outs, 0).select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(inverse, [m]), &device))
+        }
+    }
+
+    /// These experts split over `ep`'s ranks: this rank keeps its `E/P` experts (a copy of
+    /// their slices as fresh trainable parameters) and exchanges tokens with the others. For a
+    /// model built whole; a rank-local load reads only these experts' bytes instead.
+    pub fn into_parallel(self, ep: std::sync::Arc<ExpertParallel>) -> Result<Self, crate::distributed::DistError> {
+        let e = self.gate_proj.dims()[0];
+        if e != ep.n_experts {
+            return Err(crate::distributed::DistError::Counts {
+                op: "expert parallelism",
+                message: format!("the layer has {e} experts, the expert-parallel plan {}", ep.n_experts),
+            });
+        }
+        let range = ep.first_expert()..ep.first_expert() + ep.local_experts();
+        let local = |p: Param<Tensor<B, 3>>| {
+            let t = p.val();
+            let [_, a, b] = t.dims();
+            Param::from_tensor(t.slice([range.clone(), 0..a, 0..b]).detach().require_grad())
         };
-        let w = routing.weights.clone().reshape([n * k]).select(0, slot_t).cast(y.dtype()).unsqueeze_dim(1);
-        Tensor::zeros([n, d], (&device, x.dtype())).select_assign(0, tok_t, y * w, IndexingUpdateOp::Add)
+        Ok(Self {
+            gate_proj: local(self.gate_proj),
+            up_proj: local(self.up_proj),
+            down_proj: local(self.down_proj),
+            limit: self.limit,
+            parallel: Some(ep),
+        })
+    }
+
+    /// Expert-parallel dispatch, local experts and combine. Returns the expert outputs of this
+    /// rank's slots `[N·K, D]` (unweighted) and the slot each row belongs to.
+    fn dispatch_combine(&self, x: Tensor<B, 2>, routing: &Routing<B>, ep: &ExpertParallel) -> (Tensor<B, 2>, Vec<usize>)
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
+        let [n, d] = x.dims();
+        let k = routing.experts.len() / n.max(1);
+        let (p, el) = (ep.group.size(), ep.local_experts());
+        let g = &*ep.group;
+        let fail = |e: crate::distributed::DistError| -> ! { panic!("expert-parallel MoE exchange failed: {e}") };
+        // slots by destination rank (stable: slot order inside a rank)
+        let mut order: Vec<usize> = (0..n * k).collect();
+        order.sort_by_key(|&s| routing.experts[s] / el);
+        let mut send = vec![0usize; p];
+        for &s in &order {
+            send[routing.experts[s] / el] += 1;
+        }
+        // how many rows each rank sends here, then which local expert each of them is for
+        let send_u64: Vec<u64> = send.iter().map(|&c| c as u64).collect();
+        let recv: Vec<usize> = typed::all_to_all_v(g, &send_u64, &vec![1; p], &vec![1; p]).unwrap_or_else(|e| fail(e)).into_iter().map(|c| c as usize).collect();
+        let local_ids: Vec<u32> = order.iter().map(|&s| (routing.experts[s] % el) as u32).collect();
+        let recv_ids: Vec<usize> = typed::all_to_all_v(g, &local_ids, &send, &recv).unwrap_or_else(|e| fail(e)).into_iter().map(|x| x as usize).collect();
+        let tokens: Vec<i64> = order.iter().map(|&s| (s / k) as i64).collect();
+        let rows = x.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(tokens, [n * k]), &x.device()));
+        let _ = d;
+        let arrived = all_to_all_rows(rows, &send, &recv, &ep.group).unwrap_or_else(|e| fail(e));
+        let m = recv_ids.len();
+        // a rank that received nothing passes its empty block on, so its graph still holds both
+        // exchanges and the backward runs them on every rank
+        let done = if m == 0 {
+            arrived
+        } else {
+            let identity: Vec<i64> = (0..m as i64).collect();
+            self.grouped(arrived, &identity, &recv_ids)
+        };
+        let y = all_to_all_rows(done, &recv, &send, &ep.group).unwrap_or_else(|e| fail(e));
+        (y, order)
     }
 }
 
@@ -271,6 +423,7 @@ impl<B: Backend> Moe<B> {
                 up_proj: std.init([e, d, i], device),
                 down_proj: std.init([e, i, d], device),
                 limit: c.swiglu_limit,
+                parallel: None,
             },
             shared_experts: Mlp::new(d, i * c.n_shared_experts, c.hidden_act, c.swiglu_limit, device),
         }
