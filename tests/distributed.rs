@@ -413,6 +413,8 @@ mod mpi_engine {
         // everything trainable: the embedding and the (unused, text-only data) vision tower too
         options.freeze.freeze_embeddings = false;
         options.freeze.freeze_vision_tower = false;
+        // the aux-loss-free router bias update, from the expert loads of the whole global batch
+        options.router_bias_update_rate = 1e-3;
         let mut one = Trainer::new(model.clone(), options.clone(), &device);
         options.data_parallel = Some(group.clone());
         let mut dp = Trainer::new(model.clone(), options, &device);

@@ -133,8 +133,8 @@ fn data_parallel_sizes_are_checked_against_the_batch() {
     assert!(e.contains("step_scheduler.global_batch_size") && e.contains("local_batch_size × distributed.dp_size (2 × 3)"), "{e}");
     let e = ok(&["--distributed.dp_size=0"]).unwrap_err().to_string();
     assert!(e.contains("distributed.dp_size") && e.contains("at least 1"), "{e}");
-    let e = ok(&["--distributed.dp_size=2", "--moe.router_bias_update_rate=0.001"]).unwrap_err().to_string();
-    assert!(e.contains("moe.router_bias_update_rate"), "{e}");
+    // the router bias update sums the expert loads over the ranks
+    assert!(ok(&["--distributed.dp_size=2", "--moe.router_bias_update_rate=0.001"]).is_ok());
     let e = ok(&["--distributed.ep_size=2", "--distributed.dp_size=2"]).unwrap_err().to_string();
     assert!(e.contains("distributed.ep_size") && e.contains("not implemented yet"), "{e}");
     // the mesh is checked before anything else about it

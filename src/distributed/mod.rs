@@ -24,6 +24,7 @@ pub mod decorator;
 pub mod fsdp;
 pub mod group;
 pub mod local;
+pub mod plan;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]

@@ -308,11 +308,13 @@ impl<B: Backend> Experts<B> {
     where
         B: crate::ops::backend::Glm5Backend,
     {
-        let [n, d] = x.dims();
+        let n = x.dims()[0];
         let k = routing.experts.len() / n.max(1);
         let (p, el) = (ep.group.size(), ep.local_experts());
         let g = &*ep.group;
-        let fail = |e: crate::distributed::DistError| -> ! { panic!("expert-parallel MoE exchange failed: {e}") };
+        fn fail(e: crate::distributed::DistError) -> ! {
+            panic!("expert-parallel MoE exchange failed: {e}")
+        }
         // slots by destination rank (stable: slot order inside a rank)
         let mut order: Vec<usize> = (0..n * k).collect();
         order.sort_by_key(|&s| routing.experts[s] / el);
@@ -327,7 +329,6 @@ impl<B: Backend> Experts<B> {
         let recv_ids: Vec<usize> = typed::all_to_all_v(g, &local_ids, &send, &recv).unwrap_or_else(|e| fail(e)).into_iter().map(|x| x as usize).collect();
         let tokens: Vec<i64> = order.iter().map(|&s| (s / k) as i64).collect();
         let rows = x.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(tokens, [n * k]), &x.device()));
-        let _ = d;
         let arrived = all_to_all_rows(rows, &send, &recv, &ep.group).unwrap_or_else(|e| fail(e));
         let m = recv_ids.len();
         // a rank that received nothing passes its empty block on, so its graph still holds both
@@ -348,14 +349,21 @@ impl<B: AutodiffBackend> Router<B> {
     /// expert was selected for in `batches` (router logits `[N·E]` and the tokens' validity, per
     /// micro-batch), choosing with the current bias as routing does, and move the bias by
     /// `rate` toward the mean load: `b_e += rate · sign(mean − load_e)`. No gradient is
-    /// involved; the bias keeps its `require_grad` flag.
+    /// involved; the bias keeps its `require_grad` flag. Under data parallelism the loads of
+    /// every rank's micro-batches count: see [`Self::expert_loads`] and [`Self::add_to_bias`].
     pub fn update_bias(&mut self, batches: &[(&[f32], &[bool])], rate: f64) {
-        let e = self.weight.dims()[0];
         let bias: Vec<f32> = self.e_score_correction_bias.val().into_data().convert::<f32>().into_vec().unwrap_or_default();
+        let loads = self.expert_loads(batches, &bias);
+        self.add_to_bias(&Self::bias_delta(&loads, rate));
+    }
+
+    /// Tokens each of the `E` experts was selected for in `batches`, choosing with `bias` (the
+    /// whole `[E]` bias) as routing does; padding tokens do not count.
+    pub fn expert_loads(&self, batches: &[(&[f32], &[bool])], bias: &[f32]) -> Vec<f64> {
+        let e = bias.len();
         let mut load = vec![0f64; e];
         for &(logits, valid) in batches {
-            let choice: Vec<f32> =
-                logits.iter().enumerate().map(|(i, &l)| 1.0 / (1.0 + (-l).exp()) + bias.get(i % e).copied().unwrap_or(0.0)).collect();
+            let choice: Vec<f32> = logits.iter().enumerate().map(|(i, &l)| 1.0 / (1.0 + (-l).exp()) + bias.get(i % e).copied().unwrap_or(0.0)).collect();
             let n = logits.len() / e;
             for (r, experts) in self.select(&choice, n, e).chunks(self.top_k).enumerate() {
                 if valid.get(r).copied().unwrap_or(true) {
@@ -365,8 +373,13 @@ impl<B: AutodiffBackend> Router<B> {
                 }
             }
         }
-        let mean = load.iter().sum::<f64>() / e as f64;
-        let delta: Vec<f32> = load
+        load
+    }
+
+    /// The bias step for `loads`: `rate · sign(mean − load_e)` per expert.
+    pub fn bias_delta(loads: &[f64], rate: f64) -> Vec<f32> {
+        let mean = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
+        loads
             .iter()
             .map(|&l| {
                 if l < mean {
@@ -377,9 +390,14 @@ impl<B: AutodiffBackend> Router<B> {
                     0.0
                 }
             })
-            .collect();
+            .collect()
+    }
+
+    /// Add `delta` (one value per row of the bias parameter as held: the whole bias, or a
+    /// shard's rows) to the bias, keeping its `require_grad` flag.
+    pub fn add_to_bias(&mut self, delta: &[f32]) {
         let device = self.e_score_correction_bias.device();
-        let d = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(delta, [e]), &device);
+        let d = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(delta.to_vec(), [delta.len()]), &device);
         self.e_score_correction_bias = self.e_score_correction_bias.clone().map(|t| {
             let grad = t.is_require_grad();
             let t = Tensor::<B, 1>::from_inner(t.inner() + d.cast(DType::F32));

@@ -531,12 +531,6 @@ impl Recipe {
                 ),
             );
         }
-        if d.dp_size > 1 && self.moe.router_bias_update_rate != 0.0 {
-            return bad(
-                "moe.router_bias_update_rate",
-                "must be 0 with distributed.dp_size > 1 (the update needs global expert loads; not implemented yet)".into(),
-            );
-        }
         if self.optimizer.name != "adamw" {
             return bad("optimizer.name", format!("{:?} is not supported (only \"adamw\")", self.optimizer.name));
         }

@@ -230,7 +230,13 @@ where
         let mut model = self.optim.step(lr, master, grads);
         drop(update);
         if self.options.router_bias_update_rate != 0.0 {
-            model = update_router_bias(model, &router, self.options.router_bias_update_rate);
+            model = match update_router_bias(model, &router, self.options.router_bias_update_rate, self.options.data_parallel.as_ref()) {
+                Ok(m) => m,
+                Err((m, e)) => {
+                    self.model = Some(m);
+                    return Err(e);
+                }
+            };
         }
         self.model = Some(model);
         Ok(StepOutcome::Applied(StepMetrics { loss: acc_loss, grad_norm, lr, label_tokens, tokens }))
@@ -258,9 +264,6 @@ where
         let o = &self.options;
         let mut global = GlobalBatch::local(micro, master.vocab_size);
         if let Some(g) = &o.data_parallel {
-            if keep_router && g.size() > 1 {
-                return Err(TrainError::Unsupported { what: "moe.router_bias_update_rate with data parallelism (it needs the global expert loads)" });
-            }
             let counts = gather_usize(&**g, micro.len())?;
             if plan_of(master).is_some() && counts.iter().any(|&c| c != counts[0]) {
                 // every forward gathers parameters with the whole group: unequal shares would hang
@@ -462,12 +465,18 @@ where
 
 /// The aux-loss-free bias update of every MoE layer ([`crate::text::moe::Router::update_bias`])
 /// from the step's router logits (per micro-batch: one `[N·E]` buffer per MoE layer and the
-/// tokens' validity).
+/// tokens' validity). Under data parallelism the expert loads are summed over the ranks, so
+/// the update is the one a single process makes from the whole global batch, the same on every
+/// rank; a sharded bias is gathered for the selection and each rank updates its own rows.
 fn update_router_bias<B: AutodiffBackend>(
     mut model: Glm5ForCausalLM<B>,
     router_logits: &[(Vec<Vec<f32>>, Vec<bool>)],
     rate: f64,
-) -> Glm5ForCausalLM<B> {
+    group: Option<&crate::distributed::Group>,
+) -> Result<Glm5ForCausalLM<B>, (Glm5ForCausalLM<B>, TrainError)> {
+    let e = model.num_experts;
+    let plan = plan_of(&model).cloned();
+    let mut failure = None;
     let moes = model.language_model.layers.iter_mut().filter_map(|layer| match &mut layer.mlp {
         Ffn::Moe(moe) => Some(moe),
         _ => None,
@@ -475,7 +484,30 @@ fn update_router_bias<B: AutodiffBackend>(
     for (moe_index, moe) in moes.enumerate() {
         let batches: Vec<(&[f32], &[bool])> =
             router_logits.iter().filter_map(|(layers, valid)| layers.get(moe_index).map(|l| (l.as_slice(), valid.as_slice()))).collect();
-        moe.gate.update_bias(&batches, rate);
+        let Some(g) = group.filter(|g| g.size() > 1) else {
+            moe.gate.update_bias(&batches, rate);
+            continue;
+        };
+        let held: Vec<f32> = moe.gate.e_score_correction_bias.val().into_data().convert::<f32>().into_vec().unwrap_or_default();
+        let sharded = plan.as_ref().is_some_and(|p| p.full_rows(moe.gate.e_score_correction_bias.id).is_some());
+        let result = (|| -> Result<Vec<f32>, crate::distributed::DistError> {
+            let full = if sharded { crate::distributed::typed::all_gather(&**g, &held)?[..e].to_vec() } else { held.clone() };
+            let mut loads = moe.gate.expert_loads(&batches, &full);
+            g.all_reduce(crate::distributed::ReduceBuf::F64(&mut loads), crate::distributed::ReduceOp::Sum)?;
+            let delta = crate::text::moe::Router::<B>::bias_delta(&loads, rate);
+            // this rank's rows of the (padded) bias
+            Ok(if sharded { (0..held.len()).map(|j| delta.get(g.rank() * held.len() + j).copied().unwrap_or(0.0)).collect() } else { delta })
+        })();
+        match result {
+            Ok(delta) => moe.gate.add_to_bias(&delta),
+            Err(err) => {
+                failure = Some(TrainError::from(err));
+                break;
+            }
+        }
     }
-    model
+    match failure {
+        None => Ok(model),
+        Some(e) => Err((model, e)),
+    }
 }

@@ -1,0 +1,120 @@
+//! Per-rank memory and per-step communication of a training run at real scale, on paper
+//! (`distributed::plan`), checked against published figures of the same recipe.
+//!
+//! ```text
+//! cargo run --release --example plan -- [--config configs/glm5_3_flash.json] [--mesh dp=36,ep=72,cp=2]
+//!     [--seq 2048] [--micro-batches N] [--param-bytes 2] [--grad-bytes 4] [--optim-bytes 8]
+//!     [--no-checkpointing] [--keep-gathered]
+//! ```
+//!
+//! Prints the mesh's memory by part and communication by collective, then the plan for the
+//! meshes NeMo AutoModel published measurements for (MedPix SFT, 2,048-token packs, global
+//! batch 144) next to those measurements, and the smallest meshes that fit 80 GiB (H100) and
+//! 141 GB (H200) GPUs.
+
+use anyhow::{anyhow, Context, Result};
+use clap::Parser;
+use glm5_burn::distributed::plan::{plan, smallest_fitting, Mesh, PlanInputs};
+use glm5_burn::Glm5Config;
+
+#[derive(Parser)]
+struct Args {
+    /// HF config.json (default: the bundled GLM-5.3-Flash release config).
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// The mesh: `dp=…,ep=…,cp=…` (ranks = dp × cp).
+    #[arg(long, default_value = "dp=36,ep=72,cp=2")]
+    mesh: String,
+    /// Tokens per packed sequence.
+    #[arg(long, default_value_t = 2048)]
+    seq: usize,
+    /// Micro-batches per rank per step (default: global batch 144 / dp).
+    #[arg(long)]
+    micro_batches: Option<usize>,
+    /// Bytes per parameter value (2: bf16).
+    #[arg(long, default_value_t = 2)]
+    param_bytes: usize,
+    /// Bytes per gradient value (4: fp32 reduction).
+    #[arg(long, default_value_t = 4)]
+    grad_bytes: usize,
+    /// Optimizer bytes per trainable value (8: AdamW m, v in fp32; 12 with fp32 masters).
+    #[arg(long, default_value_t = 8)]
+    optim_bytes: usize,
+    /// Without activation checkpointing.
+    #[arg(long)]
+    no_checkpointing: bool,
+    /// Keep gathered weights until backward (FSDP `reshard_after_forward=False`).
+    #[arg(long)]
+    keep_gathered: bool,
+}
+
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    let config = match &a.config {
+        Some(p) => Glm5Config::from_file(p).with_context(|| p.display().to_string())?,
+        None => Glm5Config::full(),
+    };
+    let mesh = Mesh::parse(&a.mesh).map_err(|e| anyhow!(e))?;
+    let inputs = |mesh: Mesh| PlanInputs {
+        mesh,
+        seq: a.seq,
+        micro_batches: a.micro_batches.unwrap_or((144 / mesh.dp).max(1)),
+        param_bytes: a.param_bytes,
+        grad_bytes: a.grad_bytes,
+        optim_bytes: a.optim_bytes,
+        checkpointing: !a.no_checkpointing,
+        reshard_after_forward: !a.keep_gathered,
+        ..PlanInputs::medpix_recipe(mesh)
+    };
+    let i = inputs(mesh);
+    let (m, comm) = plan(&config, &i).map_err(|e| anyhow!("--mesh {}: {e}", a.mesh))?;
+    println!(
+        "mesh dp={} ep={} cp={} ({} ranks), {} tokens per pack, {} micro-batches per rank, activation checkpointing {}",
+        mesh.dp,
+        mesh.ep,
+        mesh.cp,
+        mesh.world(),
+        i.seq,
+        i.micro_batches,
+        if i.checkpointing { "on" } else { "off" }
+    );
+    println!("\n| per rank | GiB |\n|---|---|");
+    for (k, v) in [
+        ("parameters", m.params),
+        ("gradients", m.grads),
+        ("optimizer state", m.optimizer),
+        ("gathered FSDP units", m.gathered),
+        ("activations", m.activations),
+        ("EP exchange buffers", m.exchange),
+        ("total (modelled)", m.total()),
+    ] {
+        println!("| {k} | {:.2} |", v / GIB);
+    }
+    println!("\n| collective | moves | GiB sent per rank per step |\n|---|---|---|");
+    for (op, what, bytes) in &comm.rows {
+        println!("| {op} | {what} | {:.2} |", bytes / GIB);
+    }
+    println!("| all | | {:.2} |", comm.total() / GIB);
+
+    // the published measurements of the same recipe (NeMo AutoModel, H100s)
+    println!("\n| published mesh | ranks | measured GiB per GPU | planned GiB | gap GiB |\n|---|---|---|---|---|");
+    for (mesh, ranks, measured) in [
+        (Mesh { dp: 36, ep: 72, cp: 2 }, 72, "57.2 mean / 57.7 peak"),
+        (Mesh { dp: 144, ep: 144, cp: 1 }, 144, "38.9"),
+        (Mesh { dp: 18, ep: 144, cp: 8 }, 144, "41.0"),
+    ] {
+        let (m, _) = plan(&config, &inputs(mesh)).map_err(|e| anyhow!(e))?;
+        let first: f64 = measured.split_whitespace().next().and_then(|x| x.parse().ok()).unwrap_or(f64::NAN);
+        println!("| EP{} / CP{} | {ranks} | {measured} | {:.1} | {:+.1} |", mesh.ep, mesh.cp, m.total() / GIB, first - m.total() / GIB);
+    }
+
+    println!("\n| GPU memory | smallest mesh that fits (per cp) | planned GiB |\n|---|---|---|");
+    for (label, limit) in [("80 GiB (H100)", 80.0 * GIB), ("141 GB (H200)", 141e9)] {
+        for (mesh, m) in smallest_fitting(&config, &inputs(mesh), limit, &[1, 2, 4, 8], 4096) {
+            println!("| {label} | dp={} ep={} cp={} ({} ranks) | {:.1} |", mesh.dp, mesh.ep, mesh.cp, mesh.world(), m.total() / GIB);
+        }
+    }
+    Ok(())
+}

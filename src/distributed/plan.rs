@@ -1,0 +1,382 @@
+//! A training run's per-rank memory and per-step communication, on paper: what a mesh of
+//! `dp × cp` ranks with expert parallelism `ep` holds and moves for a config, before anything
+//! runs. The model of each term (bytes per rank, `W = dp·cp` ranks, `T = seq / cp` local tokens
+//! per micro-batch, `m` micro-batches per rank and step):
+//!
+//! ```text
+//! parameters   every tensor sharded over W (dense over DP×CP; experts over EP, then over the
+//!              W/ep expert-data-parallel ranks): trainable·(p + g + o)/W + frozen·p/W
+//!              p, g, o = parameter, gradient, optimizer bytes per value (AdamW: m and v)
+//! gathered     FSDP's unsharded unit: the largest decoder layer's non-expert tensors in p
+//!              bytes, twice (the running unit and the prefetched one); its fp32 gradient before
+//!              the reduce-scatter; experts gathered over the expert-data-parallel group when
+//!              it has more than one rank
+//! activations  checkpointing: each layer's input streams (T·n·D in p bytes) for every layer,
+//!              plus one layer's working set recomputed in backward; without: every layer's
+//!              working set. Working set of a layer ≈ T·(8·n·D + mixer + MoE) values, mixer
+//!              and MoE terms below; plus the logits (T·V fp32, twice for the softmax backward)
+//! exchange     EP dispatch and combine buffers of the layer in flight: T·k·D in p bytes, sent
+//!              and received, for both exchanges
+//! ```
+//!
+//! Communication per rank per step, by collective, in bytes sent (ring algorithms: a rank
+//! sends `(G−1)/G` of an all-gather's or reduce-scatter's full buffer):
+//!
+//! ```text
+//! all_gather (params)       m · (1 + reshard) · (G−1)/G · dense·p        (G = W)
+//!                         + m · (1 + reshard) · (E−1)/E · experts/ep·p    (E = W/ep, if > 1)
+//! reduce_scatter (grads)    m · (G−1)/G · trainable_dense·g  (+ the experts' over E)
+//! all_to_all (EP)           m · MoE layers · 4 · T·k·D·p · (ep−1)/ep    (dispatch + combine,
+//!                           forward and backward; Megatron's one row per (token, expert))
+//! all_gather (CP, DSA)      m · DSA layers · 2 · T·(R + 2·d_I)·p·(cp−1)  (forward + backward)
+//! p2p (CP, KDA state)       m · KDA layers · 2 · H·d·d·4                 (hand-over, fwd + bwd)
+//! ```
+//!
+//! What it does not model: the CUDA context and NCCL communicators (about 0.5–1 GiB per GPU
+//! each, depending on the driver and how many communicators a mesh creates), the caching
+//! allocator's reserve and fragmentation, and fixed-size dispatch buffers of engines such as
+//! HybridEP/DeepEP (sized for the worst case rather than the mean). Measured figures of real
+//! runs sit above this plan by those amounts.
+
+use crate::checkpoint::inventory::{inventory, Part};
+use crate::config::{Glm5Config, LayerType, MlpType};
+
+/// A device mesh: `dp × cp` ranks, expert parallelism `ep` over them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mesh {
+    /// Data-parallel size.
+    pub dp: usize,
+    /// Expert-parallel size (divides `dp·cp` and the routed experts).
+    pub ep: usize,
+    /// Context-parallel size.
+    pub cp: usize,
+}
+
+impl Mesh {
+    /// Ranks `dp·cp`.
+    pub fn world(&self) -> usize {
+        self.dp * self.cp
+    }
+
+    /// Parse `dp=72,ep=72,cp=2` (missing sizes are 1).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut m = Mesh { dp: 1, ep: 1, cp: 1 };
+        for part in text.split(',').filter(|p| !p.trim().is_empty()) {
+            let (k, v) = part.split_once('=').ok_or_else(|| format!("mesh: `{part}` is not key=value (dp=…, ep=…, cp=…)"))?;
+            let v: usize = v.trim().parse().map_err(|_| format!("mesh: {k}={v} is not a positive integer"))?;
+            if v == 0 {
+                return Err(format!("mesh: {k}=0, sizes are at least 1"));
+            }
+            match k.trim() {
+                "dp" => m.dp = v,
+                "ep" => m.ep = v,
+                "cp" => m.cp = v,
+                other => return Err(format!("mesh: unknown size `{other}` (dp, ep, cp)")),
+            }
+        }
+        Ok(m)
+    }
+}
+
+/// What a run trains and how.
+#[derive(Debug, Clone)]
+pub struct PlanInputs {
+    /// The mesh.
+    pub mesh: Mesh,
+    /// Tokens per packed sequence (one micro-batch row).
+    pub seq: usize,
+    /// Micro-batches per rank per optimizer step.
+    pub micro_batches: usize,
+    /// Bytes per parameter value as held (2: bf16).
+    pub param_bytes: usize,
+    /// Bytes per gradient value as reduced and kept (4: fp32 reduction).
+    pub grad_bytes: usize,
+    /// Optimizer bytes per trainable value (8: AdamW's m and v in fp32; +4 with fp32 masters).
+    pub optim_bytes: usize,
+    /// Activation checkpointing per decoder layer.
+    pub checkpointing: bool,
+    /// FSDP frees a unit's gathered weights after its forward and gathers them again for
+    /// backward.
+    pub reshard_after_forward: bool,
+    /// Embedding (and LM head when tied) frozen.
+    pub freeze_embeddings: bool,
+    /// Vision tower frozen (or absent from the run when `with_vision` is false).
+    pub freeze_vision: bool,
+    /// The vision tower is loaded.
+    pub with_vision: bool,
+    /// The multi-token-prediction block is loaded (and trained).
+    pub with_mtp: bool,
+}
+
+impl PlanInputs {
+    /// NeMo AutoModel's MedPix SFT recipe on `mesh`: 2,048-token packs, global batch 144,
+    /// bf16 parameters, fp32 gradient reduction, AdamW, activation checkpointing,
+    /// embeddings and vision frozen, no MTP block.
+    pub fn medpix_recipe(mesh: Mesh) -> Self {
+        Self {
+            mesh,
+            seq: 2048,
+            micro_batches: (144 / mesh.dp).max(1),
+            param_bytes: 2,
+            grad_bytes: 4,
+            optim_bytes: 8,
+            checkpointing: true,
+            reshard_after_forward: true,
+            freeze_embeddings: true,
+            freeze_vision: true,
+            with_vision: true,
+            with_mtp: false,
+        }
+    }
+}
+
+/// Bytes per rank, by part.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RankMemory {
+    /// Parameter shards (trainable and frozen).
+    pub params: f64,
+    /// Gradient shards.
+    pub grads: f64,
+    /// Optimizer state shards.
+    pub optimizer: f64,
+    /// FSDP's gathered units (parameters and their full gradient before the reduce-scatter).
+    pub gathered: f64,
+    /// Activations kept for backward at the peak.
+    pub activations: f64,
+    /// Expert-parallel exchange buffers.
+    pub exchange: f64,
+}
+
+impl RankMemory {
+    /// Everything modelled.
+    pub fn total(&self) -> f64 {
+        self.params + self.grads + self.optimizer + self.gathered + self.activations + self.exchange
+    }
+}
+
+/// Bytes one rank sends per optimizer step, by collective.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepComm {
+    /// (collective, what it moves, bytes sent by this rank).
+    pub rows: Vec<(&'static str, &'static str, f64)>,
+}
+
+impl StepComm {
+    /// All collectives together.
+    pub fn total(&self) -> f64 {
+        self.rows.iter().map(|r| r.2).sum()
+    }
+}
+
+/// Parameter counts a plan needs, by kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ParamSplit {
+    /// Trainable non-expert values.
+    pub trainable_dense: f64,
+    /// Trainable routed-expert values.
+    pub trainable_experts: f64,
+    /// Frozen values (all kinds).
+    pub frozen: f64,
+    /// The largest decoder layer's non-expert values (one FSDP unit).
+    pub largest_unit_dense: f64,
+    /// One MoE layer's routed-expert values.
+    pub experts_per_layer: f64,
+}
+
+/// The parameter split of `config` for `inputs`.
+pub fn param_split(config: &Glm5Config, inputs: &PlanInputs) -> ParamSplit {
+    let mut s = ParamSplit::default();
+    let mut per_layer: std::collections::BTreeMap<String, (f64, f64)> = Default::default();
+    for e in inventory(config, inputs.with_mtp, inputs.with_vision) {
+        let n = e.numel() as f64;
+        let frozen = match e.part {
+            Part::Vision => inputs.freeze_vision,
+            Part::Trunk | Part::Mtp => inputs.freeze_embeddings && (e.name.ends_with("embed_tokens.weight") || e.name.contains("embed_tokens")),
+        };
+        if frozen {
+            s.frozen += n;
+        } else if e.routed_expert {
+            s.trainable_experts += n;
+        } else {
+            s.trainable_dense += n;
+        }
+        if let Some(rest) = e.name.strip_prefix("model.language_model.layers.") {
+            let layer = rest.split('.').next().unwrap_or_default().to_string();
+            let entry = per_layer.entry(layer).or_default();
+            if e.routed_expert {
+                entry.1 += n;
+            } else {
+                entry.0 += n;
+            }
+        }
+    }
+    s.largest_unit_dense = per_layer.values().map(|v| v.0).fold(0.0, f64::max);
+    s.experts_per_layer = per_layer.values().map(|v| v.1).fold(0.0, f64::max);
+    s
+}
+
+/// Errors of a plan: the mesh does not fit the config.
+pub fn check_mesh(config: &Glm5Config, mesh: Mesh) -> Result<(), String> {
+    let e = config.text_config.n_routed_experts;
+    if mesh.world() % mesh.ep != 0 {
+        return Err(format!("ep {} does not divide the {} ranks (dp {} × cp {})", mesh.ep, mesh.world(), mesh.dp, mesh.cp));
+    }
+    if e % mesh.ep != 0 {
+        return Err(format!("ep {} does not divide n_routed_experts {e}", mesh.ep));
+    }
+    Ok(())
+}
+
+/// Per-rank memory and per-step communication of `config` under `inputs`.
+pub fn plan(config: &Glm5Config, inputs: &PlanInputs) -> Result<(RankMemory, StepComm), String> {
+    let mesh = inputs.mesh;
+    check_mesh(config, mesh)?;
+    let c = &config.text_config;
+    let s = param_split(config, inputs);
+    let w = mesh.world() as f64;
+    let (p, g, o) = (inputs.param_bytes as f64, inputs.grad_bytes as f64, inputs.optim_bytes as f64);
+    let trainable = s.trainable_dense + s.trainable_experts;
+    let mut m = RankMemory {
+        params: (trainable + s.frozen) * p / w,
+        grads: trainable * g / w,
+        optimizer: trainable * o / w,
+        ..Default::default()
+    };
+    let edp = (mesh.world() / mesh.ep) as f64;
+    // one unit gathered and one prefetched, its fp32 gradient before the reduce-scatter; the
+    // experts of a layer are gathered over the expert-data-parallel group only when it has
+    // more than one rank
+    let unit_experts = if edp > 1.0 { s.experts_per_layer / mesh.ep as f64 } else { 0.0 };
+    m.gathered = 2.0 * (s.largest_unit_dense + unit_experts) * p + (s.largest_unit_dense + unit_experts) * g;
+
+    // activations of one micro-batch
+    let t = (inputs.seq / mesh.cp) as f64;
+    let (d, n, v) = (c.hidden_size as f64, c.hc_mult as f64, c.vocab_size as f64);
+    let k = c.num_experts_per_tok as f64;
+    let moe_i = c.moe_intermediate_size as f64;
+    let dense_i = c.intermediate_size as f64;
+    let kda_p = (c.linear_num_heads * c.linear_head_dim) as f64;
+    let mla_q = (c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)) as f64;
+    let mla_v = (c.num_attention_heads * c.v_head_dim) as f64;
+    let width = c.index_width() as f64;
+    let layer_working = |i: usize| -> f64 {
+        // streams, norms and mHC mixes around the two sites
+        let mut vals = 8.0 * n * d;
+        vals += match c.layer_types[i] {
+            // q, k, v (pre/post conv), gates, β, output gate, norm
+            LayerType::LinearAttention => 10.0 * kda_p + 2.0 * d,
+            // q latent, q, latent, per-query gathered latent rows of one sparse block
+            // (256 queries × width × R amortised over T), output
+            LayerType::IndexedAttention => c.q_lora_rank as f64 + 2.0 * mla_q + c.kv_lora_rank as f64 + mla_v + 256.0 * width * c.kv_lora_rank as f64 / t.max(256.0),
+        };
+        vals += match c.mlp_layer_types[i] {
+            MlpType::Dense => 3.0 * dense_i + d,
+            // routed rows (k per token): input, gate, up, activation, output; shared expert
+            MlpType::Sparse => k * (2.0 * d + 3.0 * moe_i) + 3.0 * moe_i + c.n_routed_experts as f64,
+        };
+        vals * t * p
+    };
+    let layers = c.num_hidden_layers;
+    let inputs_kept = layers as f64 * t * n * d * p;
+    let working: Vec<f64> = (0..layers).map(layer_working).collect();
+    let logits = 2.0 * t * v * 4.0;
+    m.activations = if inputs.checkpointing { inputs_kept + working.iter().copied().fold(0.0, f64::max) + logits } else { working.iter().sum::<f64>() + logits };
+    let moe_layers = c.mlp_layer_types.iter().filter(|&&x| x == MlpType::Sparse).count() as f64;
+    m.exchange = if mesh.ep > 1 { 4.0 * t * k * d * p } else { 0.0 };
+
+    // communication
+    let mb = inputs.micro_batches as f64;
+    let gathers = if inputs.reshard_after_forward { 2.0 } else { 1.0 };
+    let ring = |size: f64| if size > 1.0 { (size - 1.0) / size } else { 0.0 };
+    let dense_all = s.trainable_dense + s.frozen;
+    let mut comm = StepComm::default();
+    comm.rows.push(("all_gather", "dense parameters (FSDP over dp×cp)", mb * gathers * ring(w) * dense_all * p));
+    if edp > 1.0 {
+        comm.rows.push(("all_gather", "expert parameters (over dp×cp/ep)", mb * gathers * ring(edp) * s.trainable_experts / mesh.ep as f64 * p));
+        comm.rows.push(("reduce_scatter", "expert gradients (over dp×cp/ep)", mb * ring(edp) * s.trainable_experts / mesh.ep as f64 * g));
+    }
+    comm.rows.push(("reduce_scatter", "dense gradients", mb * ring(w) * s.trainable_dense * g));
+    if mesh.ep > 1 {
+        comm.rows.push(("all_to_all", "MoE dispatch + combine, forward + backward", mb * moe_layers * 4.0 * t * k * d * p * ring(mesh.ep as f64)));
+    }
+    if mesh.cp > 1 {
+        let dsa = c.layer_types.iter().filter(|&&x| x == LayerType::IndexedAttention).count() as f64;
+        let kda = c.layer_types.iter().filter(|&&x| x == LayerType::LinearAttention).count() as f64;
+        let per_token = c.kv_lora_rank as f64 + 2.0 * c.index_head_dim as f64;
+        comm.rows.push(("all_gather", "DSA latents + indexer keys over cp (fwd + bwd)", mb * dsa * 2.0 * t * per_token * p * (mesh.cp as f64 - 1.0)));
+        let state = (c.linear_num_heads * c.linear_head_dim * c.linear_head_dim) as f64 * 4.0;
+        comm.rows.push(("send/recv", "KDA state hand-over over cp (fwd + bwd)", mb * kda * 2.0 * state));
+    }
+    Ok((m, comm))
+}
+
+/// The smallest meshes (fewest ranks, then the smallest cp) whose planned memory fits
+/// `limit_bytes` per rank: ranks `dp·cp` with `ep` = the largest divisor of both the world and
+/// the expert count, `cp ∈ cps`, the world up to `max_world`; at most one mesh per cp.
+pub fn smallest_fitting(config: &Glm5Config, base: &PlanInputs, limit_bytes: f64, cps: &[usize], max_world: usize) -> Vec<(Mesh, RankMemory)> {
+    let e = config.text_config.n_routed_experts;
+    let mut out = Vec::new();
+    for &cp in cps {
+        for world in (cp..=max_world).step_by(cp) {
+            let ep = (1..=world).rev().find(|x| world % x == 0 && e % x == 0).unwrap_or(1);
+            let mesh = Mesh { dp: world / cp, ep, cp };
+            let mut inputs = base.clone();
+            inputs.mesh = mesh;
+            if let Ok((m, _)) = plan(config, &inputs) {
+                if m.total() <= limit_bytes {
+                    out.push((mesh, m));
+                    break;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_value_is_held_once_over_the_ranks() {
+        let config = Glm5Config::full();
+        for mesh in [Mesh { dp: 8, ep: 8, cp: 1 }, Mesh { dp: 36, ep: 72, cp: 2 }, Mesh { dp: 144, ep: 144, cp: 1 }] {
+            let inputs = PlanInputs::medpix_recipe(mesh);
+            let s = param_split(&config, &inputs);
+            let (m, _) = plan(&config, &inputs).unwrap();
+            let all = s.trainable_dense + s.trainable_experts + s.frozen;
+            // the parameter shards of all ranks hold each value once, in p bytes
+            assert!((m.params * mesh.world() as f64 - all * 2.0).abs() < 1.0, "{mesh:?}");
+            assert!((m.optimizer / m.grads - 2.0).abs() < 1e-12);
+        }
+        // the whole model: trunk 313.33B + vision 0.564B, MTP not loaded; frozen = embedding + vision
+        let s = param_split(&config, &PlanInputs::medpix_recipe(Mesh { dp: 1, ep: 1, cp: 1 }));
+        let b = |x: f64| x / 1e9;
+        assert!((b(s.trainable_dense + s.trainable_experts + s.frozen) - 313.89).abs() < 0.01);
+        assert!((b(s.frozen) - (154880.0 * 4096.0 / 1e9 + 0.5636)).abs() < 0.001, "{}", b(s.frozen));
+        // 42 MoE layers × 288 experts × 3 × 4096 × 2048
+        assert!((s.trainable_experts - 42.0 * 288.0 * 3.0 * 4096.0 * 2048.0).abs() < 1.0);
+    }
+
+    #[test]
+    fn bad_meshes_are_errors_naming_the_sizes() {
+        let config = Glm5Config::full();
+        let e = plan(&config, &PlanInputs::medpix_recipe(Mesh { dp: 4, ep: 3, cp: 1 })).unwrap_err();
+        assert!(e.contains("ep 3 does not divide the 4 ranks"), "{e}");
+        let e = plan(&config, &PlanInputs::medpix_recipe(Mesh { dp: 5, ep: 5, cp: 1 })).unwrap_err();
+        assert!(e.contains("ep 5 does not divide n_routed_experts 288"), "{e}");
+        assert!(Mesh::parse("dp=72,ep=72,cp=2").unwrap() == Mesh { dp: 72, ep: 72, cp: 2 });
+        assert!(Mesh::parse("dp=0").is_err() && Mesh::parse("tp=2").unwrap_err().contains("unknown size"));
+    }
+
+    #[test]
+    fn more_ranks_hold_less_and_ep_moves_tokens() {
+        let config = Glm5Config::full();
+        let small = plan(&config, &PlanInputs::medpix_recipe(Mesh { dp: 36, ep: 72, cp: 2 })).unwrap();
+        let large = plan(&config, &PlanInputs::medpix_recipe(Mesh { dp: 144, ep: 144, cp: 1 })).unwrap();
+        assert!(large.0.params < small.0.params);
+        assert!(small.1.rows.iter().any(|r| r.0 == "all_to_all"));
+        assert!(small.1.rows.iter().any(|r| r.2 > 0.0 && r.1.contains("KDA state")));
+        assert!(!large.1.rows.iter().any(|r| r.1.contains("KDA state")));
+    }
+}
