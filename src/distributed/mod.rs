@@ -24,11 +24,11 @@ pub mod decorator;
 pub mod fsdp;
 pub mod group;
 pub mod local;
-pub mod plan;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod plan;
 pub mod typed;
 
 pub use checked::CheckedGroup;

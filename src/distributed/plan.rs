@@ -236,12 +236,7 @@ pub fn plan(config: &Glm5Config, inputs: &PlanInputs) -> Result<(RankMemory, Ste
     let w = mesh.world() as f64;
     let (p, g, o) = (inputs.param_bytes as f64, inputs.grad_bytes as f64, inputs.optim_bytes as f64);
     let trainable = s.trainable_dense + s.trainable_experts;
-    let mut m = RankMemory {
-        params: (trainable + s.frozen) * p / w,
-        grads: trainable * g / w,
-        optimizer: trainable * o / w,
-        ..Default::default()
-    };
+    let mut m = RankMemory { params: (trainable + s.frozen) * p / w, grads: trainable * g / w, optimizer: trainable * o / w, ..Default::default() };
     let edp = (mesh.world() / mesh.ep) as f64;
     // one unit gathered and one prefetched, its fp32 gradient before the reduce-scatter; the
     // experts of a layer are gathered over the expert-data-parallel group only when it has
@@ -267,7 +262,9 @@ pub fn plan(config: &Glm5Config, inputs: &PlanInputs) -> Result<(RankMemory, Ste
             LayerType::LinearAttention => 10.0 * kda_p + 2.0 * d,
             // q latent, q, latent, per-query gathered latent rows of one sparse block
             // (256 queries × width × R amortised over T), output
-            LayerType::IndexedAttention => c.q_lora_rank as f64 + 2.0 * mla_q + c.kv_lora_rank as f64 + mla_v + 256.0 * width * c.kv_lora_rank as f64 / t.max(256.0),
+            LayerType::IndexedAttention => {
+                c.q_lora_rank as f64 + 2.0 * mla_q + c.kv_lora_rank as f64 + mla_v + 256.0 * width * c.kv_lora_rank as f64 / t.max(256.0)
+            }
         };
         vals += match c.mlp_layer_types[i] {
             MlpType::Dense => 3.0 * dense_i + d,
@@ -280,7 +277,8 @@ pub fn plan(config: &Glm5Config, inputs: &PlanInputs) -> Result<(RankMemory, Ste
     let inputs_kept = layers as f64 * t * n * d * p;
     let working: Vec<f64> = (0..layers).map(layer_working).collect();
     let logits = 2.0 * t * v * 4.0;
-    m.activations = if inputs.checkpointing { inputs_kept + working.iter().copied().fold(0.0, f64::max) + logits } else { working.iter().sum::<f64>() + logits };
+    m.activations =
+        if inputs.checkpointing { inputs_kept + working.iter().copied().fold(0.0, f64::max) + logits } else { working.iter().sum::<f64>() + logits };
     let moe_layers = c.mlp_layer_types.iter().filter(|&&x| x == MlpType::Sparse).count() as f64;
     m.exchange = if mesh.ep > 1 { 4.0 * t * k * d * p } else { 0.0 };
 

@@ -244,7 +244,8 @@ impl<B: Backend> Experts<B> {
             }
             let pad_src = Tensor::<B, 1, Int>::from_data(TensorData::new(pad_src, [e * cap]), &device);
             let back = Tensor::<B, 1, Int>::from_data(TensorData::new(back, [m]), &device);
-            let x_pad = Tensor::cat(vec![x, Tensor::zeros([1, d], (&device, x.dtype()))], 0);
+            let dtype = x.dtype();
+            let x_pad = Tensor::cat(vec![x, Tensor::zeros([1, d], (&device, dtype))], 0);
             let rows = x_pad.select(0, pad_src).reshape([e, cap, d]);
             let gate = rows.clone().matmul(self.gate_proj.val());
             let up = rows.matmul(self.up_proj.val());
@@ -324,11 +325,14 @@ impl<B: Backend> Experts<B> {
         }
         // how many rows each rank sends here, then which local expert each of them is for
         let send_u64: Vec<u64> = send.iter().map(|&c| c as u64).collect();
-        let recv: Vec<usize> = typed::all_to_all_v(g, &send_u64, &vec![1; p], &vec![1; p]).unwrap_or_else(|e| fail(e)).into_iter().map(|c| c as usize).collect();
+        let recv: Vec<usize> =
+            typed::all_to_all_v(g, &send_u64, &vec![1; p], &vec![1; p]).unwrap_or_else(|e| fail(e)).into_iter().map(|c| c as usize).collect();
         let local_ids: Vec<u32> = order.iter().map(|&s| (routing.experts[s] % el) as u32).collect();
-        let recv_ids: Vec<usize> = typed::all_to_all_v(g, &local_ids, &send, &recv).unwrap_or_else(|e| fail(e)).into_iter().map(|x| x as usize).collect();
+        let recv_ids: Vec<usize> =
+            typed::all_to_all_v(g, &local_ids, &send, &recv).unwrap_or_else(|e| fail(e)).into_iter().map(|x| x as usize).collect();
         let tokens: Vec<i64> = order.iter().map(|&s| (s / k) as i64).collect();
-        let rows = x.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(tokens, [n * k]), &x.device()));
+        let device = x.device();
+        let rows = x.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(tokens, [n * k]), &device));
         let arrived = all_to_all_rows(rows, &send, &recv, &ep.group).unwrap_or_else(|e| fail(e));
         let m = recv_ids.len();
         // a rank that received nothing passes its empty block on, so its graph still holds both
@@ -363,7 +367,8 @@ impl<B: AutodiffBackend> Router<B> {
         let e = bias.len();
         let mut load = vec![0f64; e];
         for &(logits, valid) in batches {
-            let choice: Vec<f32> = logits.iter().enumerate().map(|(i, &l)| 1.0 / (1.0 + (-l).exp()) + bias.get(i % e).copied().unwrap_or(0.0)).collect();
+            let choice: Vec<f32> =
+                logits.iter().enumerate().map(|(i, &l)| 1.0 / (1.0 + (-l).exp()) + bias.get(i % e).copied().unwrap_or(0.0)).collect();
             let n = logits.len() / e;
             for (r, experts) in self.select(&choice, n, e).chunks(self.top_k).enumerate() {
                 if valid.get(r).copied().unwrap_or(true) {
