@@ -907,7 +907,7 @@ mod mpi_engine {
                 let (id, t, mapper) = param.consume();
                 let shape = t.shape();
                 let k = self.0 as f32;
-                let v: Vec<f32> = (0..shape.num_elements()).map(|i| ((i as f32 * 0.731 + k * 1.37).sin() * 0.2)).collect();
+                let v: Vec<f32> = (0..shape.num_elements()).map(|i| (i as f32 * 0.731 + k * 1.37).sin() * 0.2).collect();
                 let t = Tensor::<A, D>::from_data(TensorData::new(v, shape), &Default::default());
                 Param::from_mapped_value(id, t.require_grad(), mapper)
             }

@@ -230,13 +230,10 @@ where
         let mut model = self.optim.step(lr, master, grads);
         drop(update);
         if self.options.router_bias_update_rate != 0.0 {
-            model = match update_router_bias(model, &router, self.options.router_bias_update_rate, self.options.data_parallel.as_ref()) {
-                Ok(m) => m,
-                Err((m, e)) => {
-                    self.model = Some(m);
-                    return Err(e);
-                }
-            };
+            if let Err(e) = update_router_bias(&mut model, &router, self.options.router_bias_update_rate, self.options.data_parallel.as_ref()) {
+                self.model = Some(model);
+                return Err(e);
+            }
         }
         self.model = Some(model);
         Ok(StepOutcome::Applied(StepMetrics { loss: acc_loss, grad_norm, lr, label_tokens, tokens }))
@@ -469,14 +466,13 @@ where
 /// the update is the one a single process makes from the whole global batch, the same on every
 /// rank; a sharded bias is gathered for the selection and each rank updates its own rows.
 fn update_router_bias<B: AutodiffBackend>(
-    mut model: Glm5ForCausalLM<B>,
+    model: &mut Glm5ForCausalLM<B>,
     router_logits: &[(Vec<Vec<f32>>, Vec<bool>)],
     rate: f64,
     group: Option<&crate::distributed::Group>,
-) -> Result<Glm5ForCausalLM<B>, (Glm5ForCausalLM<B>, TrainError)> {
+) -> Result<(), TrainError> {
     let e = model.num_experts;
-    let plan = plan_of(&model).cloned();
-    let mut failure = None;
+    let plan = plan_of(model).cloned();
     let moes = model.language_model.layers.iter_mut().filter_map(|layer| match &mut layer.mlp {
         Ffn::Moe(moe) => Some(moe),
         _ => None,
@@ -498,16 +494,7 @@ fn update_router_bias<B: AutodiffBackend>(
             // this rank's rows of the (padded) bias
             Ok(if sharded { (0..held.len()).map(|j| delta.get(g.rank() * held.len() + j).copied().unwrap_or(0.0)).collect() } else { delta })
         })();
-        match result {
-            Ok(delta) => moe.gate.add_to_bias(&delta),
-            Err(err) => {
-                failure = Some(TrainError::from(err));
-                break;
-            }
-        }
+        moe.gate.add_to_bias(&result?);
     }
-    match failure {
-        None => Ok(model),
-        Some(e) => Err((model, e)),
-    }
+    Ok(())
 }
