@@ -97,6 +97,14 @@ fn main() -> Result<()> {
         println!("| {op} | {what} | {:.2} |", bytes / GIB);
     }
     println!("| all | | {:.2} |", comm.total() / GIB);
+    let c = &config.text_config;
+    let f = glm5_burn::distributed::plan::dedup_factor(mesh.ep, c.n_routed_experts, c.num_experts_per_tok);
+    println!(
+        "\nEP dispatch sends one row per (token, expert); sending each token once per destination rank (DeepEP) \
+         would move {:.0} % of that at ep {} (uniform routing).",
+        100.0 * f,
+        mesh.ep
+    );
 
     // the published measurements of the same recipe (NeMo AutoModel, H100s)
     println!("\n| published mesh | ranks | measured GiB per GPU | planned GiB | gap GiB |\n|---|---|---|---|---|");

@@ -98,6 +98,17 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         }
     }
 
+    /// Keep room for `n` routed experts per MoE layer only (an expert-parallel rank's share):
+    /// the stacked expert parameters become uninitialised `[n, …]` ones, so the full stacks are
+    /// never allocated. Loading ([`crate::checkpoint::LoadOptions::experts`]) fills them.
+    pub fn keep_experts(&mut self, n: usize, config: &crate::config::TextConfig, device: &B::Device) {
+        for layer in self.language_model.layers.iter_mut() {
+            if let crate::text::decoder::Ffn::Moe(moe) = &mut layer.mlp {
+                moe.keep_experts(n, config, device);
+            }
+        }
+    }
+
     /// Check token ids against the vocabulary before they reach an embedding lookup.
     pub fn check_ids(&self, ids: &[i64]) -> Result<(), ModelError> {
         if let Some((pos, &id)) = ids.iter().enumerate().find(|(_, &x)| x < 0 || x as usize >= self.vocab_size) {

@@ -112,3 +112,64 @@ fn dim0_shards_cover_the_tensor_and_read_only_their_rows() {
     }
     assert!(read_dim0_shard(&open("base_k4"), "lm_head.weight", 3, 3).is_err());
 }
+
+/// `load_causal_lm` with `LoadOptions::experts`: a rank's model holds its experts only — the
+/// same values as the full load's slices, everything else unchanged — reads none of the other
+/// ranks' expert bytes, skips their tensors in a strict load, and refuses to run without its
+/// expert-parallel group; a size that does not divide the experts is an error naming both.
+#[test]
+fn expert_parallel_rank_loads_only_its_experts() {
+    use glm5_burn::text::decoder::Ffn;
+    for case in ["base_k4", "fp8_f32_scales"] {
+        let dir = fixtures().join(case);
+        let device = Default::default();
+        let full = load_causal_lm::<B>(&dir, &device, &LoadOptions::default()).unwrap();
+        let e = full.config.text_config.n_routed_experts;
+        let experts_bytes = |m: &glm5_burn::Glm5ForCausalLM<B>| -> usize {
+            m.language_model
+                .layers
+                .iter()
+                .filter_map(|l| match &l.mlp {
+                    Ffn::Moe(moe) => Some(3 * moe.experts.gate_proj.val().shape().num_elements()),
+                    _ => None,
+                })
+                .sum()
+        };
+        let all_experts = experts_bytes(&full.model);
+        let moe_layers = |m: &glm5_burn::Glm5ForCausalLM<B>| m.language_model.layers.iter().filter(|l| matches!(l.mlp, Ffn::Moe(_))).count();
+        for (rank, size) in [(0, 2), (1, 2), (3, 4)] {
+            let opts = LoadOptions { experts: Some(ExpertShard { rank, size }), ..LoadOptions::default() };
+            let part = load_causal_lm::<B>(&dir, &device, &opts).unwrap();
+            let per = e / size;
+            assert_eq!(experts_bytes(&part.model) * size, all_experts, "{case}: rank {rank}/{size} holds E/size experts");
+            let (a, b) = (full.model.collect(None, None, true), part.model.collect(None, None, true));
+            assert_eq!(a.len(), b.len());
+            for (x, y) in a.iter().zip(&b) {
+                let (xv, yv) = (values(&x.to_data().unwrap()), values(&y.to_data().unwrap()));
+                if x.full_path().contains("mlp.experts.") {
+                    // this rank's slice of the stack [E, …]
+                    let n = xv.len() / e;
+                    assert_eq!(&xv[rank * per * n..(rank + 1) * per * n], yv.as_slice(), "{case}: {}", x.full_path());
+                } else {
+                    assert_eq!(xv, yv, "{case}: {}", x.full_path());
+                }
+            }
+            // exactly the bytes the selective loader reads for the same rank: the other ranks'
+            // experts are not touched
+            let files = open(case);
+            let sel = Selection { embeddings_and_head: true, experts: Some(ExpertShard { rank, size }), ..Selection::default() };
+            load_selected(&files, &full.config, &sel, DType::F32).unwrap();
+            println!("{case}: rank {rank} of {size} read {} of {} bytes", part.bytes_read, full.bytes_read);
+            assert_eq!(part.bytes_read, files.bytes_read(), "{case}: rank {rank} of {size}");
+            assert!(part.bytes_read < full.bytes_read);
+            // the other ranks' expert weights are skipped, not reported as unexpected
+            let skipped_experts = |names: &[String]| names.iter().filter(|n| n.contains("mlp.experts.") && !n.ends_with("_scale_inv")).count();
+            assert_eq!(skipped_experts(&part.skipped), skipped_experts(&full.skipped) + (size - 1) * per * 3 * moe_layers(&full.model), "{case}");
+        }
+        let e3 = load_causal_lm::<B>(&dir, &device, &LoadOptions { experts: Some(ExpertShard { rank: 0, size: 3 }), ..LoadOptions::default() })
+            .err()
+            .expect("3 does not divide 8")
+            .to_string();
+        assert!(e3.contains('3') && e3.contains('8'), "{e3}");
+    }
+}

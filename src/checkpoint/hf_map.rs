@@ -191,12 +191,17 @@ pub struct Resolved {
 impl Resolved {
     /// Checkpoint names feeding this module tensor (one per expert for stacked experts).
     pub fn hf_names(&self, n_experts: usize) -> Vec<String> {
+        self.hf_names_of(0..n_experts)
+    }
+
+    /// [`Self::hf_names`] for the routed experts `experts` only (an expert-parallel rank's).
+    pub fn hf_names_of(&self, experts: std::ops::Range<usize>) -> Vec<String> {
         let base = match self.layer {
             Some(i) => self.rule.hf.replace("{i}", &i.to_string()),
             None => self.rule.hf.to_string(),
         };
         if self.rule.transform == Transform::ExpertSlice {
-            (0..n_experts).map(|e| base.replace("{e}", &e.to_string())).collect()
+            experts.map(|e| base.replace("{e}", &e.to_string())).collect()
         } else {
             vec![base]
         }

@@ -49,11 +49,15 @@ pub struct LoadOptions {
     /// the tensor and its shard, since the model would only compute NaN; turn it on to
     /// inspect or repair a damaged checkpoint.
     pub allow_non_finite: bool,
+    /// Load only the routed experts of this expert-parallel rank (`E/size` per MoE layer; the
+    /// other experts' bytes are not read). The model then holds those experts only and needs
+    /// its expert-parallel group before it runs ([`crate::text::moe::Experts::parallel`]).
+    pub experts: Option<select::ExpertShard>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { dtype: DType::F32, strict: true, vision: false, vision_rms_eps: None, allow_non_finite: false }
+        Self { dtype: DType::F32, strict: true, vision: false, vision_rms_eps: None, allow_non_finite: false, experts: None }
     }
 }
 
@@ -72,8 +76,11 @@ pub struct LoadedModel<B: Backend> {
     pub config_json: Value,
     /// The model with the checkpoint's weights.
     pub model: Glm5ForCausalLM<B>,
-    /// Checkpoint tensors present but not used (vision tower, MTP layer, `shared_head`).
+    /// Checkpoint tensors present but not used (vision tower, MTP layer, `shared_head`, other
+    /// ranks' experts).
     pub skipped: Vec<String>,
+    /// Bytes read from the safetensors files (a selective load reads less).
+    pub bytes_read: u64,
 }
 
 /// Read and validate `dir/config.json`.
@@ -124,14 +131,14 @@ impl<B: Backend> ModuleVisitor<B> for ShapeCollector {
     }
 }
 
-fn plan<B: Backend>(model: &Glm5ForCausalLM<B>, n_experts: usize) -> Result<Vec<Planned>, CheckpointError> {
+fn plan<B: Backend>(model: &Glm5ForCausalLM<B>, experts: std::ops::Range<usize>) -> Result<Vec<Planned>, CheckpointError> {
     let mut visitor = ShapeCollector { path: Vec::new(), containers: Vec::new(), out: Vec::new() };
     model.visit(&mut visitor);
     let mut out = Vec::new();
     for (path, shape) in visitor.out {
         let resolved =
             resolve(&path).ok_or_else(|| CheckpointError::Internal(format!("module tensor {path} has no rule in checkpoint::hf_map::RULES")))?;
-        out.push(Planned { sources: resolved.hf_names(n_experts), path, shape, resolved });
+        out.push(Planned { sources: resolved.hf_names_of(experts.clone()), path, shape, resolved });
     }
     Ok(out)
 }
@@ -153,7 +160,15 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
         Glm5ForCausalLM::<B>::try_new(&config, device)?
     };
     let tc = &config.text_config;
-    let planned = plan(&model, tc.n_routed_experts)?;
+    let owned = match opts.experts {
+        Some(shard) => shard.range(tc.n_routed_experts)?,
+        None => 0..tc.n_routed_experts,
+    };
+    if owned.len() != tc.n_routed_experts {
+        // room for this rank's experts only, before anything materialises the full stacks
+        model.keep_experts(owned.len(), tc, device);
+    }
+    let planned = plan(&model, owned.clone())?;
 
     // --- validation: every problem in one report ---
     let mut expected: BTreeMap<&str, &Planned> = BTreeMap::new();
@@ -194,7 +209,10 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
         }
         let tied_head = config.tie_word_embeddings && name == "lm_head.weight";
         let vision_unused = hf_map::is_vision(name) && model.visual.is_none();
-        if hf_map::is_ignored(name, tc.num_hidden_layers) || vision_unused || tied_head {
+        // another expert-parallel rank's expert (or its FP8 scale)
+        let base = if files.is_scale(name) { name.trim_end_matches("_scale_inv") } else { name.as_str() };
+        let other_rank = hf_map::resolve_hf(base).and_then(|r| r.expert).is_some_and(|e| !owned.contains(&e));
+        if hf_map::is_ignored(name, tc.num_hidden_layers) || vision_unused || tied_head || other_rank {
             skipped.push(name.clone());
         } else if !opts.strict {
             log::warn!("{}: ignoring unexpected tensor {name} (non-strict load)", dir.display());
@@ -255,7 +273,8 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
             report: format!("errors {:?}, missing {:?}, unused {:?}", result.errors, result.missing, result.unused),
         });
     }
-    Ok(LoadedModel { config, config_json, model, skipped })
+    let bytes_read = files.bytes_read();
+    Ok(LoadedModel { config, config_json, model, skipped, bytes_read })
 }
 
 /// Checkpoint tensor(s) (read one at a time as f32, checkpoint layout) → module layout.

@@ -308,6 +308,23 @@ pub fn plan(config: &Glm5Config, inputs: &PlanInputs) -> Result<(RankMemory, Ste
     Ok((m, comm))
 }
 
+/// Rows a token sends per MoE layer with DeepEP's deduplication (once per destination rank)
+/// relative to one row per (token, expert) as Megatron's dispatcher sends, for `k` experts per
+/// token drawn uniformly without repetition from `experts` split evenly over `ep` ranks:
+/// `E[distinct ranks] / k`, with `E[distinct ranks] = ep · (1 − C(E − E/ep, k) / C(E, k))`.
+pub fn dedup_factor(ep: usize, experts: usize, k: usize) -> f64 {
+    if ep <= 1 || k == 0 {
+        return 1.0;
+    }
+    let per = experts / ep;
+    // probability that a given rank receives none of the token's k experts
+    let mut none = 1.0f64;
+    for j in 0..k {
+        none *= (experts - per - j) as f64 / (experts - j) as f64;
+    }
+    ep as f64 * (1.0 - none) / k as f64
+}
+
 /// The smallest meshes (fewest ranks, then the smallest cp) whose planned memory fits
 /// `limit_bytes` per rank: ranks `dp·cp` with `ep` = the largest divisor of both the world and
 /// the expert count, `cp ∈ cps`, the world up to `max_world`; at most one mesh per cp.
@@ -354,6 +371,18 @@ mod tests {
         assert!((b(s.frozen) - (154880.0 * 4096.0 / 1e9 + 0.5636)).abs() < 0.001, "{}", b(s.frozen));
         // 42 MoE layers × 288 experts × 3 × 4096 × 2048
         assert!((s.trainable_experts - 42.0 * 288.0 * 3.0 * 4096.0 * 2048.0).abs() < 1.0);
+    }
+
+    #[test]
+    fn deduplication_matters_only_for_small_ep() {
+        // one rank: nothing to deduplicate; E/ep = 1 expert per rank: never two on one rank
+        assert_eq!(dedup_factor(1, 288, 8), 1.0);
+        assert!((dedup_factor(288, 288, 8) - 1.0).abs() < 1e-12);
+        // all experts on 2 ranks, k = 2 of 4: P(both on one rank) = 2·C(2,2)/C(4,2) = 1/3,
+        // so E[distinct] = 1/3·1 + 2/3·2 = 5/3 of 2 rows
+        assert!((dedup_factor(2, 4, 2) - 5.0 / 6.0).abs() < 1e-12);
+        let (ep8, ep72) = (dedup_factor(8, 288, 8), dedup_factor(72, 288, 8));
+        assert!(ep8 < 0.7 && ep72 > 0.9, "{ep8} {ep72}");
     }
 
     #[test]

@@ -182,6 +182,11 @@ impl<B: Backend> Experts<B> {
         let device = x.device();
         let (y, order) = match &self.parallel {
             None => {
+                let held = self.gate_proj.dims()[0];
+                assert!(
+                    routing.experts.iter().all(|&x| x < held),
+                    "this MoE layer holds {held} routed experts (an expert-parallel rank's share) and has no expert-parallel group: set Experts::parallel before running it"
+                );
                 // every slot, in slot order: row = token s / k, expert = its selection
                 let tokens: Vec<i64> = (0..n * k).map(|s| (s / k) as i64).collect();
                 (self.grouped(x.clone(), &tokens, &routing.experts), None)
@@ -450,6 +455,15 @@ impl<B: Backend> Moe<B> {
             },
             shared_experts: Mlp::new(d, i * c.n_shared_experts, c.hidden_act, c.swiglu_limit, device),
         }
+    }
+
+    /// Replace the stacked experts by uninitialised ones of `n` experts (see
+    /// [`crate::model::Glm5ForCausalLM::keep_experts`]).
+    pub fn keep_experts(&mut self, n: usize, c: &TextConfig, device: &B::Device) {
+        let (d, i) = (c.hidden_size, c.moe_intermediate_size);
+        self.experts.gate_proj = Initializer::Zeros.init([n, d, i], device);
+        self.experts.up_proj = Initializer::Zeros.init([n, d, i], device);
+        self.experts.down_proj = Initializer::Zeros.init([n, i, d], device);
     }
 
     /// `x` `[B, S, D]` → (`[B, S, D]`, router logits `[B·S, E]`).
