@@ -165,6 +165,10 @@ fn expert_parallel_rank_loads_only_its_experts() {
             // the other ranks' expert weights are skipped, not reported as unexpected
             let skipped_experts = |names: &[String]| names.iter().filter(|n| n.contains("mlp.experts.") && !n.ends_with("_scale_inv")).count();
             assert_eq!(skipped_experts(&part.skipped), skipped_experts(&full.skipped) + (size - 1) * per * 3 * moe_layers(&full.model), "{case}");
+            // a rank's share is not written as if it were experts 0..
+            let tmp = tempfile::tempdir().unwrap();
+            let e = glm5_burn::checkpoint::save_causal_lm(&part.model, &part.config_json, tmp.path()).unwrap_err().to_string();
+            assert!(e.contains("an expert-parallel rank's share"), "{e}");
         }
         let e3 = load_causal_lm::<B>(&dir, &device, &LoadOptions { experts: Some(ExpertShard { rank: 0, size: 3 }), ..LoadOptions::default() })
             .err()

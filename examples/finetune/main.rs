@@ -447,17 +447,7 @@ where
     // greedy answers to the validation questions, exact match (rank 0, unsharded models)
     let answer_limit = s.val_answer_max_new_tokens.filter(|&n| n > 0);
     let eos_ids: Vec<i64> = {
-        let mut ids = ["eos_token_id"]
-            .iter()
-            .chain(&["text_config"])
-            .filter_map(|k| config_json.get(k))
-            .flat_map(|v| match v {
-                Value::Number(n) => n.as_i64().into_iter().collect::<Vec<_>>(),
-                Value::Array(a) => a.iter().filter_map(|x| x.as_i64()).collect(),
-                Value::Object(o) => o.get("eos_token_id").and_then(|x| x.as_i64()).into_iter().collect(),
-                _ => Vec::new(),
-            })
-            .collect::<Vec<i64>>();
+        let mut ids = glm5_burn::generate::config_eos_ids(&config_json);
         // the chat format's turn end stops an answer too
         ids.extend(["<|user|>", "<|endoftext|>"].iter().filter_map(|t| chat.tokenizer.token_to_id(t)).map(|x| x as i64));
         ids

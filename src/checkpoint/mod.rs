@@ -367,6 +367,16 @@ pub(crate) fn checkpoint_tensors(
         }
         _ => resolved.hf_shape(shape),
     };
+    if resolved.rule.transform == Transform::ExpertSlice && shape.first() != Some(&n_experts) {
+        // an expert-parallel rank's share would be written under experts 0.. of the whole set
+        return Err(CheckpointError::ModuleTensor {
+            path: path.to_string(),
+            message: format!(
+                "holds {} of the {n_experts} routed experts (an expert-parallel rank's share); saving a rank's experts is not supported yet",
+                shape.first().copied().unwrap_or(0)
+            ),
+        });
+    }
     let names = resolved.hf_names(n_experts);
     Ok(names
         .into_iter()

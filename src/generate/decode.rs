@@ -183,29 +183,50 @@ pub fn generate_with<B: Glm5Backend>(
 /// `generation_config.json`, else of `config.json` (top level or `text_config`), as HF's
 /// `GenerationConfig.from_model_config` finds them. Empty when none is declared.
 pub fn checkpoint_eos_ids(dir: &std::path::Path) -> Result<Vec<i64>, GenerateError> {
-    let ids = |v: &serde_json::Value| -> Vec<i64> {
-        match v {
-            serde_json::Value::Number(n) => n.as_i64().into_iter().collect(),
-            serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_i64()).collect(),
-            _ => Vec::new(),
-        }
-    };
-    for (file, paths) in [
-        ("generation_config.json", &[&["eos_token_id"][..]][..]),
-        ("config.json", &[&["eos_token_id"][..], &["text_config", "eos_token_id"][..]][..]),
-    ] {
+    for (file, nested) in [("generation_config.json", false), ("config.json", true)] {
         let path = dir.join(file);
         if !path.is_file() {
             continue;
         }
         let text = std::fs::read_to_string(&path).map_err(|e| GenerateError::Input(format!("{}: {e}", path.display())))?;
         let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| GenerateError::Input(format!("{}: {e}", path.display())))?;
-        for keys in paths {
-            let v = keys.iter().try_fold(&json, |v, k| v.get(*k));
-            if let Some(found) = v.map(ids).filter(|x| !x.is_empty()) {
-                return Ok(found);
-            }
+        let found = if nested { config_eos_ids(&json) } else { json.get("eos_token_id").map(eos_list).unwrap_or_default() };
+        if !found.is_empty() {
+            return Ok(found);
         }
     }
     Ok(Vec::new())
+}
+
+/// The EOS ids of a `config.json` value: its `eos_token_id`, else `text_config.eos_token_id`.
+pub fn config_eos_ids(config: &serde_json::Value) -> Vec<i64> {
+    [&["eos_token_id"][..], &["text_config", "eos_token_id"][..]]
+        .iter()
+        .filter_map(|keys| keys.iter().try_fold(config, |v, k| v.get(*k)))
+        .map(eos_list)
+        .find(|x| !x.is_empty())
+        .unwrap_or_default()
+}
+
+/// An `eos_token_id` field: one id or a list of them.
+fn eos_list(v: &serde_json::Value) -> Vec<i64> {
+    match v {
+        serde_json::Value::Number(n) => n.as_i64().into_iter().collect(),
+        serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_i64()).collect(),
+        _ => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::config_eos_ids;
+    use serde_json::json;
+
+    #[test]
+    fn eos_ids_from_the_top_level_then_the_text_config() {
+        assert_eq!(config_eos_ids(&json!({"eos_token_id": 5})), [5]);
+        assert_eq!(config_eos_ids(&json!({"eos_token_id": [5, 7], "text_config": {"eos_token_id": 9}})), [5, 7]);
+        assert_eq!(config_eos_ids(&json!({"eos_token_id": null, "text_config": {"eos_token_id": [9, 10]}})), [9, 10]);
+        assert!(config_eos_ids(&json!({"text_config": {}})).is_empty());
+    }
 }

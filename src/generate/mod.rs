@@ -12,7 +12,8 @@ pub mod stop;
 
 pub use cache::{CacheBytes, DecodeCache, DsaCache, IndexerCache, KdaCache, LayerCache};
 pub use decode::{
-    checkpoint_eos_ids, generate, generate_with, GenerateError, GenerateOptions, Generated, NoStoppingCriteria, Prompt, StoppingCriteria,
+    checkpoint_eos_ids, config_eos_ids, generate, generate_with, GenerateError, GenerateOptions, Generated, NoStoppingCriteria, Prompt,
+    StoppingCriteria,
 };
 pub use sampling::{SamplingConfig, SamplingError, TokenSampler};
 pub use stop::StopStrings;
