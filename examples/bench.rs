@@ -254,6 +254,7 @@ where
         data_parallel: None,
         shard_parameters: true,
         reshard_after_forward: true,
+        expert_parallel: 1,
     };
     let mut trainer = Trainer::<A>::new(model, options, &device);
     let micro = [MicroBatch::text(ids.to_vec(), ids.to_vec(), a.batch, a.seq, None)];

@@ -867,6 +867,7 @@ mod mpi_engine {
             "checked" => checked(g),
             "ep_moe" => ep_moe(std::sync::Arc::new(g)),
             "ep_model" => ep_model(std::sync::Arc::new(g)),
+            s if s.starts_with("ep_train:") => ep_train(std::sync::Arc::new(g), s),
             "rank_dies" => {
                 if g.rank() == 1 {
                     eprintln!("rank 1: exiting on purpose before the collective");
@@ -1025,6 +1026,181 @@ mod mpi_engine {
         );
     }
 
+    /// Training under expert parallelism against one process. `spec` = `ep_train:P:E:S:K`:
+    /// ep_size `P` over the world, `E` routed experts, `S` = 1 shards the dense parameters
+    /// (FSDP) as well, `K` = 1 routes every token to the first expert-parallel rank's experts (a
+    /// selection bias of +10). (1) The reduced gradients of one global batch: every parameter's
+    /// (an expert stack's rows this rank holds) and the loss with the load-balancing term,
+    /// within 1e-5 of one process's; (2) 20 optimizer steps with the load-balancing loss and
+    /// the router bias update: loss and gradient-norm traces within 1e-5 relative, and the
+    /// weights afterwards.
+    fn ep_train(g: std::sync::Arc<MpiGroup>, spec: &str) {
+        use burn::backend::Autodiff;
+        use burn::module::{Module, ModuleVisitor, Param, ParamId};
+        use burn::optim::GradientsParams;
+        use burn::tensor::backend::Backend;
+        use burn::tensor::Tensor;
+        use glm5_burn::data::batch::MicroBatch;
+        use glm5_burn::distributed::Group;
+        use glm5_burn::text::decoder::Ffn;
+        use glm5_burn::train::data_parallel::{expert_param_ids, unshard_model};
+        use glm5_burn::train::params::param_ids;
+        use glm5_burn::train::recipe::Recipe;
+        use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
+        use glm5_burn::{Glm5Config, Glm5ForCausalLM};
+        use std::collections::{BTreeMap, HashMap};
+        type AD = Autodiff<burn::backend::Flex>;
+
+        let f: Vec<usize> = spec.split(':').skip(1).map(|x| x.parse().unwrap()).collect();
+        let (p, e, shard, skew) = (f[0], f[1], f[2] == 1, f[3] == 1);
+        let (r, n) = (g.rank(), g.size());
+        let group: Group = g.clone();
+        let device = Default::default();
+        AD::seed(&device, 11);
+        let mut config = Glm5Config::tiny();
+        config.text_config.n_routed_experts = e;
+        let mut model = Glm5ForCausalLM::<AD>::try_new(&config, &device).unwrap();
+        if skew {
+            let bias: Vec<f32> = (0..e).map(|i| if i < e / p { 10.0 } else { 0.0 }).collect();
+            for layer in model.language_model.layers.iter_mut() {
+                if let Ffn::Moe(moe) = &mut layer.mlp {
+                    moe.gate.add_to_bias(&bias);
+                }
+            }
+        }
+        // lazily initialised weights are drawn on first use, by each clone anew: draw them once
+        glm5_burn::train::params::materialize(&model);
+        let v = config.text_config.vocab_size as i64;
+        let per_step = 12 / n * n;
+        let batch = |step: usize, i: usize| {
+            let seq = 16 + (3 * i + step) % 9;
+            let ids: Vec<i64> = (0..seq).map(|t| ((t * 37 + i * 101 + step * 13 + 5) as i64) % v).collect();
+            let labels: Vec<i64> = ids.iter().enumerate().map(|(t, &x)| if (t + i) % 5 == 0 { -100 } else { x }).collect();
+            MicroBatch::text(ids, labels, 1, seq, None)
+        };
+        let global = |step: usize| -> (Vec<MicroBatch>, Vec<MicroBatch>) {
+            let micro: Vec<MicroBatch> = (0..per_step).map(|i| batch(step, i)).collect();
+            let mine = micro.iter().enumerate().filter(|(i, _)| i % n == r).map(|(_, m)| m.clone()).collect();
+            (micro, mine)
+        };
+        let recipe = Recipe::from_file(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"),
+            &["--lr_scheduler.lr_warmup_steps=0".into(), "--lr_scheduler.lr_decay_style=constant".into(), "--optimizer.lr=1e-4".into()],
+        )
+        .unwrap();
+        let mut options = TrainOptions::from_recipe(&recipe);
+        options.freeze.freeze_embeddings = false;
+        options.aux_loss_coef = 1e-2;
+        options.router_bias_update_rate = 1e-3;
+        let mut ep_options = options.clone();
+        ep_options.data_parallel = Some(group.clone());
+        ep_options.expert_parallel = p;
+        ep_options.shard_parameters = shard;
+        let (first, local) = (r % p * (e / p), e / p);
+
+        // values of every parameter (or its gradient) by module path
+        fn by_path<B: burn::tensor::backend::AutodiffBackend>(m: &Glm5ForCausalLM<B>, grads: Option<&GradientsParams>) -> BTreeMap<String, Vec<f32>> {
+            struct V<'a, B: burn::tensor::backend::AutodiffBackend>(Option<&'a GradientsParams>, HashMap<ParamId, Vec<f32>>, std::marker::PhantomData<B>);
+            impl<B: burn::tensor::backend::AutodiffBackend> ModuleVisitor<B> for V<'_, B> {
+                fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                    let t = match self.0 {
+                        Some(g) => g.get::<B::InnerBackend, D>(p.id),
+                        None => Some(p.val().inner()),
+                    };
+                    if let Some(t) = t {
+                        self.1.insert(p.id, t.into_data().convert::<f32>().into_vec::<f32>().unwrap());
+                    }
+                }
+            }
+            let mut vis = V::<B>(grads, HashMap::new(), Default::default());
+            m.visit(&mut vis);
+            param_ids::<B, _>(m).into_iter().filter_map(|(path, id)| vis.1.remove(&id).map(|x| (path, x))).collect()
+        }
+        let experts_of = |m: &Glm5ForCausalLM<AD>| -> std::collections::HashSet<String> {
+            let ids = expert_param_ids(m);
+            param_ids::<AD, _>(m).into_iter().filter(|(_, id)| ids.contains(id)).map(|(p, _)| p).collect()
+        };
+        let expert_paths = experts_of(&model);
+        // this rank's rows of a whole expert stack
+        let rows = |x: &[f32]| -> Vec<f32> {
+            let w = x.len() / e;
+            x[first * w..(first + local) * w].to_vec()
+        };
+
+        // (1) gradients of one global batch, unsharded dense parameters
+        let mut one = Trainer::new(model.clone(), options.clone(), &device);
+        let mut grad_options = ep_options.clone();
+        grad_options.shard_parameters = false;
+        let mut ept = Trainer::try_new(model.clone(), grad_options, &device).unwrap();
+        let (micro, mine) = global(0);
+        let (ga, la) = one.gradients(&micro).unwrap();
+        let (gb, lb) = ept.gradients(&mine).unwrap();
+        assert!((la - lb).abs() <= 1e-5 * la.abs(), "rank {r}: loss {la} (one process) vs {lb} (ep {p})");
+        let (ra, rb) = (by_path(one.model(), Some(&ga)), by_path(ept.model(), Some(&gb)));
+        assert_eq!(ra.keys().collect::<Vec<_>>(), rb.keys().collect::<Vec<_>>(), "rank {r}: parameters with a gradient");
+        let mut worst = 0f32;
+        for (path, want) in &ra {
+            let want = if expert_paths.contains(path) { rows(want) } else { want.clone() };
+            let got = &rb[path];
+            assert_eq!(want.len(), got.len(), "rank {r}: {path} gradient size");
+            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-20);
+            let d = want.iter().zip(got).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
+            assert!(d <= 1e-5, "rank {r}: gradient of {path}: max|Δ|/max|ref| {d:e}");
+            worst = worst.max(d);
+        }
+        let held: usize = by_path(ept.model(), None).iter().filter(|(k, _)| expert_paths.contains(*k)).map(|(_, x)| x.len()).sum();
+        let whole: usize = by_path(one.model(), None).iter().filter(|(k, _)| expert_paths.contains(*k)).map(|(_, x)| x.len()).sum();
+        assert_eq!(held * p, whole, "rank {r}: expert elements held");
+        println!("rank {r} of {n} (ep {p}, {e} experts): {} gradients match one process (worst {worst:.1e}); expert elements held {held} of {whole}", ra.len());
+        drop((one, ept));
+
+        // (2) 20 optimizer steps
+        let mut one = Trainer::new(model.clone(), options, &device);
+        let mut ept = Trainer::try_new(model.clone(), ep_options, &device).unwrap();
+        let mut worst = 0f64;
+        for step in 1..=20 {
+            let (micro, mine) = global(step);
+            let (StepOutcome::Applied(a), StepOutcome::Applied(b)) = (one.step(&micro).unwrap(), ept.step(&mine).unwrap()) else {
+                panic!("step {step} skipped")
+            };
+            for (what, x, y) in [("loss", a.loss, b.loss), ("grad norm", a.grad_norm, b.grad_norm)] {
+                let rel = (x - y).abs() / x.abs();
+                assert!(rel <= 1e-5, "rank {r}, step {step}: {what} {x} (one process) vs {y} (ep {p})");
+                worst = worst.max(rel);
+            }
+        }
+        let (a, b) = (by_path(&one.into_model(), None), by_path(&unshard_model(ept.into_model()), None));
+        let init = by_path(&model, None);
+        let (mut moved, mut wdiff, mut off, mut total) = (0f32, 0f32, 0usize, 0usize);
+        for (path, x) in &a {
+            let (x, x0) = if expert_paths.contains(path) { (rows(x), rows(&init[path])) } else { (x.clone(), init[path].clone()) };
+            let y = &b[path];
+            assert_eq!(x.len(), y.len(), "{path}");
+            moved = x.iter().zip(&x0).fold(moved, |m, (u, w)| m.max((u - w).abs()));
+            wdiff = x.iter().zip(y).fold(wdiff, |m, (u, w)| m.max((u - w).abs()));
+            off += x.iter().zip(y).filter(|(u, w)| (*u - *w).abs() > 1e-6).count();
+            total += x.len();
+        }
+        // (the tolerance of the sharded data-parallel test: AdamW moves an element with a ~0
+        // gradient by ±lr on summation-order noise)
+        assert!(wdiff <= 0.05 * moved && off * 100 < total, "rank {r}: weights after 20 steps: max|Δ| {wdiff:e} (largest movement {moved:e}), {off} of {total} off by > 1e-6");
+        println!("rank {r} of {n} (ep {p}, {e} experts): 20 steps follow one process (worst loss/grad-norm rel {worst:.1e}; weights max|Δ| {wdiff:.1e} of a largest movement {moved:.1e})");
+    }
+
+    /// Expert parallelism in training equals one process: ep 2 on 2 ranks (8 experts, every
+    /// token to rank 0's experts), ep 2 and ep 4 on 4 ranks (8 experts; dense parameters
+    /// sharded), ep 3 on 3 ranks (12 experts).
+    #[test]
+    fn expert_parallel_training_follows_one_process_on_meshes_of_2_3_and_4_ranks() {
+        for (np, spec) in [(2, "ep_train:2:8:0:1"), (4, "ep_train:2:8:1:0"), (4, "ep_train:4:8:1:0"), (3, "ep_train:3:12:1:0")] {
+            let (ok, out, secs) = mpirun(np, spec, Duration::from_secs(600));
+            assert!(ok, "mpirun -np {np} {spec} failed:\n{out}");
+            assert_eq!(out.matches("gradients match one process").count(), np, "{out}");
+            assert_eq!(out.matches("20 steps follow one process").count(), np, "{out}");
+            println!("np {np} {spec} ({secs:.1} s): {}", out.lines().filter(|l| l.contains("rank 0 of")).collect::<Vec<_>>().join(" | "));
+        }
+    }
+
     #[test]
     fn expert_parallel_model_loads_its_experts_and_matches_on_2_and_4_ranks() {
         for np in [2, 4] {
@@ -1159,6 +1335,7 @@ fn distributed_flex_trains_bit_for_bit_like_flex() {
             data_parallel: None,
             shard_parameters: true,
             reshard_after_forward: true,
+            expert_parallel: 1,
         };
         let mut trainer = Trainer::<B>::new(model, options, &device);
         let v = config.text_config.vocab_size as i64;

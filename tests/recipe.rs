@@ -135,8 +135,11 @@ fn data_parallel_sizes_are_checked_against_the_batch() {
     assert!(e.contains("distributed.dp_size") && e.contains("at least 1"), "{e}");
     // the router bias update sums the expert loads over the ranks
     assert!(ok(&["--distributed.dp_size=2", "--moe.router_bias_update_rate=0.001"]).is_ok());
-    let e = ok(&["--distributed.ep_size=2", "--distributed.dp_size=2"]).unwrap_err().to_string();
-    assert!(e.contains("distributed.ep_size") && e.contains("not implemented yet"), "{e}");
+    // expert parallelism within the data-parallel world
+    let r = ok(&["--distributed.ep_size=2", "--distributed.dp_size=2"]).unwrap();
+    assert_eq!(r.distributed.ep_size, 2);
+    let e = ok(&["--distributed.cp_size=2", "--distributed.dp_size=2"]).unwrap_err().to_string();
+    assert!(e.contains("distributed.cp_size") && e.contains("not implemented yet"), "{e}");
     // the mesh is checked before anything else about it
     let e = ok(&["--distributed.ep_size=3", "--distributed.dp_size=2"]).unwrap_err().to_string();
     assert!(e.contains("distributed.ep_size") && e.contains("must divide the world size distributed.dp_size × distributed.cp_size (2 × 1)"), "{e}");

@@ -306,6 +306,13 @@ where
     if ranks > 1 {
         println!("data parallel: {ranks} ranks (MPI), each runs 1/{ranks} of every global batch");
     }
+    let ep = recipe.distributed.ep_size;
+    if ep > 1 {
+        println!(
+            "expert parallel: ep_size {ep}, each rank holds 1/{ep} of the routed experts; experts' gradients summed over the {} ranks holding the same ones",
+            ranks / ep
+        );
+    }
     // one GPU per rank of a node where the backend has several (the default device otherwise)
     let device: B::Device = if ranks > 1 { glm5_burn::distributed::local_device::<B>() } else { Default::default() };
     let seed = recipe.rng.seed;
@@ -406,13 +413,18 @@ where
         }
         None => {
             let model: Glm5ForCausalLM<B> = match &recipe.model.checkpoint {
-                Some(dir) => load_causal_lm::<B>(dir, &device, &LoadOptions { vision: true, ..Default::default() })?.model,
+                // an expert-parallel rank reads only its experts (seeded weights: every rank
+                // builds the same whole model and keeps its experts)
+                Some(dir) => {
+                    let load = LoadOptions { vision: true, experts: Trainer::<B>::expert_shard(&options), ..Default::default() };
+                    load_causal_lm::<B>(dir, &device, &load)?.model
+                }
                 None => Glm5ForCausalLM::<B>::try_new_with_vision(&config, None, &device)?,
             };
             if rank == 0 && root.join("metrics.jsonl").exists() {
                 truncate_metrics(&root.join("metrics.jsonl"), 0)?;
             }
-            let mut t = Trainer::new(model, options, &device);
+            let mut t = Trainer::try_new(model, options, &device)?;
             t.data_fingerprint = Some(fingerprint.clone());
             (t, Sampler::new(train.packs.len(), seed))
         }

@@ -282,8 +282,8 @@ impl<B: Backend> Experts<B> {
         }
     }
 
-    /// These experts split over `ep`'s ranks: this rank keeps its `E/P` experts (a copy of
-    /// their slices as fresh trainable parameters) and exchanges tokens with the others. For a
+    /// These experts split over `ep`'s ranks: this rank keeps its `E/P` experts (their
+    /// slices, under the same parameter ids and trainability) and exchanges tokens with the others. For a
     /// model built whole; a rank-local load reads only these experts' bytes instead.
     pub fn into_parallel(self, ep: std::sync::Arc<ExpertParallel>) -> Result<Self, crate::distributed::DistError> {
         let e = self.gate_proj.dims()[0];
@@ -294,10 +294,12 @@ impl<B: Backend> Experts<B> {
             });
         }
         let range = ep.first_expert()..ep.first_expert() + ep.local_experts();
+        // the parameter ids stay: an optimizer state or a trainer's id table still names them
         let local = |p: Param<Tensor<B, 3>>| {
-            let t = p.val();
+            let (id, t) = (p.id, p.val());
             let [_, a, b] = t.dims();
-            Param::from_tensor(t.slice([range.clone(), 0..a, 0..b]).detach().require_grad())
+            let t = t.slice([range.clone(), 0..a, 0..b]).detach();
+            Param::initialized(id, if p.is_require_grad() { t.require_grad() } else { t })
         };
         Ok(Self {
             gate_proj: local(self.gate_proj),

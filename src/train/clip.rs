@@ -7,19 +7,17 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor};
 
-struct SquaredNorm<'a, B: AutodiffBackend> {
+struct SquaredNorm<'a, B: AutodiffBackend, const N: usize> {
     grads: &'a GradientsParams,
-    sharded: &'a dyn Fn(ParamId) -> bool,
-    /// (sharded parameters, the others)
-    total: [f64; 2],
+    class: &'a dyn Fn(ParamId) -> usize,
+    total: [f64; N],
     _b: std::marker::PhantomData<B>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B> {
+impl<B: AutodiffBackend, const N: usize> ModuleVisitor<B> for SquaredNorm<'_, B, N> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let i = usize::from(!(self.sharded)(param.id));
-            self.total[i] += g.cast(DType::F32).square().sum().into_scalar().to_f64_lossy();
+            self.total[(self.class)(param.id)] += g.cast(DType::F32).square().sum().into_scalar().to_f64_lossy();
         }
     }
 }
@@ -27,7 +25,18 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B> {
 /// Σ g² over `module`'s gradients, split into (parameters `sharded` names, the others): a
 /// sharded model's norm is the first summed over the ranks plus the second once.
 pub fn squared_norms<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams, sharded: &dyn Fn(ParamId) -> bool) -> [f64; 2] {
-    let mut v = SquaredNorm::<B> { grads, sharded, total: [0.0; 2], _b: std::marker::PhantomData };
+    squared_norms_by::<B, M, 2>(module, grads, &|id| usize::from(!sharded(id)))
+}
+
+/// Σ g² over `module`'s gradients in `N` classes (`class(id) < N`): each class is summed over
+/// the ranks that split it (data-parallel shards over the world, expert shares over the
+/// expert-parallel group, replicated parameters not at all).
+pub fn squared_norms_by<B: AutodiffBackend, M: AutodiffModule<B>, const N: usize>(
+    module: &M,
+    grads: &GradientsParams,
+    class: &dyn Fn(ParamId) -> usize,
+) -> [f64; N] {
+    let mut v = SquaredNorm::<B, N> { grads, class, total: [0.0; N], _b: std::marker::PhantomData };
     module.visit(&mut v);
     v.total
 }

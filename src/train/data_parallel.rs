@@ -10,6 +10,7 @@
 //! partial sums in a different order on each rank, and replicas would drift apart over a long
 //! run), scalars by gathering every rank's value and adding them in rank order.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
@@ -20,6 +21,8 @@ use burn::tensor::{DType, Tensor, TensorData};
 use crate::distributed::typed::{all_gather, all_gather_v};
 use crate::distributed::{DistError, Group, ProcessGroup, ReduceBuf, ReduceOp, ShardPlan};
 use crate::model::Glm5ForCausalLM;
+use crate::text::decoder::Ffn;
+use crate::text::moe::ExpertParallel;
 
 /// Gradients (and whether each parameter has one) flattened in visiting order.
 struct Collect<'a, B: AutodiffBackend> {
@@ -114,6 +117,20 @@ pub fn all_reduce_grads_except<B: AutodiffBackend, M: AutodiffModule<B>>(
     Ok(())
 }
 
+/// Registers a zero gradient for every trainable parameter `select` names that has none.
+pub fn zero_missing_grads<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &mut GradientsParams, select: &dyn Fn(ParamId) -> bool) {
+    struct Zero<'a>(&'a mut GradientsParams, &'a dyn Fn(ParamId) -> bool);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Zero<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if param.is_require_grad() && (self.1)(param.id) && self.0.get::<B::InnerBackend, D>(param.id).is_none() {
+                let v = param.val().inner();
+                self.0.register::<B::InnerBackend, D>(param.id, v.zeros_like());
+            }
+        }
+    }
+    module.visit(&mut Zero(grads, select));
+}
+
 /// Every rank's `x` added in rank order: the same value on every rank.
 pub fn sum_f64(group: &dyn ProcessGroup, x: f64) -> Result<f64, DistError> {
     Ok(all_gather(group, &[x])?.iter().sum())
@@ -138,19 +155,113 @@ pub fn gather_usize(group: &dyn ProcessGroup, x: usize) -> Result<Vec<usize>, Di
 /// replicated, so that AdamW leaves them alone as it does in one process (a shard would
 /// receive a zero gradient through the gather and weight decay would move it). Apply after
 /// freezing: frozen parameters stay replicated.
+///
+/// Under expert parallelism the routed experts are not sharded over `group`: each rank holds
+/// its expert-parallel share whole, and their gradients are summed over the expert-data-parallel
+/// group instead ([`ExpertMesh`]).
 pub fn shard_model<B: crate::distributed::CollectiveBackend>(
     model: Glm5ForCausalLM<B>,
     group: Group,
     reshard_after_forward: bool,
 ) -> Glm5ForCausalLM<B> {
-    let replicated: std::collections::HashSet<ParamId> = super::params::param_ids::<B, _>(&model)
+    shard_model_where(model, group, reshard_after_forward, true)
+}
+
+/// [`shard_model`], or (`shard = false`) a plan that shards nothing: replicated parameters
+/// that still go through the sharded paths (checkpoints written by every rank), which expert
+/// parallelism needs whether or not the dense parameters are sharded.
+pub fn shard_model_where<B: crate::distributed::CollectiveBackend>(
+    model: Glm5ForCausalLM<B>,
+    group: Group,
+    reshard_after_forward: bool,
+    shard: bool,
+) -> Glm5ForCausalLM<B> {
+    let experts = expert_param_ids(&model);
+    let replicated: HashSet<ParamId> = super::params::param_ids::<B, _>(&model)
         .into_iter()
         .filter(|(path, _)| path.contains(".indexer.") || path.ends_with("e_score_correction_bias"))
         .map(|(_, id)| id)
         .collect();
-    let (mut model, plan) = ShardPlan::shard(model, group, reshard_after_forward, |id, require_grad| require_grad && !replicated.contains(&id));
+    let local_experts = expert_parallel_of(&model).is_some();
+    let (mut model, plan) = ShardPlan::shard(model, group, reshard_after_forward, |id, require_grad| {
+        shard && require_grad && !replicated.contains(&id) && !(local_experts && experts.contains(&id))
+    });
     model.language_model.shards = Some(plan);
     model
+}
+
+/// Ids of the routed experts' parameters (every MoE layer's `mlp.experts`).
+pub fn expert_param_ids<B: burn::tensor::backend::Backend>(model: &Glm5ForCausalLM<B>) -> HashSet<ParamId> {
+    model
+        .language_model
+        .layers
+        .iter()
+        .filter_map(|layer| match &layer.mlp {
+            Ffn::Moe(moe) => Some([moe.experts.gate_proj.id, moe.experts.up_proj.id, moe.experts.down_proj.id]),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+/// The expert parallelism of `model` (its MoE layers share one), if it holds a share.
+pub fn expert_parallel_of<B: burn::tensor::backend::Backend>(model: &Glm5ForCausalLM<B>) -> Option<Arc<ExpertParallel>> {
+    model.language_model.layers.iter().find_map(|layer| match &layer.mlp {
+        Ffn::Moe(moe) => moe.experts.parallel.clone(),
+        _ => None,
+    })
+}
+
+/// The process groups of expert parallelism over a data-parallel world of `W` ranks with
+/// `ep_size = P` (Megatron's layout): the expert-parallel groups are the contiguous blocks
+/// `k·P .. (k+1)·P` (rank `r` holds the experts of expert-parallel rank `r mod P`), and the
+/// expert-data-parallel groups join the ranks holding the same experts (`r mod P` equal), over
+/// which the experts' gradients are summed.
+#[derive(Debug, Clone)]
+pub struct ExpertMesh {
+    /// This rank's expert-parallel group (size `P`).
+    pub ep: Group,
+    /// This rank's expert-data-parallel group (size `W / P`).
+    pub edp: Group,
+}
+
+impl ExpertMesh {
+    /// Split `world` (a collective call: every rank of it makes it). An error naming both
+    /// sizes when `ep_size` does not divide the world.
+    pub fn new(world: &Group, ep_size: usize) -> Result<Self, DistError> {
+        let (r, w) = (world.rank(), world.size());
+        if ep_size == 0 || w % ep_size != 0 {
+            return Err(DistError::Counts {
+                op: "expert parallelism",
+                message: format!("ep_size {ep_size} does not divide the {w} data-parallel ranks"),
+            });
+        }
+        let ep: Group = Arc::from(world.split(r / ep_size, r)?);
+        let edp: Group = Arc::from(world.split(r % ep_size, r)?);
+        Ok(Self { ep, edp })
+    }
+}
+
+/// `model` with its routed experts split over `ep` (every MoE layer): a model built whole keeps
+/// its rank's `E/P` experts (parameter ids kept), one loaded with this rank's experts only
+/// ([`crate::checkpoint::LoadOptions::experts`]) is attached as it is. An error when the
+/// layers hold neither `E` nor `E/P` experts, or `P` does not divide `E`.
+pub fn expert_parallel_model<B: burn::tensor::backend::Backend>(
+    mut model: Glm5ForCausalLM<B>,
+    ep: Group,
+) -> Result<Glm5ForCausalLM<B>, DistError> {
+    let plan = Arc::new(ExpertParallel::new(ep, model.num_experts)?);
+    for layer in model.language_model.layers.iter_mut() {
+        let Ffn::Moe(moe) = &mut layer.mlp else { continue };
+        let held = moe.experts.gate_proj.dims()[0];
+        if held == plan.local_experts() && held != plan.n_experts {
+            moe.experts.parallel = Some(plan.clone());
+        } else {
+            // (a clone shares the tensors)
+            moe.experts = moe.experts.clone().into_parallel(plan.clone())?;
+        }
+    }
+    Ok(model)
 }
 
 /// The shard plan of a sharded model.

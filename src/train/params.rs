@@ -102,6 +102,27 @@ pub fn assign_param_ids<B: Backend, M: Module<B>>(module: M, ids: &BTreeMap<Stri
     (module, m.missing)
 }
 
+/// Initialise every lazily initialised parameter of `module` now, in module order. Burn draws
+/// a seeded model's weights when each parameter is first used, so the weights depend on the
+/// order of first use (a forward's, or a sharding pass's) and each clone of an uninitialised
+/// model draws its own: a trainer initialises in one fixed order, so one process and every
+/// data- or expert-parallel mesh start from the same weights.
+pub fn materialize<B: Backend, M: Module<B>>(module: &M) {
+    struct Touch;
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<burn::tensor::Tensor<B, D>>) {
+            let _ = param.val();
+        }
+        fn visit_int<const D: usize>(&mut self, param: &burn::module::Param<burn::tensor::Tensor<B, D, burn::tensor::Int>>) {
+            let _ = param.val();
+        }
+        fn visit_bool<const D: usize>(&mut self, param: &burn::module::Param<burn::tensor::Tensor<B, D, burn::tensor::Bool>>) {
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Touch);
+}
+
 /// Freeze per the recipe: frozen parameters stop requiring gradients, so backward produces none
 /// for them and the optimizer never creates state for them.
 ///

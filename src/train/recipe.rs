@@ -133,7 +133,9 @@ pub struct Distributed {
     /// Data-parallel size.
     #[serde(default = "one")]
     pub dp_size: usize,
-    /// Expert-parallel size.
+    /// Expert-parallel size `P`: the routed experts split over groups of `P` ranks (`P`
+    /// divides the world and `n_routed_experts`; NeMo's `ep_size`). Each rank holds `E/P`
+    /// experts per MoE layer and reads only those from the checkpoint.
     #[serde(default = "one")]
     pub ep_size: usize,
     /// Context-parallel size.
@@ -517,10 +519,8 @@ impl Recipe {
                 format!("({}) must divide the world size distributed.dp_size × distributed.cp_size ({} × {})", d.ep_size, d.dp_size, d.cp_size),
             );
         }
-        for (key, v) in [("distributed.ep_size", d.ep_size), ("distributed.cp_size", d.cp_size)] {
-            if v != 1 {
-                return bad(key, format!("is {v}: expert and context parallelism are not implemented yet; use 1"));
-            }
+        if d.cp_size != 1 {
+            return bad("distributed.cp_size", format!("is {}: context parallelism is not implemented yet; use 1", d.cp_size));
         }
         if s.global_batch_size % (s.local_batch_size * d.dp_size) != 0 {
             return bad(

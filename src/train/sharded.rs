@@ -11,7 +11,7 @@
 //!   i64) and `.step` (AdamW's step count, i64). A resume under any number of ranks reads, per
 //!   parameter, only the rows its new shard covers ([`load_optimizer`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use std::path::Path;
 
@@ -26,7 +26,7 @@ use safetensors::tensor::Dtype;
 use serde_json::{json, Value};
 
 use super::adamw::FusedAdamW;
-use super::data_parallel::plan_of;
+use super::data_parallel::{expert_param_ids, expert_parallel_of, plan_of};
 use crate::checkpoint::safetensors_io::{serialize, write_atomic, OwnedTensor, SafetensorsFiles};
 use crate::checkpoint::{checkpoint_tensors, config_kernel_shapes};
 use crate::distributed::fsdp::{shard_range, shard_rows};
@@ -42,6 +42,28 @@ pub type AdamRecord<B> = <Adam<B> as Optimizer<Glm5ForCausalLM<B>, B>>::Record;
 
 fn dist(e: DistError) -> CheckpointError {
     CheckpointError::Internal(format!("sharded checkpoint: {e}"))
+}
+
+/// Under expert parallelism: the routed experts' parameters and the global rows (experts)
+/// this rank holds of each, `first .. first + local` of `total`.
+struct ExpertRows {
+    ids: HashSet<ParamId>,
+    first: usize,
+    local: usize,
+    total: usize,
+}
+
+fn expert_rows<B: Backend>(model: &Glm5ForCausalLM<B>) -> Option<ExpertRows> {
+    let ep = expert_parallel_of(model)?;
+    Some(ExpertRows { ids: expert_param_ids(model), first: ep.first_expert(), local: ep.local_experts(), total: ep.n_experts })
+}
+
+/// The world ranks that write the experts, one per expert-parallel rank in its order: the
+/// lowest world rank holding that rank's experts (the others hold copies). A collective call.
+fn expert_writers(g: &dyn crate::distributed::ProcessGroup, ex: &ExpertRows) -> Result<Vec<usize>, DistError> {
+    let held = all_gather(g, &[ex.first as u64])?;
+    let starts: Vec<u64> = (0..ex.total / ex.local.max(1)).map(|j| (j * ex.local) as u64).collect();
+    Ok(starts.iter().map(|s| held.iter().position(|h| h == s).unwrap_or(0)).collect())
 }
 
 /// Ranks that own each of `sizes` (bytes): largest first, each to the least-loaded rank.
@@ -66,11 +88,19 @@ pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, conf
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
     let kernel_shapes = config_kernel_shapes(config_json);
     let snaps = model.collect(None, None, true);
+    let experts = expert_rows(model);
+    let writers = match &experts {
+        Some(ex) => expert_writers(g, ex).map_err(dist)?,
+        None => Vec::new(),
+    };
+    let is_expert = |s: &TensorSnapshot| s.tensor_id.zip(experts.as_ref()).is_some_and(|(id, ex)| ex.ids.contains(&id));
     let full_len = |s: &TensorSnapshot| -> usize {
         let shape = &s.shape;
-        match s.tensor_id.and_then(|id| plan.full_rows(id)) {
-            Some(rows) => rows * shape[1..].iter().product::<usize>(),
-            None => shape.iter().product(),
+        let width = shape[1..].iter().product::<usize>();
+        match (s.tensor_id.and_then(|id| plan.full_rows(id)), &experts) {
+            (Some(rows), _) => rows * width,
+            (None, Some(ex)) if is_expert(s) => ex.total * width,
+            _ => shape.iter().product(),
         }
     };
     let owner = deal(&snaps.iter().map(full_len).collect::<Vec<_>>(), size);
@@ -81,7 +111,9 @@ pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, conf
     for (snap, &own) in snaps.iter().zip(&owner) {
         let path = snap.full_path();
         let sharded = snap.tensor_id.and_then(|id| plan.full_rows(id));
-        if sharded.is_none() && own != rank {
+        // an expert stack: the writers' shares, in expert order, go to the owner
+        let expert = is_expert(snap);
+        if (expert && !writers.contains(&rank) && own != rank) || (!expert && sharded.is_none() && own != rank) {
             continue;
         }
         let local = snap.to_data().map_err(|e| e.to_string()).and_then(|data| {
@@ -93,6 +125,27 @@ pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, conf
             (vec![0.0; snap.shape.iter().product()], burn::tensor::DType::F32, snap.shape.clone())
         });
         let values = match sharded {
+            None if expert => {
+                let bytes: &[u8] = bytemuck::cast_slice(&values);
+                if own != rank {
+                    g.exchange(&mut [P2p::Send { peer: own, data: bytes }]).map_err(dist)?;
+                    continue;
+                }
+                let mut all = vec![0u8; bytes.len() * writers.len()];
+                {
+                    let mut ops: Vec<P2p> = Vec::new();
+                    for (&w, chunk) in writers.iter().zip(all.chunks_mut(bytes.len().max(1))) {
+                        if w == rank {
+                            chunk.copy_from_slice(bytes);
+                        } else {
+                            ops.push(P2p::Recv { peer: w, data: chunk });
+                        }
+                    }
+                    g.exchange(&mut ops).map_err(dist)?;
+                }
+                shape[0] *= writers.len();
+                all.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+            }
             None => values,
             Some(rows) => {
                 // every rank's rows go to the owner
@@ -174,14 +227,18 @@ fn paths<B: Backend>(model: &Glm5ForCausalLM<B>) -> HashMap<ParamId, String> {
     super::params::param_ids::<B, _>(model).into_iter().map(|(p, id)| (id, p)).collect()
 }
 
-/// This rank's rows of a parameter, the padded row count it holds, and whether it is sharded.
-fn layout(plan: Option<&ShardPlan>, id: ParamId, held_rows: usize) -> (std::ops::Range<usize>, usize, bool) {
+/// This rank's rows of a parameter, the (padded) row count it holds, the parameter's whole
+/// row count, and whether it is replicated (every rank holds all of it).
+fn layout(plan: Option<&ShardPlan>, experts: Option<&ExpertRows>, id: ParamId, held_rows: usize) -> (std::ops::Range<usize>, usize, usize, bool) {
+    if let Some(ex) = experts.filter(|ex| ex.ids.contains(&id)) {
+        return (ex.first..ex.first + ex.local, ex.local, ex.total, false);
+    }
     match plan.and_then(|p| p.full_rows(id).map(|rows| (p, rows))) {
         Some((p, rows)) => {
             let g = p.group();
-            (shard_range(rows, g.size(), g.rank()), shard_rows(rows, g.size()), true)
+            (shard_range(rows, g.size(), g.rank()), shard_rows(rows, g.size()), rows, false)
         }
-        None => (0..held_rows, held_rows, false),
+        None => (0..held_rows, held_rows, held_rows, true),
     }
 }
 
@@ -194,6 +251,9 @@ where
     B::InnerBackend: Glm5Backend,
 {
     plan: Option<&'a ShardPlan>,
+    experts: Option<&'a ExpertRows>,
+    /// This rank writes the expert moments (the first holder of its experts).
+    expert_writer: bool,
     rank: usize,
     paths: &'a HashMap<ParamId, String>,
     record: AdamRecord<B>,
@@ -210,9 +270,12 @@ where
         let state: AdamWState<B::InnerBackend, D> = rec.into_state::<D>();
         let m = state.momentum;
         let held = m.moment_1.dims()[0];
-        let (range, _, sharded) = layout(self.plan, param.id, held);
-        if !sharded && self.rank != 0 {
+        let (range, _, _, replicated) = layout(self.plan, self.experts, param.id, held);
+        if replicated && self.rank != 0 {
             return; // replicated: rank 0 writes the one copy
+        }
+        if self.experts.is_some_and(|ex| ex.ids.contains(&param.id)) && !self.expert_writer {
+            return; // another rank holding the same experts writes them
         }
         let mut shape = m.moment_1.dims().to_vec();
         shape[0] = range.len();
@@ -238,7 +301,13 @@ where
     let plan = plan_of(model).map(|p| &**p);
     let (rank, size) = plan.map(|p| (p.group().rank(), p.group().size())).unwrap_or((0, 1));
     let paths = paths(model);
-    let mut v = SaveMoments::<B> { plan, rank, paths: &paths, record: optim.to_record(), out: BTreeMap::new() };
+    let experts = expert_rows(model);
+    let expert_writer = match (&experts, plan) {
+        (Some(ex), Some(p)) => expert_writers(&**p.group(), ex).map_err(dist)?.contains(&rank),
+        _ => true,
+    };
+    let mut v =
+        SaveMoments::<B> { plan, experts: experts.as_ref(), expert_writer, rank, paths: &paths, record: optim.to_record(), out: BTreeMap::new() };
     model.visit(&mut v);
     let dir = dir.join("optimizer");
     std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::Io { path: dir.clone(), error: e })?;
@@ -283,6 +352,7 @@ where
     B::InnerBackend: Glm5Backend,
 {
     plan: Option<&'a ShardPlan>,
+    experts: Option<&'a ExpertRows>,
     paths: &'a HashMap<ParamId, String>,
     files: &'a [SafetensorsFiles],
     dir: &'a Path,
@@ -302,8 +372,7 @@ where
         let Some(path) = self.paths.get(&param.id) else { return Ok(()) };
         let dims = param.shape().dims::<D>();
         let width: usize = dims[1..].iter().product();
-        let (range, held, _) = layout(self.plan, param.id, dims[0]);
-        let rows_total = self.plan.and_then(|p| p.full_rows(param.id)).unwrap_or(dims[0]);
+        let (range, held, rows_total, _) = layout(self.plan, self.experts, param.id, dims[0]);
         let (m1n, m2n) = (format!("{path}.exp_avg"), format!("{path}.exp_avg_sq"));
         let mut m1 = vec![0f32; held * width];
         let mut m2 = vec![0f32; held * width];
@@ -371,7 +440,16 @@ where
 {
     let files = open_rank_files(dir)?;
     let paths = paths(model);
-    let mut v = LoadMoments::<B> { plan: plan_of(model).map(|p| &**p), paths: &paths, files: &files, out: Default::default(), error: None, dir };
+    let experts = expert_rows(model);
+    let mut v = LoadMoments::<B> {
+        plan: plan_of(model).map(|p| &**p),
+        experts: experts.as_ref(),
+        paths: &paths,
+        files: &files,
+        out: Default::default(),
+        error: None,
+        dir,
+    };
     model.visit(&mut v);
     match v.error {
         Some(e) => Err(e),
@@ -384,6 +462,7 @@ where
     B::InnerBackend: Glm5Backend,
 {
     plan: &'a ShardPlan,
+    experts: Option<&'a ExpertRows>,
     record: AdamRecord<B>,
 }
 
@@ -392,6 +471,16 @@ where
     B::InnerBackend: Glm5Backend,
 {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(ex) = self.experts.filter(|ex| ex.ids.contains(&param.id)) {
+            // this rank's experts of the whole stack
+            let Some(rec) = self.record.remove(&param.id) else { return };
+            let state: AdamWState<B::InnerBackend, D> = rec.into_state::<D>();
+            let m = state.momentum;
+            let cut = |t: Tensor<B::InnerBackend, D>| t.narrow(0, ex.first, ex.local);
+            let state = AdamWState::new(AdaptiveMomentumState::new(m.time, cut(m.moment_1), cut(m.moment_2)));
+            self.record.insert(param.id, AdaptorRecord::from_state(state));
+            return;
+        }
         let Some(rows) = self.plan.full_rows(param.id) else { return };
         let Some(rec) = self.record.remove(&param.id) else { return };
         let state: AdamWState<B::InnerBackend, D> = rec.into_state::<D>();
@@ -420,7 +509,8 @@ where
     B::InnerBackend: Glm5Backend,
 {
     let Some(plan) = plan_of(model) else { return record };
-    let mut v = Cut::<B> { plan, record };
+    let experts = expert_rows(model);
+    let mut v = Cut::<B> { plan, experts: experts.as_ref(), record };
     model.visit(&mut v);
     v.record
 }

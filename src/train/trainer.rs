@@ -21,7 +21,7 @@
 //! their outputs); the trainer is generic over it and the `finetune` example dispatches the
 //! recipe flag to the two monomorphised backends.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use burn::module::{AutodiffModule, ParamId};
@@ -35,9 +35,12 @@ use burn::tensor::DType;
 use serde_json::Value;
 
 use super::checkpoint::{self as ckpt, TrainerState};
-use super::clip::{clip_global_norm, clip_to, global_norm, squared_norms};
-use super::data_parallel::{all_reduce_grads, all_reduce_grads_except, drop_grads, gather_usize, plan_of, shard_model, sum_f64, sum_usize};
-use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, param_ids};
+use super::clip::{clip_global_norm, clip_to, global_norm, squared_norms_by};
+use super::data_parallel::{
+    all_reduce_grads, all_reduce_grads_except, drop_grads, expert_param_ids, expert_parallel_model, expert_parallel_of, gather_usize, plan_of,
+    shard_model_where, sum_f64, sum_usize, zero_missing_grads, ExpertMesh,
+};
+use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, materialize, param_ids};
 use super::recipe::{FreezeConfig, NonFinitePolicy, Precision, Recipe};
 use super::schedule::LrSchedule;
 use super::sharded;
@@ -88,6 +91,12 @@ pub struct TrainOptions {
     /// With sharded parameters, free each unit's gathered parameters after its forward and
     /// gather them again for its backward. Recipe `distributed.reshard_after_forward`.
     pub reshard_after_forward: bool,
+    /// Expert parallelism: the routed experts split over groups of this many data-parallel
+    /// ranks (`distributed.ep_size`, dividing the group's size and the expert count; 1: off).
+    /// Each rank keeps `E/P` experts per MoE layer and exchanges tokens with its
+    /// expert-parallel group; the experts' gradients are summed over the ranks holding the same
+    /// experts ([`super::data_parallel::ExpertMesh`]).
+    pub expert_parallel: usize,
 }
 
 impl TrainOptions {
@@ -114,6 +123,7 @@ impl TrainOptions {
             data_parallel: None,
             shard_parameters: r.distributed.shard_parameters,
             reshard_after_forward: r.distributed.reshard_after_forward,
+            expert_parallel: r.distributed.ep_size,
         }
     }
 }
@@ -156,6 +166,8 @@ where
     /// built the data; see [`crate::data::fingerprint`]).
     pub data_fingerprint: Option<DataFingerprint>,
     device: B::Device,
+    /// Under expert parallelism: the expert-data-parallel group and the experts' parameter ids.
+    experts: Option<(Group, HashSet<ParamId>)>,
 }
 
 fn adamw<B: AutodiffBackend>(o: &TrainOptions) -> Adam<B>
@@ -171,13 +183,52 @@ where
 {
     /// Start training `model` (fp32 master weights): applies the freeze configuration.
     /// Under data parallelism with `shard_parameters`, every rank must pass the same model
-    /// (it keeps its shard).
+    /// (it keeps its shard). Panics where [`Self::try_new`] returns an error (an expert-parallel
+    /// size that does not fit the group or the experts).
     pub fn new(model: Glm5ForCausalLM<B>, options: TrainOptions, device: &B::Device) -> Self {
+        Self::try_new(model, options, device).unwrap_or_else(|e| panic!("Trainer::new: {e}"))
+    }
+
+    /// [`Self::new`]. Under expert parallelism (`options.expert_parallel = P > 1`, a collective
+    /// call over the data-parallel group) `model` is either the whole model (each rank keeps its
+    /// experts) or this rank's share loaded with
+    /// [`crate::checkpoint::LoadOptions::experts`] = [`Self::expert_shard`].
+    pub fn try_new(model: Glm5ForCausalLM<B>, options: TrainOptions, device: &B::Device) -> Result<Self, TrainError> {
+        materialize(&model);
         let mut model = freeze(model, &options.freeze);
-        if let Some(g) = options.data_parallel.as_ref().filter(|g| g.size() > 1 && options.shard_parameters) {
-            model = shard_model(model, g.clone(), options.reshard_after_forward);
+        let mut experts = None;
+        let world = options.data_parallel.clone().filter(|g| g.size() > 1);
+        if options.expert_parallel > 1 {
+            let Some(g) = &world else {
+                return Err(TrainError::Unsupported { what: "expert parallelism (expert_parallel > 1) without a data-parallel group of several ranks" });
+            };
+            let mesh = ExpertMesh::new(g, options.expert_parallel)?;
+            model = expert_parallel_model(model, mesh.ep)?;
+            experts = Some((mesh.edp, expert_param_ids(&model)));
         }
-        Self { model: Some(model), optim: adamw::<B>(&options), options, step: 0, skipped_steps: 0, data_fingerprint: None, device: device.clone() }
+        if let Some(g) = &world {
+            if options.shard_parameters || experts.is_some() {
+                model = shard_model_where(model, g.clone(), options.reshard_after_forward, options.shard_parameters);
+            }
+        }
+        Ok(Self {
+            model: Some(model),
+            optim: adamw::<B>(&options),
+            options,
+            step: 0,
+            skipped_steps: 0,
+            data_fingerprint: None,
+            device: device.clone(),
+            experts,
+        })
+    }
+
+    /// The routed experts a rank of `options` holds (`None`: all): what to pass as
+    /// [`crate::checkpoint::LoadOptions::experts`] so a rank reads only its experts' bytes.
+    pub fn expert_shard(options: &TrainOptions) -> Option<crate::checkpoint::select::ExpertShard> {
+        let g = options.data_parallel.as_ref()?;
+        let p = options.expert_parallel;
+        (p > 1).then(|| crate::checkpoint::select::ExpertShard { rank: g.rank() % p, size: p })
     }
 
     /// The current (master) model.
@@ -239,6 +290,18 @@ where
         Ok(StepOutcome::Applied(StepMetrics { loss: acc_loss, grad_norm, lr, label_tokens, tokens }))
     }
 
+    /// The gradients one [`Self::step`] over `micro` would apply, before clipping (summed over
+    /// the data-parallel group, an expert-parallel rank's experts over the ranks holding them),
+    /// and the loss; nothing is applied. A sharded parameter's gradient is this rank's rows, an
+    /// expert stack's this rank's experts. For inspection and for checking a mesh against one
+    /// process.
+    pub fn gradients(&mut self, micro: &[MicroBatch]) -> Result<(burn::optim::GradientsParams, f64), TrainError> {
+        let master = self.model.take().expect("the trainer always holds its model between steps");
+        let result = self.step_inner(&master, micro).and_then(|r| self.reduce(&master, r));
+        self.model = Some(master);
+        result.map(|(grads, loss, ..)| (grads, loss))
+    }
+
     /// The global gradient norm (a sharded model's shards summed over the ranks, the same
     /// value on every rank), clipping to `max_grad_norm` when set.
     fn clip(&self, master: &Glm5ForCausalLM<B>, grads: &mut burn::optim::GradientsParams) -> Result<f64, TrainError> {
@@ -248,8 +311,15 @@ where
                 None => global_norm::<B, _>(master, grads),
             });
         };
-        let [sharded, replicated] = squared_norms::<B, _>(master, grads, &|id| plan.full_rows(id).is_some());
-        let norm = (sum_f64(&**g, sharded)? + replicated).sqrt();
+        // sharded rows are split over the world, expert shares over an expert-parallel group
+        let expert = |id| self.experts.as_ref().is_some_and(|(_, ids)| ids.contains(&id));
+        let [sharded, replicated, experts] =
+            squared_norms_by::<B, _, 3>(master, grads, &|id| if expert(id) { 2 } else { usize::from(plan.full_rows(id).is_none()) });
+        let experts = match expert_parallel_of(master) {
+            Some(ep) => sum_f64(&*ep.group, experts)?,
+            None => experts,
+        };
+        let norm = (sum_f64(&**g, sharded)? + replicated + experts).sqrt();
         if let Some(max) = self.options.max_grad_norm {
             clip_to::<B, _>(master, grads, norm, max);
         }
@@ -298,7 +368,16 @@ where
                         drop_grads::<B, _>(v, &mut grads);
                     }
                 }
-                all_reduce_grads_except::<B, _>(master, &mut grads, &**g, &|id| plan.full_rows(id).is_some())?;
+                let expert = |id| self.experts.as_ref().is_some_and(|(_, ids)| ids.contains(&id));
+                all_reduce_grads_except::<B, _>(master, &mut grads, &**g, &|id| plan.full_rows(id).is_some() || expert(id))?;
+                if let Some((edp, ids)) = &self.experts {
+                    // an expert's gradient: every token routed to it, from every rank holding it
+                    all_reduce_grads_except::<B, _>(master, &mut grads, &**edp, &|id| !ids.contains(&id))?;
+                    // one process gives every expert stack a gradient (zeros where no token
+                    // came), so AdamW decays its moments and weights: a rank whose experts got
+                    // no token anywhere must do the same
+                    zero_missing_grads::<B, _>(master, &mut grads, &|id| ids.contains(&id));
+                }
             }
             None => all_reduce_grads::<B, _>(master, &mut grads, &**g)?,
         }
@@ -407,11 +486,12 @@ where
 
     /// Continue from a checkpoint directory written by [`Self::save_checkpoint`]: weights,
     /// optimizer moments, step counter. Returns the trainer and the saved state (whose data
-    /// position the caller's sampler resumes at).
+    /// position the caller's sampler resumes at). Any checkpoint resumes under any data- and
+    /// expert-parallel mesh; an expert-parallel rank reads only its experts.
     pub fn resume(dir: &Path, options: TrainOptions, vision: bool, device: &B::Device) -> Result<(Self, TrainerState), TrainError> {
         let file = |name: &str, message: String| TrainError::CheckpointFile { path: dir.join(name), message };
         let state = ckpt::read_state(dir)?;
-        let load = LoadOptions { vision, ..LoadOptions::default() };
+        let load = LoadOptions { vision, experts: Self::expert_shard(&options), ..LoadOptions::default() };
         let model_dir = dir.join("model");
         let loaded = load_causal_lm::<B>(&model_dir, device, &load).map_err(|source| TrainError::Checkpoint { dir: model_dir.clone(), source })?;
         let ids: BTreeMap<String, ParamId> = state.param_ids.iter().map(|(k, &v)| (k.clone(), ParamId::from(v))).collect();
@@ -422,7 +502,7 @@ where
                 format!("no parameter id for {} module tensors (first: {}); the checkpoint is from another model", missing.len(), missing[0]),
             ));
         }
-        let mut trainer = Self::new(model, options, device);
+        let mut trainer = Self::try_new(model, options, device)?;
         let sharded_dir = dir.join("optimizer");
         let record = if sharded_dir.is_dir() {
             // written by a sharded run (any number of ranks): this rank's rows
