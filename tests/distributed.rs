@@ -822,6 +822,72 @@ mod mpi_engine {
         let _ = std::fs::remove_dir_all(&root);
     }
 
+    /// `finetune` under expert parallelism follows the single-process run (loss and gradient
+    /// norm within 1e-5 relative), and checkpoints cross meshes: one written under ep 2 (every
+    /// rank its part; the experts in the published per-expert layout) resumes in one process
+    /// and under ep 4 on 4 ranks, one written by one process resumes under ep 2, each
+    /// continuing the single-process trace.
+    #[test]
+    fn finetune_under_expert_parallelism_follows_one_process_and_checkpoints_cross_meshes() {
+        let root = std::env::temp_dir().join(format!("glm5_ep_finetune_{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let steps = 4;
+        let args = |dir: &std::path::Path, np: usize, ep: usize| -> Vec<String> {
+            vec![
+                format!("--checkpoint.checkpoint_dir={}", dir.display()),
+                format!("--step_scheduler.max_steps={steps}"),
+                "--step_scheduler.global_batch_size=4".into(),
+                "--step_scheduler.local_batch_size=1".into(),
+                "--step_scheduler.ckpt_every_steps=2".into(),
+                "--checkpoint.keep_last=1000".into(),
+                "--lr_scheduler.lr_decay_style=constant".into(),
+                "--lr_scheduler.lr_warmup_steps=0".into(),
+                "--optimizer.lr=1e-4".into(),
+                "--moe.aux_loss_coef=0.01".into(),
+                "--validation_dataset=null".into(),
+                format!("--distributed.dp_size={np}"),
+                format!("--distributed.ep_size={ep}"),
+            ]
+        };
+        let (ok, out) = run_finetune(None, &args(&root.join("one"), 1, 1));
+        assert!(ok, "{out}");
+        let reference = metrics(&root.join("one"));
+        assert_eq!(reference.len(), steps);
+        let (ok, out) = run_finetune(Some(2), &args(&root.join("ep2"), 2, 2));
+        assert!(ok, "{out}");
+        assert!(out.contains("expert parallel: ep_size 2"), "{out}");
+        let compare = |what: &str, got: &[serde_json::Value]| {
+            assert_eq!(got.len(), steps, "{what}: one metrics line per step");
+            for (x, y) in reference.iter().zip(got) {
+                for key in ["loss", "grad_norm"] {
+                    let (p, q) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
+                    assert!((p - q).abs() <= 1e-5 * p.abs(), "{what}, step {}: {key} {p} (one process) vs {q}", x["step"]);
+                }
+            }
+        };
+        compare("ep 2 on 2 ranks", &metrics(&root.join("ep2")));
+        // the ep 2 checkpoint names every expert of the published layout
+        let step2 = root.join("ep2").join(glm5_burn::train::checkpoint::list(&root.join("ep2"))[0].1.file_name().unwrap());
+        let index = std::fs::read_to_string(step2.join("model/model.safetensors.index.json")).unwrap();
+        for e in 0..8 {
+            assert!(index.contains(&format!("layers.1.mlp.experts.{e}.down_proj.weight")), "expert {e} missing from the ep 2 checkpoint's index");
+        }
+        for (from, np, ep) in [("ep2", None, 1), ("ep2", Some(4), 4), ("one", Some(2), 2)] {
+            let dir = root.join(format!("{from}_resumed_np{}_ep{ep}", np.unwrap_or(1)));
+            assert!(Command::new("cp").arg("-r").arg(root.join(from)).arg(&dir).status().unwrap().success());
+            for (s, path) in glm5_burn::train::checkpoint::list(&dir) {
+                if s > 2 {
+                    std::fs::remove_dir_all(path).unwrap();
+                }
+            }
+            let (ok, out) = run_finetune(np, &args(&dir, np.unwrap_or(1), ep));
+            assert!(ok, "{from} resumed under {np:?} ranks, ep {ep}:\n{out}");
+            assert!(out.contains("resumed from") && out.contains("(step 2,"), "did not resume from step 2:\n{out}");
+            compare(&format!("{from} resumed under ep {ep}"), &metrics(&dir));
+        }
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
     /// A mesh that does not match the launch ends every rank with an error naming the key.
     #[test]
     fn a_mesh_that_does_not_match_the_launch_is_refused() {

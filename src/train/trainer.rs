@@ -194,8 +194,8 @@ where
     /// experts) or this rank's share loaded with
     /// [`crate::checkpoint::LoadOptions::experts`] = [`Self::expert_shard`].
     pub fn try_new(model: Glm5ForCausalLM<B>, options: TrainOptions, device: &B::Device) -> Result<Self, TrainError> {
-        materialize(&model);
         let mut model = freeze(model, &options.freeze);
+        materialize(&model);
         let mut experts = None;
         let world = options.data_parallel.clone().filter(|g| g.size() > 1);
         if options.expert_parallel > 1 {
