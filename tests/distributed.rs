@@ -823,10 +823,11 @@ mod mpi_engine {
     }
 
     /// `finetune` under expert parallelism follows the single-process run (loss and gradient
-    /// norm within 1e-5 relative), and checkpoints cross meshes: one written under ep 2 (every
+    /// norm within 1e-5 relative) — ep 2 on 2 ranks, and on 4 ranks with each expert sharded
+    /// over the 2 ranks holding it — and checkpoints cross meshes: one written under ep 2 (every
     /// rank its part; the experts in the published per-expert layout) resumes in one process
-    /// and under ep 4 on 4 ranks, one written by one process resumes under ep 2, each
-    /// continuing the single-process trace.
+    /// and under ep 4, the 4-rank one in one process, one written by one process resumes
+    /// under ep 2 on 4 ranks, each continuing the single-process trace.
     #[test]
     fn finetune_under_expert_parallelism_follows_one_process_and_checkpoints_cross_meshes() {
         let root = std::env::temp_dir().join(format!("glm5_ep_finetune_{}", std::process::id()));
@@ -866,13 +867,17 @@ mod mpi_engine {
             }
         };
         compare("ep 2 on 2 ranks", &metrics(&root.join("ep2")));
+        let (ok, out) = run_finetune(Some(4), &args(&root.join("ep2x2"), 4, 2));
+        assert!(ok, "{out}");
+        assert!(out.contains("1/4 of the dense parameters, 1/2 of the routed experts"), "{out}");
+        compare("ep 2 on 4 ranks", &metrics(&root.join("ep2x2")));
         // the ep 2 checkpoint names every expert of the published layout
         let step2 = root.join("ep2").join(glm5_burn::train::checkpoint::list(&root.join("ep2"))[0].1.file_name().unwrap());
         let index = std::fs::read_to_string(step2.join("model/model.safetensors.index.json")).unwrap();
         for e in 0..8 {
             assert!(index.contains(&format!("layers.1.mlp.experts.{e}.down_proj.weight")), "expert {e} missing from the ep 2 checkpoint's index");
         }
-        for (from, np, ep) in [("ep2", None, 1), ("ep2", Some(4), 4), ("one", Some(2), 2)] {
+        for (from, np, ep) in [("ep2", None, 1), ("ep2", Some(4), 4), ("ep2x2", None, 1), ("one", Some(4), 2)] {
             let dir = root.join(format!("{from}_resumed_np{}_ep{ep}", np.unwrap_or(1)));
             assert!(Command::new("cp").arg("-r").arg(root.join(from)).arg(&dir).status().unwrap().success());
             for (s, path) in glm5_burn::train::checkpoint::list(&dir) {
@@ -1223,6 +1228,9 @@ mod mpi_engine {
         // (2) 20 optimizer steps
         let mut one = Trainer::new(model.clone(), options, &device);
         let mut ept = Trainer::try_new(model.clone(), ep_options, &device).unwrap();
+        // sharded: each rank's experts split again over the n/p ranks holding them
+        let held: usize = by_path(ept.model(), None).iter().filter(|(k, _)| expert_paths.contains(*k)).map(|(_, x)| x.len()).sum();
+        assert_eq!(held, if shard { whole / n } else { whole / p }, "rank {r}: expert elements held while training");
         let mut worst = 0f64;
         for step in 1..=20 {
             let (micro, mine) = global(step);
@@ -1250,7 +1258,10 @@ mod mpi_engine {
         // (the tolerance of the sharded data-parallel test: AdamW moves an element with a ~0
         // gradient by ±lr on summation-order noise)
         assert!(wdiff <= 0.05 * moved && off * 100 < total, "rank {r}: weights after 20 steps: max|Δ| {wdiff:e} (largest movement {moved:e}), {off} of {total} off by > 1e-6");
-        println!("rank {r} of {n} (ep {p}, {e} experts): 20 steps follow one process (worst loss/grad-norm rel {worst:.1e}; weights max|Δ| {wdiff:.1e} of a largest movement {moved:.1e})");
+        println!(
+            "rank {r} of {n} (ep {p}, {e} experts): 20 steps follow one process (worst loss/grad-norm rel {worst:.1e}; weights max|Δ| {wdiff:.1e} of a \
+             largest movement {moved:.1e}; expert elements held {held} of {whole})"
+        );
     }
 
     /// Expert parallelism in training equals one process: ep 2 on 2 ranks (8 experts, every

@@ -430,7 +430,13 @@ where
         }
     };
     let (trainable, frozen) = trainable_counts(trainer.model());
-    let held = if trainer.is_sharded() { format!(" (this rank's 1/{ranks} shard of them)") } else { String::new() };
+    let dense_sharded = trainer.is_sharded() && recipe.distributed.shard_parameters;
+    let held = match (dense_sharded, ep > 1) {
+        (true, false) => format!(" (this rank's 1/{ranks} shard of them)"),
+        (true, true) => format!(" (this rank's part: 1/{ranks} of the dense parameters, 1/{ep} of the routed experts)"),
+        (false, true) => format!(" (this rank's part: the dense parameters whole, 1/{ep} of the routed experts)"),
+        (false, false) => String::new(),
+    };
     println!("parameters: {:.2} M trainable{held}, {:.2} M frozen", trainable as f64 / 1e6, frozen as f64 / 1e6);
     std::fs::create_dir_all(&root).with_context(|| root.display().to_string())?;
     let metrics_path = root.join("metrics.jsonl");
@@ -575,6 +581,20 @@ where
         }
     }
     bar.finish();
+    if let Some(ep) = glm5_burn::train::data_parallel::expert_parallel_of(trainer.model()) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let st = &ep.stats;
+        let calls = st.calls.load(Relaxed).max(1) as f64;
+        let kb = |b: &std::sync::atomic::AtomicU64| b.load(Relaxed) as f64 / calls / 1024.0;
+        println!(
+            "expert-parallel exchange (rank {rank}): per MoE layer forward {:.1} KB dispatched + {:.1} KB combined to other ranks, {:.0} routed rows \
+             (mean over {} layer calls; backward moves as much again)",
+            kb(&st.dispatch_bytes),
+            kb(&st.combine_bytes),
+            st.rows.load(Relaxed) as f64 / calls,
+            calls
+        );
+    }
     if rank != 0 {
         return Ok(());
     }

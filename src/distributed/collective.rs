@@ -235,6 +235,8 @@ struct RegatherItem<B: Backend> {
     key: u64,
     shard: FloatTensor<B>,
     full_rows: usize,
+    /// The group the parameter is sharded over (not necessarily the anchoring gather's).
+    group: Group,
 }
 
 /// State of an FSDP gather `G` (see [`CollectiveBackend::gather_param`]).
@@ -283,7 +285,7 @@ impl<B: CollectiveBackend> Backward<B, 3> for ParamGatherBackward {
         }
         for item in s.before.iter() {
             let c = item.shard.shape()[0];
-            let full = B::all_gather_rows(item.shard.clone(), &vec![c; size], &s.group).expect(BACKWARD);
+            let full = B::all_gather_rows(item.shard.clone(), &vec![c; item.group.size()], &item.group).expect(BACKWARD);
             s.regather.put_ready(item.key, narrow_rows::<B>(full, item.full_rows));
         }
     }
@@ -416,7 +418,7 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
         let mut link = gathered.clone();
         link.primitive = placeholder();
         let Some(key) = key else { return Ok([gathered, link]) };
-        site.regather.push_open(RegatherItem::<B> { key, shard: x.primitive.clone(), full_rows: site.full_rows });
+        site.regather.push_open(RegatherItem::<B> { key, shard: x.primitive.clone(), full_rows: site.full_rows, group: site.group.clone() });
         let retro = RetroRegathered::<B> { gather: gathered.node.id, key, regather: site.regather.clone(), _b: Default::default() };
         // memory-bound whatever the backend's strategy: the consumers must not keep `full`
         let view = match ReshardedViewBackward

@@ -58,6 +58,9 @@ pub struct ShardPlan {
     group: Group,
     /// Full dim-0 size of every sharded parameter.
     rows: HashMap<ParamId, usize>,
+    /// Parameters sharded over another group than [`Self::group`] (an expert-parallel rank's
+    /// experts over the ranks holding the same experts).
+    groups: HashMap<ParamId, Group>,
     /// Free the units' gathered parameters after forward and re-gather them for backward.
     reshard_after_forward: bool,
     /// The previous gather's chain link in the current forward (a `Tensor<B, 1>` of that
@@ -189,11 +192,25 @@ impl ShardPlan {
         reshard_after_forward: bool,
         select: impl Fn(ParamId, bool) -> bool,
     ) -> (M, Arc<Self>) {
-        let mut mapper = Cut::<B, _> { rank: group.rank(), size: group.size(), select, rows: HashMap::new(), _b: Default::default() };
+        let over = group.clone();
+        Self::shard_over(module, group, reshard_after_forward, move |id, require_grad| select(id, require_grad).then(|| over.clone()))
+    }
+
+    /// [`Self::shard`] with a group per parameter: `select` returns the group to shard a
+    /// parameter over (`None`: not sharded); `group` is the plan's own (the data-parallel
+    /// world). Every rank of a parameter's group must select it over that group.
+    pub fn shard_over<B: Backend, M: Module<B>>(
+        module: M,
+        group: Group,
+        reshard_after_forward: bool,
+        select: impl Fn(ParamId, bool) -> Option<Group>,
+    ) -> (M, Arc<Self>) {
+        let mut mapper = Cut::<B, _> { select, rows: HashMap::new(), groups: HashMap::new(), world: group.clone(), _b: Default::default() };
         let module = module.map(&mut mapper);
         let plan = Arc::new(Self {
             group,
             rows: mapper.rows,
+            groups: mapper.groups,
             reshard_after_forward,
             chain: Mutex::new(None),
             regather: Arc::default(),
@@ -202,9 +219,14 @@ impl ShardPlan {
         (module, plan)
     }
 
-    /// The group the parameters are sharded over.
+    /// The plan's group: the data-parallel world (most parameters are sharded over it).
     pub fn group(&self) -> &Group {
         &self.group
+    }
+
+    /// The group parameter `id` is sharded over.
+    pub fn group_of(&self, id: ParamId) -> &Group {
+        self.groups.get(&id).unwrap_or(&self.group)
     }
 
     /// Whether `id` is sharded, and its full dim-0 size.
@@ -272,24 +294,28 @@ impl ShardPlan {
 
 /// Cuts each selected parameter to this rank's padded slice.
 struct Cut<B, F> {
-    rank: usize,
-    size: usize,
     select: F,
     rows: HashMap<ParamId, usize>,
+    groups: HashMap<ParamId, Group>,
+    world: Group,
     _b: std::marker::PhantomData<B>,
 }
 
-impl<B: Backend, F: Fn(ParamId, bool) -> bool> ModuleMapper<B> for Cut<B, F> {
+impl<B: Backend, F: Fn(ParamId, bool) -> Option<Group>> ModuleMapper<B> for Cut<B, F> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let require_grad = param.is_require_grad();
-        if !(self.select)(param.id, require_grad) {
+        let Some(group) = (self.select)(param.id, require_grad) else {
             return param;
+        };
+        let (size, rank) = (group.size(), group.rank());
+        if !Arc::ptr_eq(&group, &self.world) {
+            self.groups.insert(param.id, group);
         }
         let (id, tensor, mapper) = param.consume();
         let dims = tensor.dims();
         let rows = dims[0];
-        let c = shard_rows(rows, self.size);
-        let range = shard_range(rows, self.size, self.rank);
+        let c = shard_rows(rows, size);
+        let range = shard_range(rows, size, rank);
         let have = range.len();
         let mut pad = dims;
         pad[0] = c - have;
@@ -322,7 +348,7 @@ impl<B: CollectiveBackend> ModuleMapper<B> for Gather<'_, B> {
         let after = self.after.take();
         let site = ParamGather {
             full_rows: rows,
-            group: &self.plan.group,
+            group: self.plan.group_of(id),
             reshard: self.reshard,
             regather_before: after.is_some(),
             regather: &self.plan.regather,

@@ -143,6 +143,23 @@ pub struct ExpertParallel {
     pub group: Group,
     /// Routed experts of the whole layer `E` (a multiple of `P`).
     pub n_experts: usize,
+    /// What this rank's exchanges moved (shared by the layers of one plan).
+    pub stats: std::sync::Arc<ExchangeStats>,
+}
+
+/// Bytes a rank sent to the other ranks of its expert-parallel group through the MoE layers'
+/// forward exchanges (the backward sends as much again: the adjoint exchanges with the counts
+/// swapped), and the layer calls that sent them.
+#[derive(Debug, Default)]
+pub struct ExchangeStats {
+    /// Routed rows sent to other ranks' experts (dispatch).
+    pub dispatch_bytes: std::sync::atomic::AtomicU64,
+    /// Expert outputs sent back to their tokens' ranks (combine).
+    pub combine_bytes: std::sync::atomic::AtomicU64,
+    /// Routed (token, expert) rows this rank dispatched, its own experts' included.
+    pub rows: std::sync::atomic::AtomicU64,
+    /// MoE layer forwards.
+    pub calls: std::sync::atomic::AtomicU64,
 }
 
 impl ExpertParallel {
@@ -155,7 +172,7 @@ impl ExpertParallel {
                 message: format!("ep_size {p} does not divide n_routed_experts {n_experts}"),
             });
         }
-        Ok(Self { group, n_experts })
+        Ok(Self { group, n_experts, stats: Default::default() })
     }
 
     /// Experts per rank.
@@ -316,7 +333,7 @@ impl<B: Backend> Experts<B> {
     where
         B: crate::ops::backend::Glm5Backend,
     {
-        let n = x.dims()[0];
+        let [n, width] = x.dims();
         let k = routing.experts.len() / n.max(1);
         let (p, el) = (ep.group.size(), ep.local_experts());
         let g = &*ep.group;
@@ -351,6 +368,14 @@ impl<B: Backend> Experts<B> {
             self.grouped(arrived, &identity, &recv_ids)
         };
         let y = all_to_all_rows(done, &recv, &send, &ep.group).unwrap_or_else(|e| fail(e));
+        let me = g.rank();
+        let remote = |counts: &[usize]| counts.iter().enumerate().filter(|(j, _)| *j != me).map(|(_, c)| c).sum::<usize>() as u64;
+        let row_bytes = (width * y.dtype().size()) as u64;
+        use std::sync::atomic::Ordering::Relaxed;
+        ep.stats.dispatch_bytes.fetch_add(remote(&send) * row_bytes, Relaxed);
+        ep.stats.combine_bytes.fetch_add(remote(&recv) * row_bytes, Relaxed);
+        ep.stats.rows.fetch_add((n * k) as u64, Relaxed);
+        ep.stats.calls.fetch_add(1, Relaxed);
         (y, order)
     }
 }

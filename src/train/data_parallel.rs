@@ -155,26 +155,27 @@ pub fn gather_usize(group: &dyn ProcessGroup, x: usize) -> Result<Vec<usize>, Di
 /// replicated, so that AdamW leaves them alone as it does in one process (a shard would
 /// receive a zero gradient through the gather and weight decay would move it). Apply after
 /// freezing: frozen parameters stay replicated.
-///
-/// Under expert parallelism the routed experts are not sharded over `group`: each rank holds
-/// its expert-parallel share whole, and their gradients are summed over the expert-data-parallel
-/// group instead ([`ExpertMesh`]).
 pub fn shard_model<B: crate::distributed::CollectiveBackend>(
     model: Glm5ForCausalLM<B>,
     group: Group,
     reshard_after_forward: bool,
 ) -> Glm5ForCausalLM<B> {
-    shard_model_where(model, group, reshard_after_forward, true)
+    shard_model_where(model, group, reshard_after_forward, true, None)
 }
 
-/// [`shard_model`], or (`shard = false`) a plan that shards nothing: replicated parameters
-/// that still go through the sharded paths (checkpoints written by every rank), which expert
-/// parallelism needs whether or not the dense parameters are sharded.
+/// [`shard_model`] for a model that may hold an expert-parallel share of the experts. With
+/// `shard = false` the plan shards nothing: the parameters stay replicated but go through the
+/// sharded paths (every rank writes its part of a checkpoint), which expert parallelism needs
+/// whether or not the dense parameters are sharded. An expert-parallel rank's experts are
+/// sharded over `experts_over` — the expert-data-parallel group, the ranks holding the same
+/// experts ([`ExpertMesh::edp`]) — when `shard` is set and that group has several ranks, and
+/// stay whole otherwise (their gradients then summed over that group by the trainer).
 pub fn shard_model_where<B: crate::distributed::CollectiveBackend>(
     model: Glm5ForCausalLM<B>,
     group: Group,
     reshard_after_forward: bool,
     shard: bool,
+    experts_over: Option<Group>,
 ) -> Glm5ForCausalLM<B> {
     let experts = expert_param_ids(&model);
     let replicated: HashSet<ParamId> = super::params::param_ids::<B, _>(&model)
@@ -183,8 +184,14 @@ pub fn shard_model_where<B: crate::distributed::CollectiveBackend>(
         .map(|(_, id)| id)
         .collect();
     let local_experts = expert_parallel_of(&model).is_some();
-    let (mut model, plan) = ShardPlan::shard(model, group, reshard_after_forward, |id, require_grad| {
-        shard && require_grad && !replicated.contains(&id) && !(local_experts && experts.contains(&id))
+    let (mut model, plan) = ShardPlan::shard_over(model, group.clone(), reshard_after_forward, |id, require_grad| {
+        if !(shard && require_grad) || replicated.contains(&id) {
+            return None;
+        }
+        if local_experts && experts.contains(&id) {
+            return experts_over.clone().filter(|g| g.size() > 1);
+        }
+        Some(group.clone())
     });
     model.language_model.shards = Some(plan);
     model

@@ -110,20 +110,33 @@ pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, conf
     let mut failed: Option<CheckpointError> = None;
     for (snap, &own) in snaps.iter().zip(&owner) {
         let path = snap.full_path();
-        let sharded = snap.tensor_id.and_then(|id| plan.full_rows(id));
-        // an expert stack: the writers' shares, in expert order, go to the owner
+        let mut sharded = snap.tensor_id.and_then(|id| plan.full_rows(id));
+        // an expert stack: the writers' shares, in expert order, go to the owner (a share
+        // sharded over its expert-data-parallel group is first gathered there, by every rank)
         let expert = is_expert(snap);
-        if (expert && !writers.contains(&rank) && own != rank) || (!expert && sharded.is_none() && own != rank) {
+        let expert_sharded = expert && sharded.is_some();
+        if !expert_sharded && ((expert && !writers.contains(&rank) && own != rank) || (!expert && sharded.is_none() && own != rank)) {
             continue;
         }
         let local = snap.to_data().map_err(|e| e.to_string()).and_then(|data| {
             let (dtype, shape) = (data.dtype, data.shape.clone());
             data.convert::<f32>().into_vec::<f32>().map(|v| (v, dtype, shape)).map_err(|e| format!("{e:?}"))
         });
-        let (values, dtype, mut shape) = local.unwrap_or_else(|message| {
+        let (mut values, dtype, mut shape) = local.unwrap_or_else(|message| {
             failed.get_or_insert(CheckpointError::ModuleTensor { path: path.clone(), message });
             (vec![0.0; snap.shape.iter().product()], burn::tensor::DType::F32, snap.shape.clone())
         });
+        if let (true, Some(rows), Some(id)) = (expert_sharded, sharded, snap.tensor_id) {
+            let width: usize = shape[1..].iter().product();
+            let all = all_gather(&**plan.group_of(id), &values).map_err(dist)?;
+            let shards: Vec<Vec<f32>> = all.chunks(values.len().max(1)).map(<[f32]>::to_vec).collect();
+            values = crate::distributed::fsdp::unshard_host(&shards, rows, width);
+            shape[0] = rows;
+            sharded = None;
+            if !writers.contains(&rank) && own != rank {
+                continue;
+            }
+        }
         let values = match sharded {
             None if expert => {
                 let bytes: &[u8] = bytemuck::cast_slice(&values);
@@ -228,15 +241,27 @@ fn paths<B: Backend>(model: &Glm5ForCausalLM<B>) -> HashMap<ParamId, String> {
 }
 
 /// This rank's rows of a parameter, the (padded) row count it holds, the parameter's whole
-/// row count, and whether it is replicated (every rank holds all of it).
+/// row count, and whether it is replicated (every rank holds all of it). An expert stack's
+/// rows are global experts: this expert-parallel rank's, or its shard of them.
 fn layout(plan: Option<&ShardPlan>, experts: Option<&ExpertRows>, id: ParamId, held_rows: usize) -> (std::ops::Range<usize>, usize, usize, bool) {
+    let sharded = plan.and_then(|p| p.full_rows(id).map(|rows| (p, rows)));
+    let shard = |p: &ShardPlan, rows: usize| {
+        let g = p.group_of(id);
+        (shard_range(rows, g.size(), g.rank()), shard_rows(rows, g.size()))
+    };
     if let Some(ex) = experts.filter(|ex| ex.ids.contains(&id)) {
-        return (ex.first..ex.first + ex.local, ex.local, ex.total, false);
+        return match sharded {
+            Some((p, rows)) => {
+                let (r, held) = shard(p, rows);
+                (ex.first + r.start..ex.first + r.end, held, ex.total, false)
+            }
+            None => (ex.first..ex.first + ex.local, ex.local, ex.total, false),
+        };
     }
-    match plan.and_then(|p| p.full_rows(id).map(|rows| (p, rows))) {
+    match sharded {
         Some((p, rows)) => {
-            let g = p.group();
-            (shard_range(rows, g.size(), g.rank()), shard_rows(rows, g.size()), rows, false)
+            let (r, held) = shard(p, rows);
+            (r, held, rows, false)
         }
         None => (0..held_rows, held_rows, held_rows, true),
     }
@@ -274,7 +299,8 @@ where
         if replicated && self.rank != 0 {
             return; // replicated: rank 0 writes the one copy
         }
-        if self.experts.is_some_and(|ex| ex.ids.contains(&param.id)) && !self.expert_writer {
+        let whole_expert = self.experts.is_some_and(|ex| ex.ids.contains(&param.id)) && self.plan.is_none_or(|p| p.full_rows(param.id).is_none());
+        if whole_expert && !self.expert_writer {
             return; // another rank holding the same experts writes them
         }
         let mut shape = m.moment_1.dims().to_vec();
@@ -471,21 +497,12 @@ where
     B::InnerBackend: Glm5Backend,
 {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(ex) = self.experts.filter(|ex| ex.ids.contains(&param.id)) {
-            // this rank's experts of the whole stack
-            let Some(rec) = self.record.remove(&param.id) else { return };
-            let state: AdamWState<B::InnerBackend, D> = rec.into_state::<D>();
-            let m = state.momentum;
-            let cut = |t: Tensor<B::InnerBackend, D>| t.narrow(0, ex.first, ex.local);
-            let state = AdamWState::new(AdaptiveMomentumState::new(m.time, cut(m.moment_1), cut(m.moment_2)));
-            self.record.insert(param.id, AdaptorRecord::from_state(state));
+        let (range, held, _, replicated) = layout(Some(self.plan), self.experts, param.id, param.shape().dims::<D>()[0]);
+        if replicated {
             return;
         }
-        let Some(rows) = self.plan.full_rows(param.id) else { return };
         let Some(rec) = self.record.remove(&param.id) else { return };
         let state: AdamWState<B::InnerBackend, D> = rec.into_state::<D>();
-        let g = self.plan.group();
-        let (range, held) = (shard_range(rows, g.size(), g.rank()), shard_rows(rows, g.size()));
         let cut = |t: Tensor<B::InnerBackend, D>| {
             let mut pad = t.dims();
             pad[0] = held - range.len();

@@ -208,7 +208,8 @@ where
         }
         if let Some(g) = &world {
             if options.shard_parameters || experts.is_some() {
-                model = shard_model_where(model, g.clone(), options.reshard_after_forward, options.shard_parameters);
+                let edp = experts.as_ref().map(|(edp, _)| edp.clone());
+                model = shard_model_where(model, g.clone(), options.reshard_after_forward, options.shard_parameters, edp);
             }
         }
         Ok(Self {
@@ -311,10 +312,15 @@ where
                 None => global_norm::<B, _>(master, grads),
             });
         };
-        // sharded rows are split over the world, expert shares over an expert-parallel group
+        // every rank holds its own rows of a sharded parameter (an expert-parallel rank's
+        // experts sharded over the ranks holding them included); whole expert shares are
+        // split over an expert-parallel group and alike on its replicas
         let expert = |id| self.experts.as_ref().is_some_and(|(_, ids)| ids.contains(&id));
-        let [sharded, replicated, experts] =
-            squared_norms_by::<B, _, 3>(master, grads, &|id| if expert(id) { 2 } else { usize::from(plan.full_rows(id).is_none()) });
+        let [sharded, replicated, experts] = squared_norms_by::<B, _, 3>(master, grads, &|id| match (plan.full_rows(id), expert(id)) {
+            (Some(_), _) => 0,
+            (None, false) => 1,
+            (None, true) => 2,
+        });
         let experts = match expert_parallel_of(master) {
             Some(ep) => sum_f64(&*ep.group, experts)?,
             None => experts,
@@ -371,8 +377,9 @@ where
                 let expert = |id| self.experts.as_ref().is_some_and(|(_, ids)| ids.contains(&id));
                 all_reduce_grads_except::<B, _>(master, &mut grads, &**g, &|id| plan.full_rows(id).is_some() || expert(id))?;
                 if let Some((edp, ids)) = &self.experts {
-                    // an expert's gradient: every token routed to it, from every rank holding it
-                    all_reduce_grads_except::<B, _>(master, &mut grads, &**edp, &|id| !ids.contains(&id))?;
+                    // an expert's gradient: every token routed to it, from every rank holding
+                    // it (sharded experts arrive summed through their gather's adjoint)
+                    all_reduce_grads_except::<B, _>(master, &mut grads, &**edp, &|id| !ids.contains(&id) || plan.full_rows(id).is_some())?;
                     // one process gives every expert stack a gradient (zeros where no token
                     // came), so AdamW decays its moments and weights: a rank whose experts got
                     // no token anywhere must do the same
