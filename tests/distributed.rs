@@ -1171,7 +1171,11 @@ mod mpi_engine {
 
         // values of every parameter (or its gradient) by module path
         fn by_path<B: burn::tensor::backend::AutodiffBackend>(m: &Glm5ForCausalLM<B>, grads: Option<&GradientsParams>) -> BTreeMap<String, Vec<f32>> {
-            struct V<'a, B: burn::tensor::backend::AutodiffBackend>(Option<&'a GradientsParams>, HashMap<ParamId, Vec<f32>>, std::marker::PhantomData<B>);
+            struct V<'a, B: burn::tensor::backend::AutodiffBackend>(
+                Option<&'a GradientsParams>,
+                HashMap<ParamId, Vec<f32>>,
+                std::marker::PhantomData<B>,
+            );
             impl<B: burn::tensor::backend::AutodiffBackend> ModuleVisitor<B> for V<'_, B> {
                 fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
                     let t = match self.0 {
@@ -1222,7 +1226,10 @@ mod mpi_engine {
         let held: usize = by_path(ept.model(), None).iter().filter(|(k, _)| expert_paths.contains(*k)).map(|(_, x)| x.len()).sum();
         let whole: usize = by_path(one.model(), None).iter().filter(|(k, _)| expert_paths.contains(*k)).map(|(_, x)| x.len()).sum();
         assert_eq!(held * p, whole, "rank {r}: expert elements held");
-        println!("rank {r} of {n} (ep {p}, {e} experts): {} gradients match one process (worst {worst:.1e}); expert elements held {held} of {whole}", ra.len());
+        println!(
+            "rank {r} of {n} (ep {p}, {e} experts): {} gradients match one process (worst {worst:.1e}); expert elements held {held} of {whole}",
+            ra.len()
+        );
         drop((one, ept));
 
         // (2) 20 optimizer steps
@@ -1257,7 +1264,10 @@ mod mpi_engine {
         }
         // (the tolerance of the sharded data-parallel test: AdamW moves an element with a ~0
         // gradient by ±lr on summation-order noise)
-        assert!(wdiff <= 0.05 * moved && off * 100 < total, "rank {r}: weights after 20 steps: max|Δ| {wdiff:e} (largest movement {moved:e}), {off} of {total} off by > 1e-6");
+        assert!(
+            wdiff <= 0.05 * moved && off * 100 < total,
+            "rank {r}: weights after 20 steps: max|Δ| {wdiff:e} (largest movement {moved:e}), {off} of {total} off by > 1e-6"
+        );
         println!(
             "rank {r} of {n} (ep {p}, {e} experts): 20 steps follow one process (worst loss/grad-norm rel {worst:.1e}; weights max|Δ| {wdiff:.1e} of a \
              largest movement {moved:.1e}; expert elements held {held} of {whole})"

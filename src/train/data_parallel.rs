@@ -253,10 +253,7 @@ impl ExpertMesh {
 /// its rank's `E/P` experts (parameter ids kept), one loaded with this rank's experts only
 /// ([`crate::checkpoint::LoadOptions::experts`]) is attached as it is. An error when the
 /// layers hold neither `E` nor `E/P` experts, or `P` does not divide `E`.
-pub fn expert_parallel_model<B: burn::tensor::backend::Backend>(
-    mut model: Glm5ForCausalLM<B>,
-    ep: Group,
-) -> Result<Glm5ForCausalLM<B>, DistError> {
+pub fn expert_parallel_model<B: burn::tensor::backend::Backend>(mut model: Glm5ForCausalLM<B>, ep: Group) -> Result<Glm5ForCausalLM<B>, DistError> {
     let plan = Arc::new(ExpertParallel::new(ep, model.num_experts)?);
     for layer in model.language_model.layers.iter_mut() {
         let Ffn::Moe(moe) = &mut layer.mlp else { continue };

@@ -10,6 +10,13 @@
 //!   per parameter `{module path}.exp_avg`, `.exp_avg_sq` (f32), `.row_offset` (first row,
 //!   i64) and `.step` (AdamW's step count, i64). A resume under any number of ranks reads, per
 //!   parameter, only the rows its new shard covers ([`load_optimizer`]).
+//!
+//! Under expert parallelism a rank holds `E/P` experts of every MoE layer's stacks (or its
+//! shard of them over the ranks holding the same experts). The stacks are written whole in the
+//! per-expert layout: the first rank holding each expert-parallel rank's experts contributes
+//! them (gathered from its expert-data-parallel group when sharded) to the tensor's owner. Their
+//! AdamW rows are numbered by global expert, so `row_offset` places them in the whole stack and
+//! any mesh reads them back.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -26,7 +33,7 @@ use safetensors::tensor::Dtype;
 use serde_json::{json, Value};
 
 use super::adamw::FusedAdamW;
-use super::data_parallel::{expert_param_ids, expert_parallel_of, plan_of};
+use super::data_parallel::{expert_parallel_of, expert_param_ids, plan_of};
 use crate::checkpoint::safetensors_io::{serialize, write_atomic, OwnedTensor, SafetensorsFiles};
 use crate::checkpoint::{checkpoint_tensors, config_kernel_shapes};
 use crate::distributed::fsdp::{shard_range, shard_rows};
@@ -115,7 +122,8 @@ pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, conf
         // sharded over its expert-data-parallel group is first gathered there, by every rank)
         let expert = is_expert(snap);
         let expert_sharded = expert && sharded.is_some();
-        if !expert_sharded && ((expert && !writers.contains(&rank) && own != rank) || (!expert && sharded.is_none() && own != rank)) {
+        let takes_part = own == rank || if expert { expert_sharded || writers.contains(&rank) } else { sharded.is_some() };
+        if !takes_part {
             continue;
         }
         let local = snap.to_data().map_err(|e| e.to_string()).and_then(|data| {

@@ -37,7 +37,7 @@ use serde_json::Value;
 use super::checkpoint::{self as ckpt, TrainerState};
 use super::clip::{clip_global_norm, clip_to, global_norm, squared_norms_by};
 use super::data_parallel::{
-    all_reduce_grads, all_reduce_grads_except, drop_grads, expert_param_ids, expert_parallel_model, expert_parallel_of, gather_usize, plan_of,
+    all_reduce_grads, all_reduce_grads_except, drop_grads, expert_parallel_model, expert_parallel_of, expert_param_ids, gather_usize, plan_of,
     shard_model_where, sum_f64, sum_usize, zero_missing_grads, ExpertMesh,
 };
 use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, materialize, param_ids};
@@ -200,7 +200,9 @@ where
         let world = options.data_parallel.clone().filter(|g| g.size() > 1);
         if options.expert_parallel > 1 {
             let Some(g) = &world else {
-                return Err(TrainError::Unsupported { what: "expert parallelism (expert_parallel > 1) without a data-parallel group of several ranks" });
+                return Err(TrainError::Unsupported {
+                    what: "expert parallelism (expert_parallel > 1) without a data-parallel group of several ranks",
+                });
             };
             let mesh = ExpertMesh::new(g, options.expert_parallel)?;
             model = expert_parallel_model(model, mesh.ep)?;
