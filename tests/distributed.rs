@@ -724,6 +724,33 @@ mod mpi_engine {
         let _ = std::fs::remove_dir_all(&root);
     }
 
+    /// The recipe overrides of a resumable run in `dir`: `steps` steps of a global batch of 4
+    /// one-pack micro-batches, a checkpoint every 2 steps (all kept), constant learning rate
+    /// (so a longer `max_steps` does not change the schedule), no validation set.
+    fn resumable_args(dir: &std::path::Path, steps: usize) -> Vec<String> {
+        vec![
+            format!("--checkpoint.checkpoint_dir={}", dir.display()),
+            format!("--step_scheduler.max_steps={steps}"),
+            "--step_scheduler.global_batch_size=4".into(),
+            "--step_scheduler.local_batch_size=1".into(),
+            "--step_scheduler.ckpt_every_steps=2".into(),
+            "--checkpoint.keep_last=1000".into(),
+            "--lr_scheduler.lr_decay_style=constant".into(),
+            "--lr_scheduler.lr_warmup_steps=0".into(),
+            "--optimizer.lr=1e-4".into(),
+            "--validation_dataset=null".into(),
+        ]
+    }
+
+    /// Remove the checkpoints of `dir` after step `step` (a resume then starts at `step`).
+    fn keep_checkpoints_up_to(dir: &std::path::Path, step: usize) {
+        for (s, path) in glm5_burn::train::checkpoint::list(dir) {
+            if s > step {
+                std::fs::remove_dir_all(path).unwrap();
+            }
+        }
+    }
+
     /// A data-parallel run (2 ranks) killed with SIGKILL on one rank ends within a bounded time,
     /// and its newest checkpoint resumes under 1 process, 2 ranks (bit for bit the uninterrupted
     /// 2-rank run) and 4 ranks, continuing the single-process loss trace within 1e-5 (constant learning rate,
@@ -733,20 +760,9 @@ mod mpi_engine {
         let root = std::env::temp_dir().join(format!("glm5_dp_kill_{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         let args = |dir: &std::path::Path, dp: usize, steps: usize| -> Vec<String> {
-            vec![
-                format!("--checkpoint.checkpoint_dir={}", dir.display()),
-                format!("--step_scheduler.max_steps={steps}"),
-                "--step_scheduler.global_batch_size=4".into(),
-                "--step_scheduler.local_batch_size=1".into(),
-                "--step_scheduler.ckpt_every_steps=2".into(),
-                "--checkpoint.keep_last=1000".into(),
-                "--step_scheduler.val_every_steps=1000".into(),
-                "--lr_scheduler.lr_decay_style=constant".into(),
-                "--lr_scheduler.lr_warmup_steps=0".into(),
-                "--optimizer.lr=1e-4".into(),
-                "--validation_dataset=null".into(),
-                format!("--distributed.dp_size={dp}"),
-            ]
+            let mut a = resumable_args(dir, steps);
+            a.extend(["--step_scheduler.val_every_steps=1000".into(), format!("--distributed.dp_size={dp}")]);
+            a
         };
         let steps = 6;
         let (ok, out) = run_finetune(None, &args(&root.join("one"), 1, steps));
@@ -799,11 +815,7 @@ mod mpi_engine {
             let status = Command::new("cp").arg("-r").arg(&killed).arg(&dir).status().unwrap();
             assert!(status.success());
             // keep only checkpoints up to `steps - 2`, so the resumed run has steps left
-            for (s, path) in glm5_burn::train::checkpoint::list(&dir) {
-                if s > steps - 2 {
-                    std::fs::remove_dir_all(path).unwrap();
-                }
-            }
+            keep_checkpoints_up_to(&dir, steps - 2);
             let (ok, out) = run_finetune(np, &args(&dir, dp, steps));
             assert!(ok, "resume under dp {dp}:\n{out}");
             assert!(out.contains("resumed from") && out.contains("(step 4,"), "dp {dp} did not resume from step 4:\n{out}");
@@ -834,21 +846,9 @@ mod mpi_engine {
         let _ = std::fs::remove_dir_all(&root);
         let steps = 4;
         let args = |dir: &std::path::Path, np: usize, ep: usize| -> Vec<String> {
-            vec![
-                format!("--checkpoint.checkpoint_dir={}", dir.display()),
-                format!("--step_scheduler.max_steps={steps}"),
-                "--step_scheduler.global_batch_size=4".into(),
-                "--step_scheduler.local_batch_size=1".into(),
-                "--step_scheduler.ckpt_every_steps=2".into(),
-                "--checkpoint.keep_last=1000".into(),
-                "--lr_scheduler.lr_decay_style=constant".into(),
-                "--lr_scheduler.lr_warmup_steps=0".into(),
-                "--optimizer.lr=1e-4".into(),
-                "--moe.aux_loss_coef=0.01".into(),
-                "--validation_dataset=null".into(),
-                format!("--distributed.dp_size={np}"),
-                format!("--distributed.ep_size={ep}"),
-            ]
+            let mut a = resumable_args(dir, steps);
+            a.extend(["--moe.aux_loss_coef=0.01".into(), format!("--distributed.dp_size={np}"), format!("--distributed.ep_size={ep}")]);
+            a
         };
         let (ok, out) = run_finetune(None, &args(&root.join("one"), 1, 1));
         assert!(ok, "{out}");
@@ -880,11 +880,7 @@ mod mpi_engine {
         for (from, np, ep) in [("ep2", None, 1), ("ep2", Some(4), 4), ("ep2x2", None, 1), ("one", Some(4), 2)] {
             let dir = root.join(format!("{from}_resumed_np{}_ep{ep}", np.unwrap_or(1)));
             assert!(Command::new("cp").arg("-r").arg(root.join(from)).arg(&dir).status().unwrap().success());
-            for (s, path) in glm5_burn::train::checkpoint::list(&dir) {
-                if s > 2 {
-                    std::fs::remove_dir_all(path).unwrap();
-                }
-            }
+            keep_checkpoints_up_to(&dir, 2);
             let (ok, out) = run_finetune(np, &args(&dir, np.unwrap_or(1), ep));
             assert!(ok, "{from} resumed under {np:?} ranks, ep {ep}:\n{out}");
             assert!(out.contains("resumed from") && out.contains("(step 2,"), "did not resume from step 2:\n{out}");
@@ -939,6 +935,7 @@ mod mpi_engine {
             "ep_moe" => ep_moe(std::sync::Arc::new(g)),
             "ep_model" => ep_model(std::sync::Arc::new(g)),
             s if s.starts_with("ep_train:") => ep_train(std::sync::Arc::new(g), s),
+            "cp_kda" => cp_kda(std::sync::Arc::new(g)),
             "rank_dies" => {
                 if g.rank() == 1 {
                     eprintln!("rank 1: exiting on purpose before the collective");
@@ -1272,6 +1269,164 @@ mod mpi_engine {
             "rank {r} of {n} (ep {p}, {e} experts): 20 steps follow one process (worst loss/grad-norm rel {worst:.1e}; weights max|Δ| {wdiff:.1e} of a \
              largest movement {moved:.1e}; expert elements held {held} of {whole})"
         );
+    }
+
+    /// Context parallelism of KDA against the whole row in one process: a packed row of 48
+    /// tokens with documents of 5, 25, 1 and 17 tokens (on 2, 3 and 4 ranks the 25-token one
+    /// crosses one or two shard edges, shards start inside and at document starts) split over
+    /// the ranks. (1) The recurrence alone (`distributed::context::kda_context`, the state
+    /// handed over): outputs and the gradients of q, k, v, g, β of this shard's rows; (2) the
+    /// KDA layer (`KdaAttention::forward_context`: conv halo and state): outputs, input
+    /// gradients and every parameter's gradient (summed over the ranks) — each within 1e-5 of
+    /// the tensor's scale, on the reference and the op path.
+    fn cp_kda(g: std::sync::Arc<MpiGroup>) {
+        use burn::backend::{Autodiff, Flex};
+        use burn::module::{Module, ModuleVisitor, Param, ParamId};
+        use burn::tensor::backend::{AutodiffBackend, Backend};
+        use burn::tensor::{Tensor, TensorData};
+        use glm5_burn::distributed::context::{kda_context, Chain, ShardDocs};
+        use glm5_burn::distributed::Group;
+        use glm5_burn::ops::kda::{kda_chunked, KdaInputs};
+        use glm5_burn::ops::PathKind;
+        use glm5_burn::text::kda::KdaAttention;
+        use glm5_burn::text::{ForwardOptions, KdaImpl, TokenMask};
+        type AD = Autodiff<Flex>;
+
+        let (r, n) = (g.rank(), g.size());
+        let group: Group = g.clone();
+        let device = Default::default();
+        AD::seed(&device, 5);
+        let config = glm5_burn::Glm5Config::tiny();
+        let tc = &config.text_config;
+        let (s, d) = (48, tc.hidden_size);
+        let docs = vec![0..5, 5..30, 30..31, 31..48];
+        let (range, shard) = ShardDocs::of(&docs, s, r, n).unwrap();
+        let noise = |len: usize, seed: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7919 + seed * 104729) % 2000) as f32 / 1000.0 - 1.0).collect() };
+        let rows_of = |x: &[f32], width: usize| x[range.start * width..range.end * width].to_vec();
+        let host = |t: Tensor<Flex, 4>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+        let worst_of = |want: &[f32], got: &[f32], what: &str| -> f32 {
+            assert_eq!(want.len(), got.len(), "{what}: size");
+            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-20);
+            let e = want.iter().zip(got).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+            assert!(e <= 1e-5, "rank {r} of {n}: {what}: max|Δ|/max|ref| {e:e}");
+            e
+        };
+        let sum_over_ranks = |mut x: Vec<f32>| {
+            g.all_reduce(ReduceBuf::F32(&mut x), ReduceOp::Sum).unwrap();
+            x
+        };
+        let (h, hd) = (tc.linear_num_heads, tc.linear_head_dim);
+        for path in [PathKind::Reference, PathKind::Op] {
+            // (1) the recurrence alone
+            let width = h * hd;
+            let inputs: Vec<Vec<f32>> = (0..5).map(|k| noise(s * width, k + 1)).collect();
+            let make = |k: usize, rows: std::ops::Range<usize>| -> Tensor<AD, 4> {
+                let v: Vec<f32> = inputs[k][rows.start * width..rows.end * width].to_vec();
+                let t = Tensor::<AD, 4>::from_data(TensorData::new(v, [1, rows.len(), h, hd]), &device);
+                match k {
+                    3 => (t.abs() * -0.3).detach(), // g ≤ 0
+                    _ => t,
+                }
+                .require_grad()
+            };
+            let beta = |rows: std::ops::Range<usize>| -> Tensor<AD, 3> {
+                let v: Vec<f32> = (rows.start * h..rows.end * h).map(|i| 0.2 + 0.6 * ((i * 31 % 17) as f32 / 17.0)).collect();
+                Tensor::<AD, 3>::from_data(TensorData::new(v, [1, rows.len(), h]), &device).require_grad()
+            };
+            let w = noise(s * width, 9);
+            let weight = |rows: std::ops::Range<usize>| {
+                Tensor::<AD, 4>::from_data(TensorData::new(w[rows.start * width..rows.end * width].to_vec(), [1, rows.len(), h, hd]), &device)
+            };
+            let whole: Vec<Tensor<AD, 4>> = (0..4).map(|k| make(k, 0..s)).collect();
+            let whole_beta = beta(0..s);
+            let outs: Vec<Tensor<AD, 4>> = docs
+                .iter()
+                .map(|dr| {
+                    let sl = |t: &Tensor<AD, 4>| t.clone().slice([0..1, dr.clone(), 0..h, 0..hd]);
+                    let x = KdaInputs {
+                        q: sl(&whole[0]),
+                        k: sl(&whole[1]),
+                        v: sl(&whole[2]),
+                        g: sl(&whole[3]),
+                        beta: whole_beta.clone().slice([0..1, dr.clone(), 0..h]),
+                        initial_state: None,
+                    };
+                    kda_chunked(x, 16, path).0
+                })
+                .collect();
+            let o = Tensor::cat(outs, 1);
+            let grads = (o.clone() * weight(0..s)).sum().backward();
+            let want_o = rows_of(&host(o.inner()), width);
+            let mine: Vec<Tensor<AD, 4>> = (0..4).map(|k| make(k, range.clone())).collect();
+            let mine_beta = beta(range.clone());
+            let x = KdaInputs {
+                q: mine[0].clone(),
+                k: mine[1].clone(),
+                v: mine[2].clone(),
+                g: mine[3].clone(),
+                beta: mine_beta.clone(),
+                initial_state: None,
+            };
+            let mut chain = Chain::new();
+            let got = kda_context(x, &shard, 16, path, &group, &mut chain).unwrap();
+            let my_grads = (got.clone() * weight(range.clone())).sum().backward();
+            let mut worst = worst_of(&want_o, &host(got.inner()), "kda outputs");
+            for (k, name) in ["q", "k", "v", "g"].iter().enumerate() {
+                let want = rows_of(&host(whole[k].grad(&grads).unwrap()), width);
+                worst = worst.max(worst_of(&want, &host(mine[k].grad(&my_grads).unwrap()), &format!("∂{name}")));
+            }
+            let b_host = |t: Tensor<Flex, 3>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+            let want = rows_of(&b_host(whole_beta.grad(&grads).unwrap()), h);
+            worst = worst.max(worst_of(&want, &b_host(mine_beta.grad(&my_grads).unwrap()), "∂β"));
+            println!("rank {r} of {n} ({path:?}): KDA state handed over matches the whole row (worst {worst:.1e}; shard {range:?}, pieces {:?}, continues {})", shard.docs, shard.continues);
+
+            // (2) the layer
+            let layer = KdaAttention::<AD>::new(tc, &device);
+            glm5_burn::train::params::materialize(&layer);
+            let opts = ForwardOptions { linear_path: path, kda: KdaImpl::Chunked(16), ..ForwardOptions::default() };
+            let u_host = noise(s * d, 3);
+            let w_host = noise(s * d, 4);
+            let t3 = |v: Vec<f32>, len: usize| Tensor::<AD, 3>::from_data(TensorData::new(v, [1, len, d]), &device);
+            let u = t3(u_host.clone(), s).require_grad();
+            let mask = TokenMask { documents: Some(docs.clone()), ..TokenMask::all(1, s, &device) };
+            let y = layer.forward(u.clone(), &mask, &opts);
+            let grads = (y.clone() * t3(w_host.clone(), s)).sum().backward();
+            let h3 = |t: Tensor<Flex, 3>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+            let u_r = t3(rows_of(&u_host, d), range.len()).require_grad();
+            let mut chain = Chain::new();
+            let y_r = layer.forward_context(u_r.clone(), &shard, &group, &mut chain, &opts).unwrap();
+            let my_grads = (y_r.clone() * t3(rows_of(&w_host, d), range.len())).sum().backward();
+            let mut worst = worst_of(&rows_of(&h3(y.inner()), d), &h3(y_r.inner()), "layer outputs");
+            worst = worst.max(worst_of(&rows_of(&h3(u.grad(&grads).unwrap()), d), &h3(u_r.grad(&my_grads).unwrap()), "∂u"));
+            // every parameter's gradient in visiting order (parameter ids differ between ranks)
+            struct Grads<'a>(&'a <AD as AutodiffBackend>::Gradients, Vec<(ParamId, Option<Vec<f32>>, usize)>);
+            impl ModuleVisitor<AD> for Grads<'_> {
+                fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AD, D>>) {
+                    let g = p.val().grad(self.0).map(|t| t.into_data().convert::<f32>().into_vec::<f32>().unwrap());
+                    self.1.push((p.id, g, p.shape().num_elements()));
+                }
+            }
+            let (mut a, mut b) = (Grads(&grads, Vec::new()), Grads(&my_grads, Vec::new()));
+            layer.visit(&mut a);
+            layer.visit(&mut b);
+            for ((id, want, _), (_, mine, len)) in a.1.into_iter().zip(b.1) {
+                let want = want.unwrap_or_else(|| panic!("rank {r}: parameter {id} has no gradient in one process"));
+                let summed = sum_over_ranks(mine.unwrap_or_else(|| vec![0.0; len]));
+                worst = worst.max(worst_of(&want, &summed, &format!("parameter {id}")));
+            }
+            println!("rank {r} of {n} ({path:?}): KDA layer with conv halo and state matches the whole row (worst {worst:.1e})");
+        }
+    }
+
+    #[test]
+    fn context_parallel_kda_equals_the_whole_row_on_2_3_and_4_ranks() {
+        for np in [2, 3, 4] {
+            let (ok, out, secs) = mpirun(np, "cp_kda", Duration::from_secs(300));
+            assert!(ok, "mpirun -np {np} cp_kda failed:\n{out}");
+            assert_eq!(out.matches("KDA state handed over matches the whole row").count(), 2 * np, "{out}");
+            assert_eq!(out.matches("KDA layer with conv halo and state matches the whole row").count(), 2 * np, "{out}");
+            println!("np {np} ({secs:.1} s): {}", out.lines().filter(|l| l.contains("rank 0 of")).collect::<Vec<_>>().join(" | "));
+        }
     }
 
     /// Expert parallelism in training equals one process: ep 2 on 2 ranks (8 experts, every

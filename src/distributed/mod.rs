@@ -12,6 +12,7 @@
 //! * [`CheckedGroup`] (`checked.rs`): a debug wrapper checking that every rank issues the same
 //!   collectives.
 //! * [`fsdp`]: parameter sharding over a group (FSDP), gathered per unit.
+//! * [`context`]: context parallelism of packed rows (KDA state and short-conv hand-overs).
 //! * [`typed`]: element-typed helpers over the byte-level collectives.
 //!
 //! The design (why MPI and NCCL, not Burn's `burn-collective`; the communication patterns of
@@ -20,6 +21,7 @@
 
 pub mod checked;
 pub mod collective;
+pub mod context;
 pub mod decorator;
 pub mod fsdp;
 pub mod group;

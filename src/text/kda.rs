@@ -27,6 +27,8 @@ use super::mlp::linear;
 use super::norm::GatedRmsNorm;
 use super::{ForwardOptions, KdaImpl, PathKind, TokenMask};
 use crate::config::{Activation, TextConfig};
+use crate::distributed::context::{conv_halo, kda_context, Chain, ShardDocs};
+use crate::distributed::{CollectiveBackend, DistError, Group};
 use crate::generate::cache::KdaCache;
 use crate::ops::backend::{causal_conv1d, Glm5Backend};
 use crate::ops::kda::{kda_chunked, kda_recurrent, KdaInputs};
@@ -229,6 +231,64 @@ impl<B: Backend> KdaAttention<B> {
         let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([1, s, h, hd]);
         let o = self.o_norm.forward(o, gate).reshape([1, s, h * hd]);
         self.o_proj.forward(o)
+    }
+
+    /// [`Self::forward`] on this rank's shard of a packed row under context parallelism
+    /// ([`crate::distributed::context`]): `u` `[1, T, D]` holds the shard's tokens, `docs` its
+    /// document pieces. When the first piece continues the previous shard's document, its short
+    /// convs read that shard's last `W − 1` inputs and its scan starts from the state the
+    /// earlier shards hand over; the other pieces start from zero. Runs the chunked form (the
+    /// chunk of `opts.kda`, 64 under the recurrent form). Every rank of `group` calls it, with
+    /// one `chain` per forward.
+    pub fn forward_context(
+        &self,
+        u: Tensor<B, 3>,
+        docs: &ShardDocs,
+        group: &Group,
+        chain: &mut Chain<B>,
+        opts: &ForwardOptions,
+    ) -> Result<Tensor<B, 3>, DistError>
+    where
+        B: Glm5Backend + CollectiveBackend,
+    {
+        let chunk = match opts.kda {
+            KdaImpl::Chunked(c) => c,
+            KdaImpl::Recurrent => 64,
+        };
+        let [_, t, _] = u.dims();
+        let (h, hd) = (self.num_heads, self.head_dim);
+        let keep = self.q_conv1d.weight.dims()[1] - 1;
+        let dtype = u.dtype();
+        let mut branch = |proj: &Linear<B>, conv: &DepthwiseConv<B>| -> Result<Tensor<B, 4>, DistError> {
+            let x = proj.forward(u.clone());
+            let p = x.dims()[2];
+            let halo = conv_halo(x.clone(), keep, docs, group, chain)?;
+            // the first piece always reads the halo (zeros where its document starts here), so
+            // every rank's backward runs the adjoint exchange
+            let pieces: Vec<Tensor<B, 3>> = docs
+                .docs
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    let xi = x.clone().slice([0..1, r.clone(), 0..p]);
+                    if i == 0 {
+                        conv.forward(Tensor::cat(vec![halo.clone().cast(xi.dtype()), xi], 1)).slice([0..1, keep..keep + r.len(), 0..p])
+                    } else {
+                        conv.forward(xi)
+                    }
+                })
+                .collect();
+            Ok(self.act.apply_op(Tensor::cat(pieces, 1)).cast(dtype).reshape([1, t, h, hd]))
+        };
+        let q = branch(&self.q_proj, &self.q_conv1d)?;
+        let k = branch(&self.k_proj, &self.k_conv1d)?;
+        let v = branch(&self.v_proj, &self.v_conv1d)?;
+        let g = self.forget_gate(u.clone());
+        let beta = sigmoid(self.b_proj.forward(u.clone()));
+        let o = kda_context(KdaInputs { q, k, v, g, beta, initial_state: None }, docs, chunk, opts.linear_path, group, chain)?;
+        let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([1, t, h, hd]);
+        let o = self.o_norm.forward(o, gate).reshape([1, t, h * hd]);
+        Ok(self.o_proj.forward(o))
     }
 
     /// A cached step (prefill or decode): `u` `[B, T, D]` are the next `T` positions of every
