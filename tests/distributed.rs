@@ -936,6 +936,7 @@ mod mpi_engine {
             "ep_model" => ep_model(std::sync::Arc::new(g)),
             s if s.starts_with("ep_train:") => ep_train(std::sync::Arc::new(g), s),
             "cp_kda" => cp_kda(std::sync::Arc::new(g)),
+            "cp_dsa" => cp_dsa(std::sync::Arc::new(g)),
             "rank_dies" => {
                 if g.rank() == 1 {
                     eprintln!("rank 1: exiting on purpose before the collective");
@@ -1415,6 +1416,113 @@ mod mpi_engine {
                 worst = worst.max(worst_of(&want, &summed, &format!("parameter {id}")));
             }
             println!("rank {r} of {n} ({path:?}): KDA layer with conv halo and state matches the whole row (worst {worst:.1e})");
+        }
+    }
+
+    /// Context parallelism of DSA against the whole row in one process (the documents of
+    /// `cp_kda`): a full layer (its own KPool indexer over the gathered row) followed by a
+    /// shared-indexer layer reusing its selection, sparse form, KPool sizes 1, 4 and 16 with
+    /// the always-selected tail. The index rows of this shard equal the whole row's exactly;
+    /// outputs, input gradients and every parameter's gradient (summed over the ranks) within
+    /// 1e-5 of the tensor's scale, on the reference and the op path.
+    fn cp_dsa(g: std::sync::Arc<MpiGroup>) {
+        use burn::backend::{Autodiff, Flex};
+        use burn::module::{Module, ModuleVisitor, Param, ParamId};
+        use burn::tensor::backend::{AutodiffBackend, Backend};
+        use burn::tensor::{Tensor, TensorData};
+        use glm5_burn::distributed::context::{Chain, ShardDocs};
+        use glm5_burn::distributed::Group;
+        use glm5_burn::ops::PathKind;
+        use glm5_burn::text::mla::MlaAttention;
+        use glm5_burn::text::{AttentionImpl, ForwardOptions};
+        type AD = Autodiff<Flex>;
+
+        let (r, n) = (g.rank(), g.size());
+        let group: Group = g.clone();
+        let device = Default::default();
+        let (s, docs) = (48, vec![0..5, 5..30, 30..31, 31..48]);
+        let (range, _) = ShardDocs::of(&docs, s, r, n).unwrap();
+        let noise = |len: usize, seed: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7919 + seed * 104729) % 2000) as f32 / 1000.0 - 1.0).collect() };
+        let h3 = |t: Tensor<Flex, 3>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+        let worst_of = |want: &[f32], got: &[f32], what: &str| -> f32 {
+            assert_eq!(want.len(), got.len(), "{what}: size");
+            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-20);
+            let e = want.iter().zip(got).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+            assert!(e <= 1e-5, "rank {r} of {n}: {what}: max|Δ|/max|ref| {e:e}");
+            e
+        };
+        struct Grads<'a>(&'a <AD as AutodiffBackend>::Gradients, Vec<(ParamId, Option<Vec<f32>>, usize)>);
+        impl ModuleVisitor<AD> for Grads<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AD, D>>) {
+                let g = p.val().grad(self.0).map(|t| t.into_data().convert::<f32>().into_vec::<f32>().unwrap());
+                self.1.push((p.id, g, p.shape().num_elements()));
+            }
+        }
+        for (kpool, topk) in [(1, 8), (4, 8), (16, 16)] {
+            AD::seed(&device, 7);
+            let mut config = glm5_burn::Glm5Config::tiny();
+            config.text_config.index_kpool = kpool;
+            config.text_config.index_topk = topk;
+            config.text_config.index_kpool_always_select_tail = true;
+            let tc = &config.text_config;
+            let d = tc.hidden_size;
+            let full = MlaAttention::<AD>::new(tc, true, &device);
+            let shared = MlaAttention::<AD>::new(tc, false, &device);
+            glm5_burn::train::params::materialize(&full);
+            glm5_burn::train::params::materialize(&shared);
+            let rows_of = |x: &[f32], width: usize| x[range.start * width..range.end * width].to_vec();
+            let t3 = |v: Vec<f32>, len: usize| Tensor::<AD, 3>::from_data(TensorData::new(v, [1, len, d]), &device);
+            let (u_host, w_host) = (noise(s * d, 3 + kpool), noise(s * d, 4));
+            for path in [PathKind::Reference, PathKind::Op] {
+                let opts = ForwardOptions { attention: AttentionImpl::Sparse, attn_path: path, ..ForwardOptions::default() };
+                let u = t3(u_host.clone(), s).require_grad();
+                let (y1, idx, _) = full.forward_documents(u.clone(), &docs, None, &opts);
+                let (y2, _, _) = shared.forward_documents(y1.clone(), &docs, Some(&idx), &opts);
+                let w = t3(w_host.clone(), s);
+                let grads = ((y1.clone() + y2.clone()) * w).sum().backward();
+
+                let u_r = t3(rows_of(&u_host, d), range.len()).require_grad();
+                let mut chain = Chain::new();
+                let (y1_r, idx_r, _) = full.forward_context(u_r.clone(), &docs, range.clone(), None, &group, &mut chain, &opts).unwrap();
+                let (y2_r, _, _) = shared.forward_context(y1_r.clone(), &docs, range.clone(), Some(&idx_r), &group, &mut chain, &opts).unwrap();
+                let w_r = t3(rows_of(&w_host, d), range.len());
+                let my_grads = ((y1_r.clone() + y2_r.clone()) * w_r).sum().backward();
+
+                let w_idx = idx.len() / s;
+                assert_eq!(idx_r, idx[range.start * w_idx..range.end * w_idx].to_vec(), "rank {r}: kpool {kpool}: index rows");
+                let mut worst = worst_of(&rows_of(&h3(y1.inner()), d), &h3(y1_r.inner()), "full layer outputs");
+                worst = worst.max(worst_of(&rows_of(&h3(y2.inner()), d), &h3(y2_r.inner()), "shared layer outputs"));
+                worst = worst.max(worst_of(&rows_of(&h3(u.grad(&grads).unwrap()), d), &h3(u_r.grad(&my_grads).unwrap()), "∂x"));
+                let mut checked = 0;
+                for layer in [&full, &shared] {
+                    let (mut a, mut b) = (Grads(&grads, Vec::new()), Grads(&my_grads, Vec::new()));
+                    layer.visit(&mut a);
+                    layer.visit(&mut b);
+                    for ((id, want, len), (_, mine, _)) in a.1.into_iter().zip(b.1) {
+                        // the indexer takes no gradient, here as in one process
+                        let mut summed = mine.unwrap_or_else(|| vec![0.0; len]);
+                        g.all_reduce(ReduceBuf::F32(&mut summed), ReduceOp::Sum).unwrap();
+                        match want {
+                            Some(want) => {
+                                worst = worst.max(worst_of(&want, &summed, &format!("parameter {id}")));
+                                checked += 1;
+                            }
+                            None => assert!(summed.iter().all(|&x| x == 0.0), "rank {r}: parameter {id} has a gradient only under CP"),
+                        }
+                    }
+                }
+                println!("rank {r} of {n} (kpool {kpool}, {path:?}): DSA over the gathered latent matches the whole row ({checked} parameter gradients; worst {worst:.1e})");
+            }
+        }
+    }
+
+    #[test]
+    fn context_parallel_dsa_equals_the_whole_row_on_2_3_and_4_ranks() {
+        for np in [2, 3, 4] {
+            let (ok, out, secs) = mpirun(np, "cp_dsa", Duration::from_secs(300));
+            assert!(ok, "mpirun -np {np} cp_dsa failed:\n{out}");
+            assert_eq!(out.matches("DSA over the gathered latent matches the whole row").count(), 6 * np, "{out}");
+            println!("np {np} ({secs:.1} s): {}", out.lines().filter(|l| l.contains("rank 0 of")).collect::<Vec<_>>().join(" | "));
         }
     }
 

@@ -23,6 +23,9 @@ use super::mlp::linear;
 use super::norm::RmsNorm;
 use super::{AttentionImpl, ForwardOptions, TokenMask};
 use crate::config::TextConfig;
+use crate::distributed::collective::all_gather_rows;
+use crate::distributed::context::Chain;
+use crate::distributed::{CollectiveBackend, DistError, Group};
 use crate::generate::cache::DsaCache;
 use crate::ops::backend::Glm5Backend;
 use crate::ops::sparse_attn::{dense_masked, sparse_absorbed};
@@ -113,6 +116,73 @@ impl<B: Backend> MlaAttention<B> {
             outs.push(y);
         }
         (Tensor::cat(outs, 1), all, margin)
+    }
+
+    /// [`Self::forward_documents`] on this rank's shard of a packed row under context
+    /// parallelism ([`crate::distributed::context`]): `x` `[1, T, D]` holds the row's tokens
+    /// `shard` (global rows), `docs` are the row's documents (global). The latent is
+    /// all-gathered over `group` with its global positions (backward reduce-scatters its
+    /// gradient to the owner); a full layer's indexer runs over the gathered row, document by
+    /// document (its inputs gathered untracked: it takes no gradient), so the selection — causal
+    /// masks, pools anchored at each document's first token, the always-selected tail — is
+    /// exactly the unsplit row's; this shard's queries attend in the sparse absorbed form over
+    /// the row's latent. `shared_indices` (a shared layer) are this shard's rows in row
+    /// coordinates. Returns (`[1, T, D]`, this shard's index rows in row coordinates, the
+    /// indexer's margin). Every rank of `group` calls it, with one `chain` per forward.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_context(
+        &self,
+        x: Tensor<B, 3>,
+        docs: &[std::ops::Range<usize>],
+        shard: std::ops::Range<usize>,
+        shared_indices: Option<&[i64]>,
+        group: &Group,
+        chain: &mut Chain<B>,
+        opts: &ForwardOptions,
+    ) -> Result<(Tensor<B, 3>, Vec<i64>, Option<f32>), DistError>
+    where
+        B: Glm5Backend + CollectiveBackend,
+    {
+        let [_, t, _] = x.dims();
+        let p = group.size();
+        let s = t * p;
+        let (h, dq, dv, r) = (self.num_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank);
+        let device = x.device();
+        let q_resid = self.q_a_layernorm.forward(self.q_a_proj.forward(x.clone()));
+        let q = self.q_b_proj.forward(q_resid.clone()).reshape([1, t, h, dq]);
+        let latent = self.kv_a_layernorm.forward(self.kv_a_proj_with_mqa.forward(x.clone()));
+        let latent = all_gather_rows(chain.tie(latent.reshape([t, r])), &vec![t; p], group)?;
+        chain.link(&latent);
+        let latent = latent.reshape([1, s, r]);
+        let w = self.index_width;
+        let (indices, margin) = match (&self.indexer, shared_indices) {
+            (Some(ix), _) => {
+                let gather = |y: Tensor<B, 3>| -> Result<Tensor<B, 3>, DistError> {
+                    let width = y.dims()[2];
+                    Ok(all_gather_rows(y.detach().reshape([t, width]), &vec![t; p], group)?.reshape([1, s, width]))
+                };
+                let (xa, qa) = (gather(x)?, gather(q_resid)?);
+                let (mut all, mut margin) = (vec![-1i64; s * w], None::<f32>);
+                for dr in docs {
+                    let part = |y: &Tensor<B, 3>| {
+                        let width = y.dims()[2];
+                        y.clone().slice([0..1, dr.clone(), 0..width])
+                    };
+                    let (idx, m) = ix.forward(part(&xa), part(&qa), &TokenMask::all(1, dr.len(), &device), opts.attn_path);
+                    for (dst, &i) in all[dr.start * w..dr.end * w].iter_mut().zip(&idx) {
+                        *dst = if i >= 0 { i + dr.start as i64 } else { -1 };
+                    }
+                    margin = Some(margin.map_or(m, |a| a.min(m)));
+                }
+                (all[shard.start * w..shard.end * w].to_vec(), margin)
+            }
+            (None, Some(prev)) => (prev.to_vec(), None),
+            (None, None) => panic!("shared DSA layer without a preceding full indexer (rejected by config validation)"),
+        };
+        let w_ukv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]);
+        let scale = (dq as f64).powf(-0.5);
+        let o = sparse_absorbed(q, latent, w_ukv, &indices, scale, opts.sparse_block, opts.attn_path);
+        Ok((self.o_proj.forward(o.reshape([1, t, h * dv])), indices, margin))
     }
 
     /// `x` `[B, S, D]` → (`[B, S, D]`, the index rows used, the indexer's boundary margin).
