@@ -183,6 +183,37 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         Ok(CausalLmOutput { logits: self.head(text.hidden.clone()), text })
     }
 
+    /// This rank's shard of a packed row under context parallelism: `ids` is the whole row
+    /// (`[1, S]`, every rank of `context.group` passes the same row and images), `context` the
+    /// shard ([`crate::distributed::context::ContextShard`], one per forward). Every rank
+    /// embeds the whole row — the vision tower runs on every rank, so an image whose
+    /// placeholders cross a shard edge is never split — and keeps its shard's rows, which run
+    /// through the decoder with the KDA and DSA exchanges. Returns the shard's logits
+    /// `[1, T, V]` (T = S / cp); the loss of a shard takes [`Self::shifted_targets`] of the whole
+    /// row's labels, so no label is lost at a shard edge.
+    pub fn forward_context(
+        &self,
+        ids: &[i64],
+        images: Option<(Tensor<B, 2>, &[[usize; 3]])>,
+        context: crate::distributed::context::ContextShard<B>,
+        opts: &ForwardOptions,
+        record: bool,
+    ) -> Result<CausalLmOutput<B>, ModelError>
+    where
+        B: Glm5Backend,
+    {
+        let s = ids.len();
+        let embeds = self.embed_multimodal(ids, 1, s, images)?;
+        let d = embeds.dims()[2];
+        let shard = context.shard.clone();
+        let embeds = embeds.slice([0..1, shard.clone(), 0..d]);
+        let mut mask = TokenMask::all(1, shard.len(), &embeds.device());
+        mask.documents = Some(context.docs.docs.clone());
+        mask.context = Some(context);
+        let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
+        Ok(CausalLmOutput { logits: self.head(text.hidden.clone()), text })
+    }
+
     /// Prefill for decoding: runs the prompt (`ids` `[B, S]` row-major, `mask` its validity —
     /// left padding as HF batches prompts —, images for its `<|image|>` placeholders) through
     /// the model, filling fresh per-layer caches. Returns the logits of each row's last
@@ -350,18 +381,28 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     /// The summed shifted cross-entropy and the number of label tokens it covers (to
     /// normalise by the label tokens of a whole global batch).
     pub fn lm_loss_sum(logits: Tensor<B, 3>, labels: &[i64]) -> (Tensor<B, 1>, usize) {
+        let [b, s, _] = logits.dims();
+        Self::target_loss_sum(logits, &Self::shifted_targets(labels, b, s))
+    }
+
+    /// The next-token target of every position of a `[B, S]` label buffer: `labels[t + 1]`,
+    /// −100 at each row's last position.
+    pub fn shifted_targets(labels: &[i64], batch: usize, seq: usize) -> Vec<i64> {
+        (0..batch).flat_map(|b| (0..seq).map(move |t| if t + 1 < seq { labels[b * seq + t + 1] } else { -100 })).collect()
+    }
+
+    /// The summed cross-entropy of `logits` `[B, S, V]` against already shifted `targets`
+    /// `[B, S]` (−100 or out of the vocabulary: not a label) and the number of labels.
+    pub fn target_loss_sum(logits: Tensor<B, 3>, targets: &[i64]) -> (Tensor<B, 1>, usize) {
         let _t = crate::profile::scope("loss");
         let [b, s, v] = logits.dims();
         let device = logits.device();
         let mut target = Vec::with_capacity(b * s);
         let mut weight = Vec::with_capacity(b * s);
-        for bi in 0..b {
-            for t in 0..s {
-                let l = if t + 1 < s { labels[bi * s + t + 1] } else { -100 };
-                let ok = l >= 0 && (l as usize) < v;
-                target.push(if ok { l } else { 0 });
-                weight.push(if ok { 1.0f32 } else { 0.0 });
-            }
+        for &l in &targets[..b * s] {
+            let ok = l >= 0 && (l as usize) < v;
+            target.push(if ok { l } else { 0 });
+            weight.push(if ok { 1.0f32 } else { 0.0 });
         }
         let count = weight.iter().filter(|&&w| w > 0.0).count();
         let target = Tensor::<B, 2, Int>::from_data(TensorData::new(target, [b * s, 1]), &device);

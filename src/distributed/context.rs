@@ -114,6 +114,37 @@ impl ShardDocs {
     }
 }
 
+/// One rank's shard of a packed row under context parallelism, as the layers see it (carried
+/// by [`crate::text::TokenMask::context`]): the group, the row's documents, this shard's rows
+/// and pieces, and the chain ordering this forward's collectives.
+#[derive(Debug, Clone)]
+pub struct ContextShard<B: Backend> {
+    /// The context-parallel group.
+    pub group: Group,
+    /// The whole row's documents (global ranges).
+    pub row_documents: Vec<Range<usize>>,
+    /// This shard's rows of the packed row.
+    pub shard: Range<usize>,
+    /// This shard's document pieces.
+    pub docs: ShardDocs,
+    /// The collectives of one forward, in order ([`Chain`]); a fresh shard per forward.
+    pub chain: std::sync::Arc<std::sync::Mutex<Chain<B>>>,
+}
+
+impl<B: Backend> ContextShard<B> {
+    /// This rank's shard of a row of `len` tokens with documents `row_documents` (an error
+    /// when the group's size does not divide `len`, or the documents do not cover the row).
+    pub fn new(group: Group, row_documents: Vec<Range<usize>>, len: usize) -> Result<Self, DistError> {
+        let (shard, docs) = ShardDocs::of(&row_documents, len, group.rank(), group.size())?;
+        Ok(Self { group, row_documents, shard, docs, chain: Default::default() })
+    }
+
+    /// The chain, locked for one collective.
+    pub fn chain(&self) -> std::sync::MutexGuard<'_, Chain<B>> {
+        self.chain.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// The `keep = W − 1` conv inputs that precede this shard's first token in its document:
 /// `[1, keep, C]`, the previous rank's last rows of `x` `[1, T, C]` (zeros where they belong to
 /// another document, and everywhere when this shard's first document starts here). Every rank

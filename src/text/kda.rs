@@ -150,6 +150,10 @@ impl<B: Backend> KdaAttention<B> {
     where
         B: Glm5Backend,
     {
+        if let Some(cp) = &mask.context {
+            // a failing engine ends the job (as the other collectives of a forward do)
+            return self.forward_context(u, &cp.docs, &cp.group, &mut cp.chain(), opts).expect("context-parallel KDA exchange failed");
+        }
         match &mask.documents {
             Some(docs) if docs.len() > 1 && opts.linear_path == PathKind::Op && matches!(opts.kda, KdaImpl::Chunked(_)) => {
                 self.forward_packed(u, docs, opts)

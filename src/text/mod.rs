@@ -84,6 +84,10 @@ pub struct TokenMask<B: Backend> {
     /// Packed documents of a `B = 1` row (THD layout): token ranges that never see each other
     /// (KDA state and short conv restart, attention and KPool pools stay inside a document).
     pub documents: Option<Vec<std::ops::Range<usize>>>,
+    /// Context parallelism: this `B = 1` batch is one rank's shard of a packed row
+    /// (`documents` then holds the shard's document pieces); KDA and DSA layers exchange
+    /// with the other shards ([`crate::distributed::context`]).
+    pub context: Option<crate::distributed::context::ContextShard<B>>,
 }
 
 impl<B: Backend> TokenMask<B> {
@@ -92,7 +96,7 @@ impl<B: Backend> TokenMask<B> {
         assert_eq!(host.len(), batch * seq, "token mask has the wrong length");
         let f: Vec<f32> = host.iter().map(|&m| if m { 1.0 } else { 0.0 }).collect();
         let float = Tensor::from_data(TensorData::new(f, [batch, seq, 1]), device);
-        Self { host, batch, seq, float, documents: None }
+        Self { host, batch, seq, float, documents: None, context: None }
     }
 
     /// One packed row of documents of the given lengths (`cu_seqlens` = their prefix sums).
