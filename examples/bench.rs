@@ -255,6 +255,7 @@ where
         shard_parameters: true,
         reshard_after_forward: true,
         expert_parallel: 1,
+        context_parallel: 1,
     };
     let mut trainer = Trainer::<A>::new(model, options, &device);
     let micro = [MicroBatch::text(ids.to_vec(), ids.to_vec(), a.batch, a.seq, None)];

@@ -203,7 +203,17 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         B: Glm5Backend,
     {
         let s = ids.len();
-        let embeds = self.embed_multimodal(ids, 1, s, images)?;
+        let embeds = match images {
+            Some(_) => self.embed_multimodal(ids, 1, s, images)?,
+            // text only: ids are embedded as they are, as in `forward`
+            None => {
+                self.check_ids(ids)?;
+                let device = self.language_model.embed_tokens.weight.device();
+                let embeds = self.language_model.embed(Tensor::from_data(TensorData::new(ids.to_vec(), [1, s]), &device));
+                self.gather_unused_vision(&embeds);
+                embeds
+            }
+        };
         let d = embeds.dims()[2];
         let shard = context.shard.clone();
         let embeds = embeds.slice([0..1, shard.clone(), 0..d]);

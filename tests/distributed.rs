@@ -938,6 +938,7 @@ mod mpi_engine {
             "cp_kda" => cp_kda(std::sync::Arc::new(g)),
             "cp_dsa" => cp_dsa(std::sync::Arc::new(g)),
             "cp_model" => cp_model(std::sync::Arc::new(g)),
+            s if s.starts_with("cp_train:") => cp_train(std::sync::Arc::new(g), s),
             "rank_dies" => {
                 if g.rank() == 1 {
                     eprintln!("rank 1: exiting on purpose before the collective");
@@ -1609,6 +1610,90 @@ mod mpi_engine {
         println!("rank {r} of {n}: the VLM on a context-parallel packed row matches the unsplit row (loss {:.6} vs {want_loss:.6}; {checked} parameter gradients; worst {worst:.1e})", sums[0]);
     }
 
+    /// 20 `Trainer` steps under context parallelism against one process: `spec` =
+    /// `cp_train:CP:EP` on the launched world (`dp = world / CP`): packed 48-token rows of
+    /// documents crossing shard edges, sharded parameters, the router bias update; loss and
+    /// gradient-norm traces within 1e-5 relative.
+    fn cp_train(g: std::sync::Arc<MpiGroup>, spec: &str) {
+        use burn::backend::Autodiff;
+        use burn::tensor::backend::Backend;
+        use glm5_burn::data::batch::MicroBatch;
+        use glm5_burn::distributed::Group;
+        use glm5_burn::text::{AttentionImpl, ForwardOptions, KdaImpl};
+        use glm5_burn::train::recipe::Recipe;
+        use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
+        use glm5_burn::{Glm5Config, Glm5ForCausalLM};
+        type AD = Autodiff<burn::backend::Flex>;
+
+        let f: Vec<usize> = spec.split(':').skip(1).map(|x| x.parse().unwrap()).collect();
+        let (cp, ep) = (f[0], f[1]);
+        let (r, n) = (g.rank(), g.size());
+        let dp = n / cp;
+        let group: Group = g.clone();
+        let device = Default::default();
+        AD::seed(&device, 17);
+        let config = Glm5Config::tiny();
+        let model = Glm5ForCausalLM::<AD>::try_new(&config, &device).unwrap();
+        glm5_burn::train::params::materialize(&model);
+        let v = config.text_config.vocab_size as i64;
+        let s = 48;
+        let packed = |step: usize, i: usize| {
+            let ids: Vec<i64> = (0..s).map(|t| ((t * 37 + i * 101 + step * 13 + 5) as i64) % v).collect();
+            let labels: Vec<i64> = ids.iter().enumerate().map(|(t, &x)| if (t + i) % 5 == 0 { -100 } else { x }).collect();
+            let mut m = MicroBatch::text(ids, labels, 1, s, None);
+            // documents crossing the shard edges differently at every step
+            let a = 1 + (step * 7 + i * 3) % 20;
+            let b = 1 + (step * 5 + i) % 13;
+            m.documents = Some(vec![a, b, 1, s - a - b - 1]);
+            m
+        };
+        let recipe = Recipe::from_file(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"),
+            &["--lr_scheduler.lr_warmup_steps=0".into(), "--lr_scheduler.lr_decay_style=constant".into(), "--optimizer.lr=1e-4".into()],
+        )
+        .unwrap();
+        let mut options = TrainOptions::from_recipe(&recipe);
+        options.freeze.freeze_embeddings = false;
+        options.router_bias_update_rate = 1e-3;
+        options.forward = ForwardOptions { attention: AttentionImpl::Sparse, kda: KdaImpl::Chunked(16), ..options.forward };
+        let mut one = Trainer::new(model.clone(), options.clone(), &device);
+        options.data_parallel = Some(group.clone());
+        options.context_parallel = cp;
+        options.expert_parallel = ep;
+        let mut cpt = Trainer::try_new(model.clone(), options, &device).unwrap();
+        let per_step = 2 * dp;
+        let mut worst = 0f64;
+        for step in 1..=20 {
+            let micro: Vec<MicroBatch> = (0..per_step).map(|i| packed(step, i)).collect();
+            let mine: Vec<MicroBatch> = micro.iter().enumerate().filter(|(i, _)| i % dp == r / cp).map(|(_, m)| m.clone()).collect();
+            let (StepOutcome::Applied(a), StepOutcome::Applied(b)) = (one.step(&micro).unwrap(), cpt.step(&mine).unwrap()) else {
+                panic!("step {step} skipped")
+            };
+            for (what, x, y) in [("loss", a.loss, b.loss), ("grad norm", a.grad_norm, b.grad_norm)] {
+                let rel = (x - y).abs() / x.abs();
+                assert!(rel <= 1e-5, "rank {r}, step {step}: {what} {x} (one process) vs {y} (cp {cp}, ep {ep}, {n} ranks)");
+                worst = worst.max(rel);
+            }
+            assert_eq!(a.tokens, b.tokens, "step {step}: tokens");
+        }
+        // validation: this data-parallel group's share (the first group holds the one batch)
+        let share: Vec<MicroBatch> = if r / cp == 0 { vec![packed(99, 0)] } else { Vec::new() };
+        let (va, vb) = (one.evaluate(&[packed(99, 0)]).unwrap(), cpt.evaluate(&share).unwrap());
+        assert!((va.0 - vb.0).abs() <= 1e-5 * va.0.abs() && va.1 == vb.1, "rank {r}: validation {va:?} vs {vb:?}");
+        println!("rank {r} of {n} (cp {cp}, dp {dp}, ep {ep}): 20 context-parallel steps follow one process (worst loss/grad-norm rel {worst:.1e}; validation {:.6} vs {:.6})", vb.0, va.0);
+    }
+
+    /// Context-parallel training equals one process: cp 2 and cp 4, cp 2 × dp 2, cp 2 × ep 2.
+    #[test]
+    fn context_parallel_training_follows_one_process_on_cp2_cp4_cp2xdp2_and_cp2xep2() {
+        for (np, spec) in [(2, "cp_train:2:1"), (4, "cp_train:4:1"), (4, "cp_train:2:1"), (2, "cp_train:2:2")] {
+            let (ok, out, secs) = mpirun(np, spec, Duration::from_secs(600));
+            assert!(ok, "mpirun -np {np} {spec} failed:\n{out}");
+            assert_eq!(out.matches("20 context-parallel steps follow one process").count(), np, "{out}");
+            println!("np {np} {spec} ({secs:.1} s): {}", out.lines().find(|l| l.contains("rank 0 of")).unwrap_or(""));
+        }
+    }
+
     #[test]
     fn context_parallel_model_equals_the_unsplit_row_on_2_3_and_4_ranks() {
         for np in [2, 3, 4] {
@@ -1789,6 +1874,7 @@ fn distributed_flex_trains_bit_for_bit_like_flex() {
             shard_parameters: true,
             reshard_after_forward: true,
             expert_parallel: 1,
+            context_parallel: 1,
         };
         let mut trainer = Trainer::<B>::new(model, options, &device);
         let v = config.text_config.vocab_size as i64;

@@ -147,6 +147,67 @@ pub fn forward_micro<B: Glm5Backend>(
     Ok(model.forward_multimodal(&m.ids, m.batch, m.seq, mask, Some((images, grid)), opts, false)?)
 }
 
+/// Under context parallelism: this rank's shard of one packed micro-batch (`B = 1`; every
+/// rank of `group` passes the same micro-batch), run through
+/// [`Glm5ForCausalLM::forward_context`]. Returns the shard's output and its next-token targets
+/// (the whole row's labels shifted before the split, then cut to the shard).
+pub fn forward_micro_context<B: Glm5Backend>(
+    model: &Glm5ForCausalLM<B>,
+    m: &MicroBatch,
+    group: &crate::distributed::Group,
+    opts: &ForwardOptions,
+    device: &B::Device,
+) -> Result<(CausalLmOutput<B>, Vec<i64>), TrainError> {
+    check_batch(m)?;
+    if m.batch != 1 || m.mask.as_ref().is_some_and(|mk| mk.iter().any(|&v| !v)) {
+        return Err(TrainError::Batch(format!(
+            "context parallelism splits one packed row: this micro-batch has {} rows{} (use packed sequences)",
+            m.batch,
+            if m.mask.is_some() { " with padding" } else { "" }
+        )));
+    }
+    let keep = model
+        .language_model
+        .layers
+        .iter()
+        .find_map(|l| match &l.self_attn {
+            crate::text::decoder::Mixer::Kda(k) => Some(k.q_conv1d.weight.dims()[1] - 1),
+            _ => None,
+        })
+        .unwrap_or(0);
+    let p = group.size();
+    if m.seq % p != 0 || m.seq / p < keep {
+        return Err(TrainError::Batch(format!(
+            "a packed row of {} tokens does not split into {p} equal shards of at least {keep} tokens (the short conv's earlier inputs): \
+             pick a pack length that is a multiple of cp_size",
+            m.seq
+        )));
+    }
+    let lengths = m.documents.clone().unwrap_or_else(|| vec![m.seq]);
+    let mut docs = Vec::with_capacity(lengths.len());
+    let mut at = 0;
+    for l in lengths.into_iter().filter(|&l| l > 0) {
+        docs.push(at..at + l);
+        at += l;
+    }
+    let ctx = crate::distributed::context::ContextShard::new(group.clone(), docs, m.seq)?;
+    let shard = ctx.shard.clone();
+    let images = match &m.images {
+        None => None,
+        Some(im) => {
+            let n = im.pixel_values.len() / im.patch_dim.max(1);
+            if n * im.patch_dim != im.pixel_values.len() {
+                return Err(TrainError::Batch(format!("{} pixel values are not rows of {}", im.pixel_values.len(), im.patch_dim)));
+            }
+            Some(Tensor::<B, 2>::from_data(TensorData::new(im.pixel_values.clone(), [n, im.patch_dim]), device))
+        }
+    };
+    let grid = m.images.as_ref().map(|i| i.grid_thw.as_slice()).unwrap_or(&[]);
+    let out = model.forward_context(&m.ids, images.map(|p| (p, grid)), ctx, opts, false)?;
+    let targets = Glm5ForCausalLM::<B>::shifted_targets(&m.labels, 1, m.seq)[shard].to_vec();
+    Ok((out, targets))
+}
+
 /// Summed cross-entropy and label tokens of one micro-batch, for validation: run it on a
 /// plain backend (`model.valid()` of a training model), not on `Autodiff`. On `Autodiff`, a
 /// forward that no backward consumes keeps its whole graph — the saved activations included —
@@ -158,8 +219,24 @@ pub fn micro_loss_sum<B: Glm5Backend>(
     opts: &ForwardOptions,
     device: &B::Device,
 ) -> Result<(f64, usize), TrainError> {
-    let out = forward_micro(model, m, opts, device)?;
-    let (sum, count) = Glm5ForCausalLM::<B>::lm_loss_sum(out.logits, &m.labels);
+    micro_loss_sum_context(model, m, None, opts, device)
+}
+
+/// [`micro_loss_sum`], of this rank's shard under context parallelism (`cp`: the group).
+pub fn micro_loss_sum_context<B: Glm5Backend>(
+    model: &Glm5ForCausalLM<B>,
+    m: &MicroBatch,
+    cp: Option<&crate::distributed::Group>,
+    opts: &ForwardOptions,
+    device: &B::Device,
+) -> Result<(f64, usize), TrainError> {
+    let (sum, count) = match cp {
+        Some(g) => {
+            let (out, targets) = forward_micro_context(model, m, g, opts, device)?;
+            Glm5ForCausalLM::<B>::target_loss_sum(out.logits, &targets)
+        }
+        None => Glm5ForCausalLM::<B>::lm_loss_sum(forward_micro(model, m, opts, device)?.logits, &m.labels),
+    };
     Ok((sum.into_scalar().elem::<f64>(), count))
 }
 
@@ -221,16 +298,48 @@ pub fn accumulate_share<B: AutodiffBackend + Glm5Backend>(
     device: &B::Device,
     keep_router_logits: bool,
 ) -> Result<Accumulated, TrainError> {
+    accumulate_context(model, micro, global, aux_coef, opts, device, keep_router_logits, None)
+}
+
+/// [`accumulate_share`]; under context parallelism (`cp`: the group, whose ranks all pass the
+/// same micro-batches) each micro-batch runs as this rank's shard of its packed row
+/// ([`forward_micro_context`]), and the shards' gradients summed over the group are the row's.
+/// The load-balancing loss needs the whole row's router statistics and is refused there.
+#[allow(clippy::too_many_arguments)]
+pub fn accumulate_context<B: AutodiffBackend + Glm5Backend>(
+    model: &Glm5ForCausalLM<B>,
+    micro: &[MicroBatch],
+    global: GlobalBatch,
+    aux_coef: f64,
+    opts: &ForwardOptions,
+    device: &B::Device,
+    keep_router_logits: bool,
+    cp: Option<&crate::distributed::Group>,
+) -> Result<Accumulated, TrainError> {
+    if cp.is_some() && aux_coef != 0.0 {
+        return Err(TrainError::Unsupported {
+            what: "the load-balancing loss (moe.aux_loss_coef > 0) under context parallelism: it needs the whole row's router statistics",
+        });
+    }
     let total = global.label_tokens;
     let mut acc = GradientsAccumulator::<Glm5ForCausalLM<B>>::new();
     let mut loss_value = 0.0;
     let mut tokens = 0;
     let mut router_logits = Vec::new();
     for m in micro {
-        let valid: Vec<bool> = m.mask.clone().unwrap_or_else(|| vec![true; m.batch * m.seq]);
+        let (out, sum, valid) = match cp {
+            Some(g) => {
+                let (out, targets) = forward_micro_context(model, m, g, opts, device)?;
+                let (sum, _) = Glm5ForCausalLM::<B>::target_loss_sum(out.logits.clone(), &targets);
+                (out, sum, vec![true; targets.len()])
+            }
+            None => {
+                let out = forward_micro(model, m, opts, device)?;
+                let (sum, _) = Glm5ForCausalLM::<B>::lm_loss_sum(out.logits.clone(), &m.labels);
+                (out, sum, m.mask.clone().unwrap_or_else(|| vec![true; m.batch * m.seq]))
+            }
+        };
         tokens += valid.iter().filter(|&&v| v).count();
-        let out = forward_micro(model, m, opts, device)?;
-        let (sum, _) = Glm5ForCausalLM::<B>::lm_loss_sum(out.logits, &m.labels);
         let mut loss = sum / total.max(1) as f64;
         if aux_coef != 0.0 {
             if let Some(aux) = model.aux_loss(&out.text.router_logits, &valid) {

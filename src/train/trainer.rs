@@ -44,7 +44,7 @@ use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, materi
 use super::recipe::{FreezeConfig, NonFinitePolicy, Precision, Recipe};
 use super::schedule::LrSchedule;
 use super::sharded;
-use super::step::{accumulate_share, micro_loss_sum, non_finite, GlobalBatch, StepMetrics, TrainError};
+use super::step::{accumulate_context, micro_loss_sum_context, non_finite, GlobalBatch, StepMetrics, TrainError};
 use crate::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
 use crate::data::batch::MicroBatch;
 use crate::data::fingerprint::DataFingerprint;
@@ -97,6 +97,11 @@ pub struct TrainOptions {
     /// expert-parallel group; the experts' gradients are summed over the ranks holding the same
     /// experts ([`super::data_parallel::ExpertMesh`]).
     pub expert_parallel: usize,
+    /// Context parallelism: each packed micro-batch split into contiguous shards over groups
+    /// of this many consecutive ranks of the data-parallel group (`distributed.cp_size`; 1:
+    /// off). The ranks of a group pass the same micro-batches; KDA and DSA exchange across the
+    /// shards ([`crate::distributed::context`]); gradients are summed over the whole group.
+    pub context_parallel: usize,
 }
 
 impl TrainOptions {
@@ -124,6 +129,7 @@ impl TrainOptions {
             shard_parameters: r.distributed.shard_parameters,
             reshard_after_forward: r.distributed.reshard_after_forward,
             expert_parallel: r.distributed.ep_size,
+            context_parallel: r.distributed.cp_size,
         }
     }
 }
@@ -168,6 +174,8 @@ where
     device: B::Device,
     /// Under expert parallelism: the expert-data-parallel group and the experts' parameter ids.
     experts: Option<(Group, HashSet<ParamId>)>,
+    /// Under context parallelism: this rank's context-parallel group.
+    context: Option<Group>,
 }
 
 fn adamw<B: AutodiffBackend>(o: &TrainOptions) -> Adam<B>
@@ -208,6 +216,23 @@ where
             model = expert_parallel_model(model, mesh.ep)?;
             experts = Some((mesh.edp, expert_param_ids(&model)));
         }
+        let mut context = None;
+        if options.context_parallel > 1 {
+            let Some(g) = &world else {
+                return Err(TrainError::Unsupported {
+                    what: "context parallelism (context_parallel > 1) without a data-parallel group of several ranks",
+                });
+            };
+            let cp = options.context_parallel;
+            if g.size() % cp != 0 {
+                return Err(crate::distributed::DistError::Counts {
+                    op: "context parallelism",
+                    message: format!("cp_size {cp} does not divide the {} ranks", g.size()),
+                }
+                .into());
+            }
+            context = Some(Group::from(g.split(g.rank() / cp, g.rank())?));
+        }
         if let Some(g) = &world {
             if options.shard_parameters || experts.is_some() {
                 let edp = experts.as_ref().map(|(edp, _)| edp.clone());
@@ -223,6 +248,7 @@ where
             data_fingerprint: None,
             device: device.clone(),
             experts,
+            context,
         })
     }
 
@@ -346,16 +372,19 @@ where
                     "micro-batches per rank {counts:?}: with sharded parameters every rank runs the same number (global batch a multiple of local × dp)"
                 )));
             }
-            global = GlobalBatch { label_tokens: sum_usize(&**g, global.label_tokens)?, micro_batches: counts.iter().sum() };
+            // the ranks of a context-parallel group all count the same micro-batches
+            let cp = self.context.as_ref().map_or(1, |c| c.size());
+            global = GlobalBatch { label_tokens: sum_usize(&**g, global.label_tokens)? / cp, micro_batches: counts.iter().sum::<usize>() / cp };
         }
+        let cp = self.context.as_ref();
         match o.precision {
             Precision::F32 => {
-                let acc = accumulate_share(master, micro, global, o.aux_loss_coef, &o.forward, &self.device, keep_router)?;
+                let acc = accumulate_context(master, micro, global, o.aux_loss_coef, &o.forward, &self.device, keep_router, cp)?;
                 Ok((acc.grads, acc.loss, acc.label_tokens, acc.tokens, acc.router_logits))
             }
             Precision::Bf16 => {
                 let compute = compute_copy(master, DType::BF16);
-                let acc = accumulate_share(&compute, micro, global, o.aux_loss_coef, &o.forward, &self.device, keep_router)?;
+                let acc = accumulate_context(&compute, micro, global, o.aux_loss_coef, &o.forward, &self.device, keep_router, cp)?;
                 let mut grads = acc.grads;
                 grads_to_f32::<B, _>(master, &mut grads);
                 Ok((grads, acc.loss, acc.label_tokens, acc.tokens, acc.router_logits))
@@ -412,16 +441,18 @@ where
             (Some(_), Some(g)) => gather_usize(&**g, batches.len())?.into_iter().max().unwrap_or(0),
             _ => batches.len(),
         };
-        let filler = || batches.first().cloned().unwrap_or_else(|| MicroBatch::text(vec![0; 2], vec![-100; 2], 1, 2, None));
+        // (under context parallelism each shard must hold a short conv's window)
+        let len = 8 * self.context.as_ref().map_or(1, |c| c.size());
+        let filler = || batches.first().cloned().unwrap_or_else(|| MicroBatch::text(vec![0; len], vec![-100; len], 1, len, None));
         for i in 0..runs {
             match batches.get(i) {
                 Some(b) => {
-                    let (s, c) = micro_loss_sum::<B::InnerBackend>(&model, b, &self.options.forward, &device)?;
+                    let (s, c) = micro_loss_sum_context::<B::InnerBackend>(&model, b, self.context.as_ref(), &self.options.forward, &device)?;
                     sum += s;
                     count += c;
                 }
                 None => {
-                    micro_loss_sum::<B::InnerBackend>(&model, &filler(), &self.options.forward, &device)?;
+                    micro_loss_sum_context::<B::InnerBackend>(&model, &filler(), self.context.as_ref(), &self.options.forward, &device)?;
                 }
             }
         }
