@@ -83,6 +83,11 @@ struct Args {
     /// Print time per model part.
     #[arg(long)]
     profile: bool,
+    /// Context parallelism for `--mode train` (built with `--features mpi`, launched with
+    /// `mpirun -np N`, N the CP size): the `--seq`-token row (one document, batch 1) split into
+    /// N shards; rank 0 reports (its peak RSS: the ranks hold alike).
+    #[arg(long, default_value_t = 1)]
+    cp: usize,
     /// Train with activation checkpointing (`Autodiff<Flex, BalancedCheckpointing>`).
     #[arg(long)]
     checkpointing: bool,
@@ -257,9 +262,49 @@ where
         expert_parallel: 1,
         context_parallel: 1,
     };
-    let mut trainer = Trainer::<A>::new(model, options, &device);
-    let micro = [MicroBatch::text(ids.to_vec(), ids.to_vec(), a.batch, a.seq, None)];
+    let mut options = options;
+    let mut micro = MicroBatch::text(ids.to_vec(), ids.to_vec(), a.batch, a.seq, None);
+    if a.cp > 1 {
+        if a.batch != 1 {
+            bail!("--cp {} splits one row: use --batch 1", a.cp);
+        }
+        options.data_parallel = Some(context_group(a.cp)?);
+        options.context_parallel = a.cp;
+        micro.documents = Some(vec![a.seq]);
+    }
+    let mut trainer = Trainer::<A>::try_new(model, options, &device)?;
+    let micro = [micro];
     timed(a, "train-step", || trainer.step(&micro).map(|_| ()).map_err(anyhow::Error::from))
+}
+
+/// The MPI world as the context-parallel group (it must hold `cp` processes).
+#[cfg(feature = "mpi")]
+fn context_group(cp: usize) -> Result<glm5_burn::distributed::Group> {
+    use glm5_burn::distributed::ProcessGroup;
+    let world = glm5_burn::distributed::MpiGroup::world()?;
+    if world.size() != cp {
+        bail!("--cp {cp} but mpirun started {} processes", world.size());
+    }
+    if world.rank() != 0 {
+        // one report: rank 0's (the ranks hold alike)
+        quiet();
+    }
+    Ok(std::sync::Arc::new(world))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn context_group(cp: usize) -> Result<glm5_burn::distributed::Group> {
+    bail!("--cp {cp} needs the MPI engine: build with `--features mpi` and launch with `mpirun -np {cp}`")
+}
+
+/// Send this process's stdout to /dev/null.
+#[cfg(feature = "mpi")]
+fn quiet() {
+    use std::os::fd::AsRawFd;
+    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+        // SAFETY: dup2 onto stdout's descriptor; `null` stays open until then
+        unsafe { libc::dup2(null.as_raw_fd(), libc::STDOUT_FILENO) };
+    }
 }
 
 /// Warm-up plus timed iterations of `f`; profiles the timed ones when asked.

@@ -227,15 +227,25 @@ fn truncate_metrics(path: &Path, step: usize) -> Result<()> {
 }
 
 /// The data-parallel group of this run: `None` for one process; under `mpirun`, the world,
-/// which must hold exactly `distributed.dp_size` processes running the same recipe.
+/// which must hold exactly `distributed.dp_size × distributed.cp_size` processes running the
+/// same recipe.
 fn data_parallel_group(recipe: &Recipe) -> Result<Option<Group>> {
-    let dp = recipe.distributed.dp_size;
+    let dp = recipe.distributed.dp_size * recipe.distributed.cp_size;
     let launched: usize = std::env::var("OMPI_COMM_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     #[cfg(feature = "mpi")]
     if dp > 1 || launched > 1 {
         use glm5_burn::distributed::{typed::all_gather, MpiGroup, ProcessGroup};
         let world = MpiGroup::world()?;
         if world.size() != dp {
+            let d = &recipe.distributed;
+            if d.cp_size > 1 {
+                bail!(
+                    "distributed.dp_size × distributed.cp_size is {} × {} = {dp} but mpirun started {} processes: launch with `mpirun -np {dp}`",
+                    d.dp_size,
+                    d.cp_size,
+                    world.size()
+                );
+            }
             bail!(
                 "distributed.dp_size is {dp} but mpirun started {} processes: launch with `mpirun -np {dp}`, or pass --distributed.dp_size={}",
                 world.size(),
@@ -303,8 +313,14 @@ where
 {
     let (rank, ranks) = group.as_ref().map(|g| (g.rank(), g.size())).unwrap_or((0, 1));
     quiet_unless_rank_zero(rank);
-    if ranks > 1 {
-        println!("data parallel: {ranks} ranks (MPI), each runs 1/{ranks} of every global batch");
+    // the ranks of a context-parallel group (cp consecutive ranks) share micro-batches
+    let cp = recipe.distributed.cp_size;
+    let (dp_rank, dp_ranks) = (rank / cp, ranks / cp);
+    if dp_ranks > 1 {
+        println!("data parallel: {dp_ranks} ranks (MPI), each runs 1/{dp_ranks} of every global batch");
+    }
+    if cp > 1 {
+        println!("context parallel: cp_size {cp}, each packed row split into {cp} contiguous shards of its ranks");
     }
     let ep = recipe.distributed.ep_size;
     if ep > 1 {
@@ -458,7 +474,7 @@ where
         // this rank's share: every `ranks`-th batch (Trainer::evaluate sums over the ranks)
         let packs: Vec<usize> = (0..v.packs.len()).collect();
         let batches: Vec<MicroBatch> =
-            packs.chunks(local).enumerate().filter(|(j, _)| j % ranks == rank).map(|(_, c)| v.micro_batch(c)).collect::<Result<_, _>>()?;
+            packs.chunks(local).enumerate().filter(|(j, _)| j % dp_ranks == dp_rank).map(|(_, c)| v.micro_batch(c)).collect::<Result<_, _>>()?;
         Ok(Some(trainer.evaluate(&batches)?.0))
     };
 
@@ -533,10 +549,10 @@ where
     while trainer.step < s.max_steps {
         let t0 = Instant::now();
         // every rank draws the whole global batch in the same order and runs its share of it
-        let mut micro = Vec::with_capacity(accum / ranks);
+        let mut micro = Vec::with_capacity(accum / dp_ranks);
         for i in 0..accum {
             let packs = sampler.take(s.local_batch_size);
-            if i % ranks == rank {
+            if i % dp_ranks == dp_rank {
                 micro.push(train.micro_batch(&packs)?);
             }
         }

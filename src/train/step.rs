@@ -149,15 +149,18 @@ pub fn forward_micro<B: Glm5Backend>(
 
 /// Under context parallelism: this rank's shard of one packed micro-batch (`B = 1`; every
 /// rank of `group` passes the same micro-batch), run through
-/// [`Glm5ForCausalLM::forward_context`]. Returns the shard's output and its next-token targets
-/// (the whole row's labels shifted before the split, then cut to the shard).
+/// [`Glm5ForCausalLM::forward_context`]. A row whose length `cp_size` does not divide is
+/// padded at its end with a document of its own (no label, marked invalid, so it changes no
+/// loss, gradient or router statistic — NeMo pads packed rows to a multiple of the CP size
+/// likewise). Returns the shard's output, its next-token targets (the whole row's labels
+/// shifted before the split, then cut to the shard) and its tokens' validity.
 pub fn forward_micro_context<B: Glm5Backend>(
     model: &Glm5ForCausalLM<B>,
     m: &MicroBatch,
     group: &crate::distributed::Group,
     opts: &ForwardOptions,
     device: &B::Device,
-) -> Result<(CausalLmOutput<B>, Vec<i64>), TrainError> {
+) -> Result<(CausalLmOutput<B>, Vec<i64>, Vec<bool>), TrainError> {
     check_batch(m)?;
     if m.batch != 1 || m.mask.as_ref().is_some_and(|mk| mk.iter().any(|&v| !v)) {
         return Err(TrainError::Batch(format!(
@@ -176,21 +179,27 @@ pub fn forward_micro_context<B: Glm5Backend>(
         })
         .unwrap_or(0);
     let p = group.size();
-    if m.seq % p != 0 || m.seq / p < keep {
+    let pad = (p - m.seq % p) % p;
+    let seq = m.seq + pad;
+    if seq / p < keep {
         return Err(TrainError::Batch(format!(
-            "a packed row of {} tokens does not split into {p} equal shards of at least {keep} tokens (the short conv's earlier inputs): \
-             pick a pack length that is a multiple of cp_size",
-            m.seq
+            "a packed row of {} tokens gives shards of {} tokens under cp_size {p}: each must hold the short conv's {keep} earlier inputs",
+            m.seq,
+            seq / p
         )));
     }
-    let lengths = m.documents.clone().unwrap_or_else(|| vec![m.seq]);
+    let (mut ids, mut labels) = (m.ids.clone(), m.labels.clone());
+    ids.resize(seq, 0);
+    labels.resize(seq, -100);
+    let mut lengths = m.documents.clone().unwrap_or_else(|| vec![m.seq]);
+    lengths.push(pad);
     let mut docs = Vec::with_capacity(lengths.len());
     let mut at = 0;
     for l in lengths.into_iter().filter(|&l| l > 0) {
         docs.push(at..at + l);
         at += l;
     }
-    let ctx = crate::distributed::context::ContextShard::new(group.clone(), docs, m.seq)?;
+    let ctx = crate::distributed::context::ContextShard::new(group.clone(), docs, seq)?;
     let shard = ctx.shard.clone();
     let images = match &m.images {
         None => None,
@@ -203,9 +212,10 @@ pub fn forward_micro_context<B: Glm5Backend>(
         }
     };
     let grid = m.images.as_ref().map(|i| i.grid_thw.as_slice()).unwrap_or(&[]);
-    let out = model.forward_context(&m.ids, images.map(|p| (p, grid)), ctx, opts, false)?;
-    let targets = Glm5ForCausalLM::<B>::shifted_targets(&m.labels, 1, m.seq)[shard].to_vec();
-    Ok((out, targets))
+    let out = model.forward_context(&ids, images.map(|p| (p, grid)), ctx, opts, false)?;
+    let targets = Glm5ForCausalLM::<B>::shifted_targets(&labels, 1, seq)[shard.clone()].to_vec();
+    let valid = shard.map(|t| t < m.seq).collect();
+    Ok((out, targets, valid))
 }
 
 /// Summed cross-entropy and label tokens of one micro-batch, for validation: run it on a
@@ -232,7 +242,7 @@ pub fn micro_loss_sum_context<B: Glm5Backend>(
 ) -> Result<(f64, usize), TrainError> {
     let (sum, count) = match cp {
         Some(g) => {
-            let (out, targets) = forward_micro_context(model, m, g, opts, device)?;
+            let (out, targets, _) = forward_micro_context(model, m, g, opts, device)?;
             Glm5ForCausalLM::<B>::target_loss_sum(out.logits, &targets)
         }
         None => Glm5ForCausalLM::<B>::lm_loss_sum(forward_micro(model, m, opts, device)?.logits, &m.labels),
@@ -329,9 +339,9 @@ pub fn accumulate_context<B: AutodiffBackend + Glm5Backend>(
     for m in micro {
         let (out, sum, valid) = match cp {
             Some(g) => {
-                let (out, targets) = forward_micro_context(model, m, g, opts, device)?;
+                let (out, targets, valid) = forward_micro_context(model, m, g, opts, device)?;
                 let (sum, _) = Glm5ForCausalLM::<B>::target_loss_sum(out.logits.clone(), &targets);
-                (out, sum, vec![true; targets.len()])
+                (out, sum, valid)
             }
             None => {
                 let out = forward_micro(model, m, opts, device)?;
