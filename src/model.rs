@@ -430,6 +430,41 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     /// Load-balancing loss over the MoE layers' router logits (`[B·S, E]` each); `mask`
     /// `[B·S]` excludes padding like the reference.
     pub fn aux_loss(&self, router_logits: &[Tensor<B, 2>], mask: &[bool]) -> Option<Tensor<B, 1>> {
+        let (tokens, probs_sum, total) = self.aux_parts(router_logits, mask)?;
+        Some(self.aux_combine(tokens, probs_sum, total))
+    }
+
+    /// [`Self::aux_loss`] of a whole packed row under context parallelism, from this rank's
+    /// shard (`router_logits` and `mask` of its tokens): the routed-token counts and router
+    /// probability sums are summed over the context-parallel group (the sums differentiably),
+    /// so every rank computes the row's loss; each returns `1/C` of it, so the group's summed
+    /// gradient is the row's.
+    pub fn aux_loss_context(
+        &self,
+        router_logits: &[Tensor<B, 2>],
+        mask: &[bool],
+        context: &crate::distributed::context::ContextShard<B>,
+    ) -> Result<Option<Tensor<B, 1>>, crate::distributed::DistError>
+    where
+        B: crate::distributed::CollectiveBackend,
+    {
+        let Some((mut tokens, probs_sum, total)) = self.aux_parts(router_logits, mask) else { return Ok(None) };
+        let g = &context.group;
+        let mut counts: Vec<f64> = tokens.iter().map(|&t| t as f64).chain([total as f64]).collect();
+        g.all_reduce(crate::distributed::ReduceBuf::F64(&mut counts), crate::distributed::ReduceOp::Sum)?;
+        for (t, c) in tokens.iter_mut().zip(&counts) {
+            *t = *c as f32;
+        }
+        let total = counts[tokens.len()] as f32;
+        let mut chain = context.chain();
+        let probs_sum = crate::distributed::collective::all_reduce_sum(chain.tie(probs_sum), g)?;
+        chain.link(&probs_sum);
+        Ok(Some(self.aux_combine(tokens, probs_sum, total) / g.size() as f64))
+    }
+
+    /// Routed-token counts per expert, summed router probabilities `[E]` and the token count
+    /// (× layers) of the load-balancing loss.
+    fn aux_parts(&self, router_logits: &[Tensor<B, 2>], mask: &[bool]) -> Option<(Vec<f32>, Tensor<B, 1>, f32)> {
         let first = router_logits.first()?;
         let device = first.device();
         let e = self.num_experts;
@@ -456,8 +491,14 @@ impl<B: Backend> Glm5ForCausalLM<B> {
                 Some(acc) => acc + s,
             });
         }
-        let f = Tensor::<B, 1>::from_data(TensorData::new(tokens, [e]), &device) / total as f64;
-        let p = probs_sum? / total as f64;
-        Some((f * p).sum() * e as f64)
+        Some((tokens, probs_sum?, total))
+    }
+
+    /// `E · Σ_e f_e P_e` from [`Self::aux_parts`].
+    fn aux_combine(&self, tokens: Vec<f32>, probs_sum: Tensor<B, 1>, total: f32) -> Tensor<B, 1> {
+        let e = self.num_experts;
+        let f = Tensor::<B, 1>::from_data(TensorData::new(tokens, [e]), &probs_sum.device()) / total as f64;
+        let p = probs_sum / total as f64;
+        (f * p).sum() * e as f64
     }
 }

@@ -1652,8 +1652,9 @@ mod mpi_engine {
     }
 
     /// 20 `Trainer` steps under context parallelism against one process: `spec` =
-    /// `cp_train:CP:EP` on the launched world (`dp = world / CP`): packed 48-token rows of
-    /// documents crossing shard edges, sharded parameters, the router bias update; loss and
+    /// `cp_train:CP:EP:AUX` on the launched world (`dp = world / CP`): packed 48-token rows of
+    /// documents crossing shard edges, sharded parameters, the router bias update, with `AUX` =
+    /// 1 the load-balancing loss (from the whole row's router statistics); loss and
     /// gradient-norm traces within 1e-5 relative.
     fn cp_train(g: std::sync::Arc<MpiGroup>, spec: &str) {
         use burn::backend::Autodiff;
@@ -1667,7 +1668,7 @@ mod mpi_engine {
         type AD = Autodiff<burn::backend::Flex>;
 
         let f: Vec<usize> = spec.split(':').skip(1).map(|x| x.parse().unwrap()).collect();
-        let (cp, ep) = (f[0], f[1]);
+        let (cp, ep, aux) = (f[0], f[1], f[2] == 1);
         let (r, n) = (g.rank(), g.size());
         let dp = n / cp;
         let group: Group = g.clone();
@@ -1696,6 +1697,7 @@ mod mpi_engine {
         let mut options = TrainOptions::from_recipe(&recipe);
         options.freeze.freeze_embeddings = false;
         options.router_bias_update_rate = 1e-3;
+        options.aux_loss_coef = if aux { 1e-2 } else { 0.0 };
         options.forward = ForwardOptions { attention: AttentionImpl::Sparse, kda: KdaImpl::Chunked(16), ..options.forward };
         let mut one = Trainer::new(model.clone(), options.clone(), &device);
         options.data_parallel = Some(group.clone());
@@ -1721,13 +1723,14 @@ mod mpi_engine {
         let share: Vec<MicroBatch> = if r / cp == 0 { vec![packed(99, 0)] } else { Vec::new() };
         let (va, vb) = (one.evaluate(&[packed(99, 0)]).unwrap(), cpt.evaluate(&share).unwrap());
         assert!((va.0 - vb.0).abs() <= 1e-5 * va.0.abs() && va.1 == vb.1, "rank {r}: validation {va:?} vs {vb:?}");
-        println!("rank {r} of {n} (cp {cp}, dp {dp}, ep {ep}): 20 context-parallel steps follow one process (worst loss/grad-norm rel {worst:.1e}; validation {:.6} vs {:.6})", vb.0, va.0);
+        println!("rank {r} of {n} (cp {cp}, dp {dp}, ep {ep}, load-balancing loss {aux}): 20 context-parallel steps follow one process (worst loss/grad-norm rel {worst:.1e}; validation {:.6} vs {:.6})", vb.0, va.0);
     }
 
-    /// Context-parallel training equals one process: cp 2 and cp 4, cp 2 × dp 2, cp 2 × ep 2.
+    /// Context-parallel training equals one process: cp 2 and cp 4, cp 2 × dp 2, cp 2 × ep 2
+    /// (the load-balancing loss on in the cp 2 and cp 2 × dp 2 runs).
     #[test]
     fn context_parallel_training_follows_one_process_on_cp2_cp4_cp2xdp2_and_cp2xep2() {
-        for (np, spec) in [(2, "cp_train:2:1"), (4, "cp_train:4:1"), (4, "cp_train:2:1"), (2, "cp_train:2:2")] {
+        for (np, spec) in [(2, "cp_train:2:1:1"), (4, "cp_train:4:1:0"), (4, "cp_train:2:1:1"), (2, "cp_train:2:2:0")] {
             let (ok, out, secs) = mpirun(np, spec, Duration::from_secs(600));
             assert!(ok, "mpirun -np {np} {spec} failed:\n{out}");
             assert_eq!(out.matches("20 context-parallel steps follow one process").count(), np, "{out}");

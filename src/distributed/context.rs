@@ -245,10 +245,10 @@ pub fn kda_context<B: CollectiveBackend + Glm5Backend>(
     };
     // the state arriving at this shard: chained over the ranks before it, in fp32
     let mut s_in = Tensor::<B, 4>::zeros([1, h, dk, dv], (&device, DType::F32));
-    for j in 0..group.rank() {
+    for (j, &carry) in carries.iter().enumerate().take(group.rank()) {
         let row = all.clone().slice([j..j + 1, 0..nm + ns]);
         let s_j = row.clone().slice([0..1, nm..nm + ns]).reshape([1, h, dk, dv]);
-        s_in = if carries[j] == 1 { row.slice([0..1, 0..nm]).reshape([1, h, dk, dk]).matmul(s_in) + s_j } else { s_j };
+        s_in = if carry == 1 { row.slice([0..1, 0..nm]).reshape([1, h, dk, dk]).matmul(s_in) + s_j } else { s_j };
     }
     // o_t += S_inᵀ (M_tᵀ q_t) on the first piece
     let correction = m_q.cast(DType::F32).swap_dims(1, 2).matmul(s_in).swap_dims(1, 2).cast(dtype);

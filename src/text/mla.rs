@@ -30,6 +30,9 @@ use crate::generate::cache::DsaCache;
 use crate::ops::backend::Glm5Backend;
 use crate::ops::sparse_attn::{dense_masked, sparse_absorbed};
 
+/// A DSA layer's output: `[B, S, D]`, the index rows used, the indexer's boundary margin.
+pub type MlaOutput<B> = (Tensor<B, 3>, Vec<i64>, Option<f32>);
+
 /// The DSA layer: MLA with a shared latent (`kv_lora_rank`), NoPE heads and KPool-indexed token selection (HF `Glm5NextTextAttention`).
 #[derive(Module, Debug)]
 pub struct MlaAttention<B: Backend> {
@@ -139,7 +142,7 @@ impl<B: Backend> MlaAttention<B> {
         group: &Group,
         chain: &mut Chain<B>,
         opts: &ForwardOptions,
-    ) -> Result<(Tensor<B, 3>, Vec<i64>, Option<f32>), DistError>
+    ) -> Result<MlaOutput<B>, DistError>
     where
         B: Glm5Backend + CollectiveBackend,
     {

@@ -519,15 +519,6 @@ impl Recipe {
                 format!("({}) must divide the world size distributed.dp_size × distributed.cp_size ({} × {})", d.ep_size, d.dp_size, d.cp_size),
             );
         }
-        if d.cp_size > 1 && self.moe.aux_loss_coef != 0.0 {
-            return bad(
-                "distributed.cp_size",
-                format!(
-                    "is {} with moe.aux_loss_coef {}: the load-balancing loss needs the whole row's router statistics, which context parallelism splits (use 0, or the aux-loss-free moe.router_bias_update_rate)",
-                    d.cp_size, self.moe.aux_loss_coef
-                ),
-            );
-        }
         if s.global_batch_size % (s.local_batch_size * d.dp_size) != 0 {
             return bad(
                 "step_scheduler.global_batch_size",

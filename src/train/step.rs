@@ -147,6 +147,10 @@ pub fn forward_micro<B: Glm5Backend>(
     Ok(model.forward_multimodal(&m.ids, m.batch, m.seq, mask, Some((images, grid)), opts, false)?)
 }
 
+/// A context-parallel shard's output, next-token targets, token validity and the shard (whose
+/// chain orders the forward's collectives).
+pub type ShardOutput<B> = (CausalLmOutput<B>, Vec<i64>, Vec<bool>, crate::distributed::context::ContextShard<B>);
+
 /// Under context parallelism: this rank's shard of one packed micro-batch (`B = 1`; every
 /// rank of `group` passes the same micro-batch), run through
 /// [`Glm5ForCausalLM::forward_context`]. A row whose length `cp_size` does not divide is
@@ -160,7 +164,7 @@ pub fn forward_micro_context<B: Glm5Backend>(
     group: &crate::distributed::Group,
     opts: &ForwardOptions,
     device: &B::Device,
-) -> Result<(CausalLmOutput<B>, Vec<i64>, Vec<bool>), TrainError> {
+) -> Result<ShardOutput<B>, TrainError> {
     check_batch(m)?;
     if m.batch != 1 || m.mask.as_ref().is_some_and(|mk| mk.iter().any(|&v| !v)) {
         return Err(TrainError::Batch(format!(
@@ -212,10 +216,10 @@ pub fn forward_micro_context<B: Glm5Backend>(
         }
     };
     let grid = m.images.as_ref().map(|i| i.grid_thw.as_slice()).unwrap_or(&[]);
-    let out = model.forward_context(&ids, images.map(|p| (p, grid)), ctx, opts, false)?;
+    let out = model.forward_context(&ids, images.map(|p| (p, grid)), ctx.clone(), opts, false)?;
     let targets = Glm5ForCausalLM::<B>::shifted_targets(&labels, 1, seq)[shard.clone()].to_vec();
     let valid = shard.map(|t| t < m.seq).collect();
-    Ok((out, targets, valid))
+    Ok((out, targets, valid, ctx))
 }
 
 /// Summed cross-entropy and label tokens of one micro-batch, for validation: run it on a
@@ -242,7 +246,7 @@ pub fn micro_loss_sum_context<B: Glm5Backend>(
 ) -> Result<(f64, usize), TrainError> {
     let (sum, count) = match cp {
         Some(g) => {
-            let (out, targets, _) = forward_micro_context(model, m, g, opts, device)?;
+            let (out, targets, _, _) = forward_micro_context(model, m, g, opts, device)?;
             Glm5ForCausalLM::<B>::target_loss_sum(out.logits, &targets)
         }
         None => Glm5ForCausalLM::<B>::lm_loss_sum(forward_micro(model, m, opts, device)?.logits, &m.labels),
@@ -313,8 +317,8 @@ pub fn accumulate_share<B: AutodiffBackend + Glm5Backend>(
 
 /// [`accumulate_share`]; under context parallelism (`cp`: the group, whose ranks all pass the
 /// same micro-batches) each micro-batch runs as this rank's shard of its packed row
-/// ([`forward_micro_context`]), and the shards' gradients summed over the group are the row's.
-/// The load-balancing loss needs the whole row's router statistics and is refused there.
+/// ([`forward_micro_context`]), and the shards' gradients summed over the group are the row's
+/// (the load-balancing loss from the row's router statistics, [`Glm5ForCausalLM::aux_loss_context`]).
 #[allow(clippy::too_many_arguments)]
 pub fn accumulate_context<B: AutodiffBackend + Glm5Backend>(
     model: &Glm5ForCausalLM<B>,
@@ -326,33 +330,32 @@ pub fn accumulate_context<B: AutodiffBackend + Glm5Backend>(
     keep_router_logits: bool,
     cp: Option<&crate::distributed::Group>,
 ) -> Result<Accumulated, TrainError> {
-    if cp.is_some() && aux_coef != 0.0 {
-        return Err(TrainError::Unsupported {
-            what: "the load-balancing loss (moe.aux_loss_coef > 0) under context parallelism: it needs the whole row's router statistics",
-        });
-    }
     let total = global.label_tokens;
     let mut acc = GradientsAccumulator::<Glm5ForCausalLM<B>>::new();
     let mut loss_value = 0.0;
     let mut tokens = 0;
     let mut router_logits = Vec::new();
     for m in micro {
-        let (out, sum, valid) = match cp {
+        let (out, sum, valid, shard) = match cp {
             Some(g) => {
-                let (out, targets, valid) = forward_micro_context(model, m, g, opts, device)?;
+                let (out, targets, valid, shard) = forward_micro_context(model, m, g, opts, device)?;
                 let (sum, _) = Glm5ForCausalLM::<B>::target_loss_sum(out.logits.clone(), &targets);
-                (out, sum, valid)
+                (out, sum, valid, Some(shard))
             }
             None => {
                 let out = forward_micro(model, m, opts, device)?;
                 let (sum, _) = Glm5ForCausalLM::<B>::lm_loss_sum(out.logits.clone(), &m.labels);
-                (out, sum, m.mask.clone().unwrap_or_else(|| vec![true; m.batch * m.seq]))
+                (out, sum, m.mask.clone().unwrap_or_else(|| vec![true; m.batch * m.seq]), None)
             }
         };
         tokens += valid.iter().filter(|&&v| v).count();
         let mut loss = sum / total.max(1) as f64;
         if aux_coef != 0.0 {
-            if let Some(aux) = model.aux_loss(&out.text.router_logits, &valid) {
+            let aux = match &shard {
+                Some(shard) => model.aux_loss_context(&out.text.router_logits, &valid, shard)?,
+                None => model.aux_loss(&out.text.router_logits, &valid),
+            };
+            if let Some(aux) = aux {
                 loss = loss + aux * (aux_coef / global.micro_batches.max(1) as f64);
             }
         }
