@@ -121,6 +121,17 @@ mod mpi_engine {
         (out.status.success(), text, secs)
     }
 
+    /// Runs each `(np, scenario)` of `runs` under `mpirun`: it must succeed with `per_rank` lines
+    /// holding `marker` from every rank; prints rank 0's lines.
+    fn run_scenarios(runs: &[(usize, &str)], marker: &str, per_rank: usize, limit: Duration) {
+        for &(np, scenario) in runs {
+            let (ok, out, secs) = mpirun(np, scenario, limit);
+            assert!(ok, "mpirun -np {np} {scenario} failed:\n{out}");
+            assert_eq!(out.matches(marker).count(), per_rank * np, "{out}");
+            println!("np {np} {scenario} ({secs:.1} s): {}", out.lines().filter(|l| l.contains("rank 0 of")).collect::<Vec<_>>().join(" | "));
+        }
+    }
+
     /// Every collective against its definition; run by each rank.
     fn collectives(g: &MpiGroup) {
         let (r, n) = (g.rank(), g.size());
@@ -1730,43 +1741,30 @@ mod mpi_engine {
     /// (the load-balancing loss on in the cp 2 and cp 2 × dp 2 runs).
     #[test]
     fn context_parallel_training_follows_one_process_on_cp2_cp4_cp2xdp2_and_cp2xep2() {
-        for (np, spec) in [(2, "cp_train:2:1:1"), (4, "cp_train:4:1:0"), (4, "cp_train:2:1:1"), (2, "cp_train:2:2:0")] {
-            let (ok, out, secs) = mpirun(np, spec, Duration::from_secs(600));
-            assert!(ok, "mpirun -np {np} {spec} failed:\n{out}");
-            assert_eq!(out.matches("20 context-parallel steps follow one process").count(), np, "{out}");
-            println!("np {np} {spec} ({secs:.1} s): {}", out.lines().find(|l| l.contains("rank 0 of")).unwrap_or(""));
-        }
+        let runs = [(2, "cp_train:2:1:1"), (4, "cp_train:4:1:0"), (4, "cp_train:2:1:1"), (2, "cp_train:2:2:0")];
+        run_scenarios(&runs, "20 context-parallel steps follow one process", 1, Duration::from_secs(600));
     }
 
     #[test]
     fn context_parallel_model_equals_the_unsplit_row_on_2_3_and_4_ranks() {
-        for np in [2, 3, 4] {
-            let (ok, out, secs) = mpirun(np, "cp_model", Duration::from_secs(300));
-            assert!(ok, "mpirun -np {np} cp_model failed:\n{out}");
-            assert_eq!(out.matches("matches the unsplit row").count(), np, "{out}");
-            println!("np {np} ({secs:.1} s): {}", out.lines().find(|l| l.contains("rank 0 of")).unwrap_or(""));
-        }
+        run_scenarios(&[(2, "cp_model"), (3, "cp_model"), (4, "cp_model")], "matches the unsplit row", 1, Duration::from_secs(300));
     }
 
     #[test]
     fn context_parallel_dsa_equals_the_whole_row_on_2_3_and_4_ranks() {
-        for np in [2, 3, 4] {
-            let (ok, out, secs) = mpirun(np, "cp_dsa", Duration::from_secs(300));
-            assert!(ok, "mpirun -np {np} cp_dsa failed:\n{out}");
-            assert_eq!(out.matches("DSA over the gathered latent matches the whole row").count(), 6 * np, "{out}");
-            println!("np {np} ({secs:.1} s): {}", out.lines().filter(|l| l.contains("rank 0 of")).collect::<Vec<_>>().join(" | "));
-        }
+        // 3 KPool sizes × 2 paths per rank
+        run_scenarios(
+            &[(2, "cp_dsa"), (3, "cp_dsa"), (4, "cp_dsa")],
+            "DSA over the gathered latent matches the whole row",
+            6,
+            Duration::from_secs(300),
+        );
     }
 
     #[test]
     fn context_parallel_kda_equals_the_whole_row_on_2_3_and_4_ranks() {
-        for np in [2, 3, 4] {
-            let (ok, out, secs) = mpirun(np, "cp_kda", Duration::from_secs(300));
-            assert!(ok, "mpirun -np {np} cp_kda failed:\n{out}");
-            assert_eq!(out.matches("KDA state handed over matches the whole row").count(), 2 * np, "{out}");
-            assert_eq!(out.matches("KDA layer with conv halo and state matches the whole row").count(), 2 * np, "{out}");
-            println!("np {np} ({secs:.1} s): {}", out.lines().filter(|l| l.contains("rank 0 of")).collect::<Vec<_>>().join(" | "));
-        }
+        // the recurrence alone and the layer, on 2 paths per rank
+        run_scenarios(&[(2, "cp_kda"), (3, "cp_kda"), (4, "cp_kda")], "matches the whole row", 4, Duration::from_secs(300));
     }
 
     /// Expert parallelism in training equals one process: ep 2 on 2 ranks (8 experts, every
@@ -1774,13 +1772,9 @@ mod mpi_engine {
     /// sharded), ep 3 on 3 ranks (12 experts).
     #[test]
     fn expert_parallel_training_follows_one_process_on_meshes_of_2_3_and_4_ranks() {
-        for (np, spec) in [(2, "ep_train:2:8:0:1"), (4, "ep_train:2:8:1:0"), (4, "ep_train:4:8:1:0"), (3, "ep_train:3:12:1:0")] {
-            let (ok, out, secs) = mpirun(np, spec, Duration::from_secs(600));
-            assert!(ok, "mpirun -np {np} {spec} failed:\n{out}");
-            assert_eq!(out.matches("gradients match one process").count(), np, "{out}");
-            assert_eq!(out.matches("20 steps follow one process").count(), np, "{out}");
-            println!("np {np} {spec} ({secs:.1} s): {}", out.lines().filter(|l| l.contains("rank 0 of")).collect::<Vec<_>>().join(" | "));
-        }
+        let runs = [(2, "ep_train:2:8:0:1"), (4, "ep_train:2:8:1:0"), (4, "ep_train:4:8:1:0"), (3, "ep_train:3:12:1:0")];
+        // "gradients match one process", then "20 steps follow one process"
+        run_scenarios(&runs, "one process", 2, Duration::from_secs(600));
     }
 
     #[test]
