@@ -203,6 +203,17 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         B: Glm5Backend,
     {
         let s = ids.len();
+        let (shard, cp) = (context.shard.clone(), context.group.size());
+        let keep = self.conv_window();
+        if s != shard.len() * cp || shard.len() < keep {
+            return Err(ModelError::Input {
+                name: "input_ids".into(),
+                message: format!(
+                    "{s} ids for a context-parallel shard of {} tokens over {cp} ranks (the whole row, each shard at least the short conv's {keep} earlier inputs)",
+                    shard.len()
+                ),
+            });
+        }
         let embeds = match images {
             Some(_) => self.embed_multimodal(ids, 1, s, images)?,
             // text only: ids are embedded as they are, as in `forward`
@@ -215,13 +226,25 @@ impl<B: Backend> Glm5ForCausalLM<B> {
             }
         };
         let d = embeds.dims()[2];
-        let shard = context.shard.clone();
         let embeds = embeds.slice([0..1, shard.clone(), 0..d]);
         let mut mask = TokenMask::all(1, shard.len(), &embeds.device());
         mask.documents = Some(context.docs.docs.clone());
         mask.context = Some(context);
         let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
         Ok(CausalLmOutput { logits: self.head(text.hidden.clone()), text })
+    }
+
+    /// The earlier inputs a KDA layer's short conv reads (`W − 1`; 0 without KDA layers): a
+    /// context-parallel shard must hold at least that many tokens.
+    pub fn conv_window(&self) -> usize {
+        self.language_model
+            .layers
+            .iter()
+            .find_map(|l| match &l.self_attn {
+                crate::text::decoder::Mixer::Kda(k) => Some(k.q_conv1d.weight.dims()[1].saturating_sub(1)),
+                _ => None,
+            })
+            .unwrap_or(0)
     }
 
     /// Prefill for decoding: runs the prompt (`ids` `[B, S]` row-major, `mask` its validity —

@@ -173,15 +173,7 @@ pub fn forward_micro_context<B: Glm5Backend>(
             if m.mask.is_some() { " with padding" } else { "" }
         )));
     }
-    let keep = model
-        .language_model
-        .layers
-        .iter()
-        .find_map(|l| match &l.self_attn {
-            crate::text::decoder::Mixer::Kda(k) => Some(k.q_conv1d.weight.dims()[1] - 1),
-            _ => None,
-        })
-        .unwrap_or(0);
+    let keep = model.conv_window();
     let p = group.size();
     let pad = (p - m.seq % p) % p;
     let seq = m.seq + pad;
