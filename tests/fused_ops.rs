@@ -12,17 +12,26 @@
 //! * `swiglu` (`ops::swiglu`): values on both sides of the limit (clamped elements take no
 //!   gradient), an infinite limit, lengths that do not fill the last parallel block, NaN kept;
 //!   `silu` likewise. Both also bit for bit against the tensor ops they replace.
+//! * `kda_forget_gate` (`ops::kda_gate`): the bounded (sigmoid) and the softplus gate, inputs
+//!   on both sides of the softplus threshold, row counts that do not fill a parallel block;
+//!   the parameter gradients the same bits on one thread and on all.
+//! * `sparse_latent_attention` (`ops::sparse_attn`): index rows with −1s, out-of-range
+//!   entries, duplicates and an all-invalid query; a tiny case, the release head shape
+//!   (64 heads × latent 512) and 1024 queries; `∂kv` the same bits on one thread and on all.
 //!
 //! Bar: 1e-5 relative (fp32, different association orders of the same sums).
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Tensor, TensorPrimitive};
-use glm5_burn::ops::backend::{causal_conv1d, hc_collapse, hc_post, hc_sinkhorn, rms_norm, silu, swiglu, Glm5Backend};
+use glm5_burn::ops::backend::{
+    causal_conv1d, hc_collapse, hc_post, hc_sinkhorn, kda_forget_gate, rms_norm, silu, sparse_latent_attention, swiglu, Glm5Backend,
+};
 use glm5_burn::ops::sinkhorn::{reference_backward, reference_forward};
-use glm5_burn::ops::{conv, hc_streams, rms, swiglu as swiglu_ops};
+use glm5_burn::ops::sparse_attn::{latent_reference, latent_reference_backward};
+use glm5_burn::ops::{conv, hc_streams, kda_gate, rms, swiglu as swiglu_ops};
 
 mod common;
-use common::random::{rel, tensor as t, to_host as host, Rng};
+use common::random::{ints, rel, sparse_case, tensor as t, to_host as host, Rng};
 
 type A = Autodiff<Flex>;
 
@@ -314,5 +323,94 @@ fn fused_silu_matches_reference_ops_and_autodiff() {
         let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
         assert_eq!(bits(&host(silu(t::<Flex, 1>(&x, [n]))), &want), 0, "forward bits");
         assert_eq!(bits(&fused, &oracle), 0, "∂x bits");
+    }
+}
+
+#[test]
+fn fused_sparse_attention_matches_reference_ops_and_autodiff() {
+    for (n, h, r, m, w, seed) in [(5, 2, 8, 11, 6, 1), (3, 64, 512, 40, 32, 2), (1024, 4, 64, 1024, 64, 3)] {
+        let (q, kv, idx) = sparse_case(n, h, r, m, w, seed);
+        let d_o = Rng(seed + 50).vec(n * h * r, 1.0);
+        let scale = (r as f32).powf(-0.5) * 2.0;
+        let what = format!("sparse attention n={n} h={h} r={r} w={w}");
+        let i = || ints::<Flex>(&idx, [n, w]);
+        let (ro, rlse) = latent_reference::<Flex>(t(&q, [n, h, r]), t(&kv, [m, r]), i(), scale);
+        let (fo, flse) = Flex::sparse_latent_attention(prim(&q, [n, h, r]), prim(&kv, [m, r]), i().into_primitive(), scale);
+        let (fo, flse) = (from_prim::<3>(fo), from_prim::<2>(flse));
+        check(&format!("{what}: o"), &fo, &host(ro.clone()));
+        check(&format!("{what}: lse"), &flse, &host(rlse.clone()));
+        assert!(fo[h * r..2 * h * r].iter().all(|&v| v == 0.0) && flse[h..2 * h].iter().all(|&v| v == 0.0), "{what}: the all-invalid query");
+
+        // autodiff through the reference forward: independent of either closed form
+        let qa = t::<A, 3>(&q, [n, h, r]).require_grad();
+        let kva = t::<A, 2>(&kv, [m, r]).require_grad();
+        let gr = (latent_reference(qa.clone(), kva.clone(), ints(&idx, [n, w]), scale).0 * t::<A, 3>(&d_o, [n, h, r])).sum().backward();
+        let (adq, adkv) = (host(qa.grad(&gr).unwrap()), host(kva.grad(&gr).unwrap()));
+        let (rdq, rdkv) = latent_reference_backward::<Flex>(t(&q, [n, h, r]), t(&kv, [m, r]), i(), ro, rlse, t(&d_o, [n, h, r]), scale);
+        let fused = || {
+            let (dq, dkv) = Flex::sparse_latent_attention_backward(
+                prim(&q, [n, h, r]),
+                prim(&kv, [m, r]),
+                i().into_primitive(),
+                prim(&fo, [n, h, r]),
+                prim(&flse, [n, h]),
+                prim(&d_o, [n, h, r]),
+                scale,
+            );
+            (from_prim::<3>(dq), from_prim::<2>(dkv))
+        };
+        let (fdq, fdkv) = fused();
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        assert!(one.install(fused) == (fdq.clone(), fdkv.clone()), "{what}: the fused backward depends on the thread count");
+        // and the op under Autodiff<Flex>, as the model calls it
+        let qo = t::<A, 3>(&q, [n, h, r]).require_grad();
+        let kvo = t::<A, 2>(&kv, [m, r]).require_grad();
+        let gr = (sparse_latent_attention(qo.clone(), kvo.clone(), ints(&idx, [n, w]), scale).0 * t::<A, 3>(&d_o, [n, h, r])).sum().backward();
+        for (name, got) in [("reference", host(rdq)), ("fused", fdq), ("Autodiff op", host(qo.grad(&gr).unwrap()))] {
+            check(&format!("{what}: ∂q {name}"), &got, &adq);
+        }
+        for (name, got) in [("reference", host(rdkv)), ("fused", fdkv), ("Autodiff op", host(kvo.grad(&gr).unwrap()))] {
+            check(&format!("{what}: ∂kv {name}"), &got, &adkv);
+        }
+    }
+}
+
+#[test]
+fn fused_kda_forget_gate_matches_reference_ops_and_autodiff() {
+    for (n, h, d, bound, seed) in [(37, 4, 8, Some(5.0), 1), (130, 8, 32, None, 2), (1, 1, 1, Some(1.0), 3), (65, 2, 16, None, 4)] {
+        let c = h * d;
+        let mut g = Rng(seed);
+        // pre-activations from −30 to 30: both sides of the softplus threshold (20)
+        let f: Vec<f32> = g.vec(n * c, 1.0).iter().map(|v| v * 30.0).collect();
+        let (b, a) = (g.vec(c, 1.0), g.vec(h, 1.0));
+        let up = g.vec(n * c, 1.0);
+        let what = format!("kda gate [{n}, {h}×{d}] bound {bound:?}");
+        let want = host(kda_gate::reference_forward(t::<Flex, 2>(&f, [n, c]), t(&b, [c]), t(&a, [h]), bound));
+        let got = from_prim::<2>(Flex::kda_forget_gate(prim(&f, [n, c]), prim(&b, [c]), prim(&a, [h]), bound));
+        check(&format!("{what}: forward"), &got, &want);
+
+        let fa = t::<A, 2>(&f, [n, c]).require_grad();
+        let (ba, aa) = (t::<A, 1>(&b, [c]).require_grad(), t::<A, 1>(&a, [h]).require_grad());
+        let gr = (kda_gate::reference_forward(fa.clone(), ba.clone(), aa.clone(), bound) * t::<A, 2>(&up, [n, c])).sum().backward();
+        let want = [host(fa.grad(&gr).unwrap()), host(ba.grad(&gr).unwrap()), host(aa.grad(&gr).unwrap())];
+
+        let (rf, rb, ra) = kda_gate::reference_backward(t::<Flex, 2>(&f, [n, c]), t(&b, [c]), t(&a, [h]), t(&up, [n, c]), bound);
+        let fused = || {
+            let (df, db, da) = Flex::kda_forget_gate_backward(prim(&f, [n, c]), prim(&b, [c]), prim(&a, [h]), prim(&up, [n, c]), bound);
+            [from_prim::<2>(df), from_prim::<1>(db), from_prim::<1>(da)]
+        };
+        let fu = fused();
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        assert!(one.install(fused) == fu, "{what}: the fused backward depends on the thread count");
+        let fo = t::<A, 2>(&f, [n, c]).require_grad();
+        let (bo, ao) = (t::<A, 1>(&b, [c]).require_grad(), t::<A, 1>(&a, [h]).require_grad());
+        let gr = (kda_forget_gate(fo.clone(), bo.clone(), ao.clone(), bound) * t::<A, 2>(&up, [n, c])).sum().backward();
+        let op = [host(fo.grad(&gr).unwrap()), host(bo.grad(&gr).unwrap()), host(ao.grad(&gr).unwrap())];
+        let reference = [host(rf), host(rb), host(ra)];
+        for (k, name) in ["∂f", "∂dt_bias", "∂A_log"].iter().enumerate() {
+            for (how, got) in [("reference", &reference[k]), ("fused", &fu[k]), ("Autodiff op", &op[k])] {
+                check(&format!("{what}: {name} {how}"), got, &want[k]);
+            }
+        }
     }
 }

@@ -20,7 +20,7 @@ use glm5_burn::ops::kda_pairs as reference;
 use glm5_burn::ops::sparse_attn::{latent_reference, latent_reference_backward};
 
 mod common;
-use common::random::{ints as ti, rel, tensor as t, to_host as host, Rng};
+use common::random::{ints as ti, rel, sparse_case, tensor as t, to_host as host, Rng};
 
 type V = Vulkan;
 
@@ -55,8 +55,8 @@ fn backend_reports_kernels() {
         (OpImpl::Kernel, OpImpl::Kernel, OpImpl::Kernel, OpImpl::Kernel)
     );
     assert_eq!(Autodiff::<V>::sparse_attention_impl(), OpImpl::Kernel);
-    // Flex's are fused host loops, not kernels, and it has none for the attention ops
-    assert_eq!((Flex::kda_pairs_impl(), Flex::kda_scan_impl(), Flex::sparse_attention_impl()), (OpImpl::Fused, OpImpl::Fused, OpImpl::Reference));
+    // Flex's are fused host loops, not kernels
+    assert_eq!((Flex::kda_pairs_impl(), Flex::kda_scan_impl(), Flex::sparse_attention_impl()), (OpImpl::Fused, OpImpl::Fused, OpImpl::Fused));
     println!("backend: {}", V::name(&Default::default()));
 }
 
@@ -115,29 +115,6 @@ fn kda_pair_sums_half_inputs() {
     let e = rel(&host(out.cast(DType::F32)), &refr);
     println!("kda pair sums {half:?} {dims:?}: vs fp32 reference on the rounded inputs {e:.2e}");
     assert!(e <= 1e-2, "{half:?}: {e:e}");
-}
-
-/// Sparse attention case: `n` queries, `h` heads, width `r`, `m` latent rows, `w` entries per
-/// query with −1s, out-of-range entries, duplicates, and one all-invalid query.
-fn sparse_case(n: usize, h: usize, r: usize, m: usize, w: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<i64>) {
-    let mut rng = Rng(seed);
-    let q = rng.vec(n * h * r, 1.0);
-    let kv = rng.vec(m * r, 1.0);
-    let mut idx = Vec::with_capacity(n * w);
-    for i in 0..n {
-        for j in 0..w {
-            let u = (rng.next() + 1.0) * 0.5;
-            idx.push(if i == 1 || u < 0.15 {
-                -1
-            } else if u > 0.97 {
-                m as i64 + 3 // out of range: no entry
-            } else {
-                ((u * 7919.0) as usize % m) as i64
-            });
-            let _ = j;
-        }
-    }
-    (q, kv, idx)
 }
 
 #[test]

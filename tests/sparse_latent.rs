@@ -66,7 +66,7 @@ fn forward_matches_float64_definition() {
     assert!(rel(&host(o), &o32) <= 1e-6);
     let lse = host(lse);
     assert_eq!(&lse[H..2 * H], &[0.0; H], "a query with no entry has lse 0");
-    // the op on Flex is the reference (no kernel there)
+    // the op on Flex: its fused host body
     let (oo, _) = sparse_latent_attention::<Flex>(t(&q, [N, H, R]), t(&kv, [M, R]), ti(&idx, [N, W]), SCALE);
     assert!(rel(&host(oo), &o32) <= 1e-6);
 }

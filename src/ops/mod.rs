@@ -26,6 +26,7 @@ pub mod block_attn;
 pub mod conv;
 pub mod hc_streams;
 pub mod kda;
+pub mod kda_gate;
 mod kda_host;
 pub mod kda_pairs;
 pub mod kda_scan;

@@ -20,6 +20,7 @@
 
 use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, Bool, DType, IndexingUpdateOp, Int, Tensor, TensorData};
+use rayon::prelude::*;
 
 use super::backend::{sparse_latent_attention, Glm5Backend};
 use super::PathKind;
@@ -138,6 +139,126 @@ pub fn scatter_entries<B: Backend>(partials: Tensor<B, 3>, rows: Tensor<B, 2, In
 /// `valid_rows` for the CubeCL backward: each entry's row, `m` where it has none.
 pub fn entry_rows<B: Backend>(idx: Tensor<B, 2, Int>, m: usize) -> Tensor<B, 2, Int> {
     valid_rows(idx, m, m as i64).1
+}
+
+/// Host form of [`latent_reference`] (Flex's fused body): one pass per query row, in
+/// parallel, without the gathered `[N, W, R]` copy — per head, the scores of the valid
+/// entries, their softmax (max-subtracted) and the weighted sum of the latent rows. `q`
+/// `[N, H, R]`, `kv` `[M, R]`, `idx` `[N, W]` → `(o [N, H, R], lse [N, H])`; a query with no
+/// valid entry gives `o = 0`, `lse = 0`, as the reference.
+pub(crate) fn host_forward(q: &[f32], kv: &[f32], idx: &[i64], h: usize, r: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
+    let n = q.len() / (h * r).max(1);
+    let m = kv.len() / r.max(1);
+    let w = idx.len() / n.max(1);
+    let mut o = vec![0f32; n * h * r];
+    let mut lse = vec![0f32; n * h];
+    o.par_chunks_mut(h * r).zip(lse.par_chunks_mut(h)).enumerate().for_each(|(t, (o_t, lse_t))| {
+        let rows: Vec<usize> = idx[t * w..(t + 1) * w].iter().filter(|&&i| i >= 0 && (i as usize) < m).map(|&i| i as usize).collect();
+        if rows.is_empty() {
+            return;
+        }
+        let mut s = vec![0f32; rows.len()];
+        for hh in 0..h {
+            let q_h = &q[(t * h + hh) * r..(t * h + hh + 1) * r];
+            for (sj, &row) in s.iter_mut().zip(&rows) {
+                *sj = dot(q_h, &kv[row * r..(row + 1) * r]) * scale;
+            }
+            let top = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for sj in s.iter_mut() {
+                *sj = (*sj - top).exp();
+                sum += *sj;
+            }
+            let o_h = &mut o_t[hh * r..(hh + 1) * r];
+            for (&pj, &row) in s.iter().zip(&rows) {
+                let pj = pj / sum;
+                o_h.iter_mut().zip(&kv[row * r..(row + 1) * r]).for_each(|(a, c)| *a += pj * c);
+            }
+            lse_t[hh] = top + sum.ln();
+        }
+    });
+    (o, lse)
+}
+
+/// Host form of [`latent_reference_backward`] (Flex's fused body), the same closed form:
+/// per query row in parallel, `∂q` and each valid entry's `∂c_j`; then, per row of `kv` in
+/// parallel, the entries pointing at it summed in query order — a fixed order, so `∂kv` does
+/// not depend on the thread count or on scheduling. `(∂q [N, H, R], ∂kv [M, R])`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn host_backward(
+    q: &[f32],
+    kv: &[f32],
+    idx: &[i64],
+    o: &[f32],
+    lse: &[f32],
+    d_o: &[f32],
+    h: usize,
+    r: usize,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let n = q.len() / (h * r).max(1);
+    let m = kv.len() / r.max(1);
+    let w = idx.len() / n.max(1);
+    let valid = |i: i64| i >= 0 && (i as usize) < m;
+    let mut dq = vec![0f32; n * h * r];
+    let mut dc = vec![0f32; n * w * r]; // per entry, zero for invalid ones
+    dq.par_chunks_mut(h * r).zip(dc.par_chunks_mut(w * r)).enumerate().for_each(|(t, (dq_t, dc_t))| {
+        let entries = &idx[t * w..(t + 1) * w];
+        for hh in 0..h {
+            let at = (t * h + hh) * r..(t * h + hh + 1) * r;
+            let (q_h, o_h, g_h) = (&q[at.clone()], &o[at.clone()], &d_o[at]);
+            let delta = dot(g_h, o_h);
+            let dq_h = &mut dq_t[hh * r..(hh + 1) * r];
+            for (j, &i) in entries.iter().enumerate() {
+                if !valid(i) {
+                    continue;
+                }
+                let c = &kv[i as usize * r..(i as usize + 1) * r];
+                let p = (dot(q_h, c) * scale - lse[t * h + hh]).min(0.0).exp();
+                let ds = p * (dot(g_h, c) - delta);
+                dq_h.iter_mut().zip(c).for_each(|(a, cv)| *a += scale * ds * cv);
+                let dc_j = &mut dc_t[j * r..(j + 1) * r];
+                for ((a, gv), qv) in dc_j.iter_mut().zip(g_h).zip(q_h) {
+                    *a += p * gv + scale * ds * qv;
+                }
+            }
+        }
+    });
+    // entries grouped by their row (a counting sort that keeps query order within a row)
+    let mut start = vec![0usize; m + 1];
+    for &i in idx.iter().filter(|&&i| valid(i)) {
+        start[i as usize + 1] += 1;
+    }
+    for k in 0..m {
+        start[k + 1] += start[k];
+    }
+    let mut order = vec![0usize; start[m]];
+    let mut fill = start.clone();
+    for (e, &i) in idx.iter().enumerate().filter(|(_, &i)| valid(i)) {
+        order[fill[i as usize]] = e;
+        fill[i as usize] += 1;
+    }
+    let mut dkv = vec![0f32; m * r];
+    dkv.par_chunks_mut(r).enumerate().for_each(|(row, acc)| {
+        for &e in &order[start[row]..start[row + 1]] {
+            acc.iter_mut().zip(&dc[e * r..(e + 1) * r]).for_each(|(a, g)| *a += g);
+        }
+    });
+    (dq, dkv)
+}
+
+/// Dot product in eight independent lanes (so the compiler can vectorise it), then the lanes
+/// and the tail in order.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            lanes[k] += x[k] * y[k];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
 }
 
 /// Absorbed-latent sparse form, processed in blocks of `block` queries: `q` `[B, S, H, dq]`,

@@ -20,7 +20,7 @@
 
 use burn::module::{Initializer, Module, Param};
 use burn::nn::Linear;
-use burn::tensor::activation::{sigmoid, softplus};
+use burn::tensor::activation::sigmoid;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
 use super::mlp::linear;
@@ -30,7 +30,7 @@ use crate::config::{Activation, TextConfig};
 use crate::distributed::context::{conv_halo, kda_context, Chain, ShardDocs};
 use crate::distributed::{CollectiveBackend, DistError, Group};
 use crate::generate::cache::KdaCache;
-use crate::ops::backend::{causal_conv1d, Glm5Backend};
+use crate::ops::backend::{causal_conv1d, kda_forget_gate, Glm5Backend};
 use crate::ops::kda::{kda_chunked, kda_recurrent, KdaInputs};
 
 /// Causal depthwise conv taps (`weight` `[C, W]`; tap `W−1` multiplies the current token).
@@ -125,21 +125,17 @@ impl<B: Backend> KdaAttention<B> {
     }
 
     /// Log-space forget gate `g` `[B, T, H, d]` (fp32, ≤ 0).
-    pub fn forget_gate(&self, u: Tensor<B, 3>) -> Tensor<B, 4> {
+    pub fn forget_gate(&self, u: Tensor<B, 3>) -> Tensor<B, 4>
+    where
+        B: Glm5Backend,
+    {
         let [b, t, _] = u.dims();
         let (h, hd) = (self.num_heads, self.head_dim);
-        let f = self.f_b_proj.forward(self.f_a_proj.forward(u)).cast(DType::F32);
-        let g = (f + self.dt_bias.val().cast(DType::F32).reshape([1, 1, h * hd])).reshape([b, t, h, hd]);
-        let a = self.A_log.val().cast(DType::F32).exp().reshape([1, 1, h, 1]);
-        match self.lower_bound {
-            Some(lambda) => sigmoid(g * a) * lambda,
-            // softplus with the reference's threshold: x for x > 20
-            None => {
-                let sp = softplus(g.clone(), 1.0);
-                let sp = sp.mask_where(g.clone().greater_elem(20.0), g);
-                sp * a.neg()
-            }
-        }
+        let f = self.f_b_proj.forward(self.f_a_proj.forward(u)).cast(DType::F32).reshape([b * t, h * hd]);
+        let fp32 = |p: &Param<Tensor<B, 1>>| p.val().cast(DType::F32);
+        // one op (`ops::kda_gate`): as tensor ops the broadcast bias add and per-head scale
+        // were element-by-element passes on Flex, forward and backward
+        kda_forget_gate(f, fp32(&self.dt_bias), fp32(&self.A_log), self.lower_bound).reshape([b, t, h, hd])
     }
 
     /// `u` `[B, T, D]` → `[B, T, D]`. Packed documents each start from a zero state and a

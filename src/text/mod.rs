@@ -25,7 +25,8 @@ pub enum AttentionImpl {
     Dense,
     /// Absorbed-latent attention over the selected indices.
     Sparse,
-    /// Dense up to `dense_max_len` tokens, sparse above.
+    /// Dense up to `dense_max_len` tokens, sparse above — and sparse at every length where
+    /// the sparse op runs as fused host loops (Flex) on the `op` path.
     Auto {
         /// Longest sequence run densely.
         dense_max_len: usize,

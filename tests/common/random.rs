@@ -38,3 +38,26 @@ pub fn rel(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
+
+/// Sparse attention case: `n` queries, `h` heads, width `r`, `m` latent rows, `w` entries per
+/// query with −1s, out-of-range entries, duplicates, and one all-invalid query.
+pub fn sparse_case(n: usize, h: usize, r: usize, m: usize, w: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<i64>) {
+    let mut rng = Rng(seed);
+    let q = rng.vec(n * h * r, 1.0);
+    let kv = rng.vec(m * r, 1.0);
+    let mut idx = Vec::with_capacity(n * w);
+    for i in 0..n {
+        for j in 0..w {
+            let u = (rng.next() + 1.0) * 0.5;
+            idx.push(if i == 1 || u < 0.15 {
+                -1
+            } else if u > 0.97 {
+                m as i64 + 3 // out of range: no entry
+            } else {
+                ((u * 7919.0) as usize % m) as i64
+            });
+            let _ = j;
+        }
+    }
+    (q, kv, idx)
+}

@@ -93,6 +93,21 @@ impl<B: Glm5Backend> Backward<B, 2> for SwigluBackward {
     }
 }
 
+/// KDA's forget gate; holds `f`, `dt_bias`, `a_log` (the backward recomputes the rest).
+#[derive(Debug)]
+struct KdaGateBackward;
+
+impl<B: Glm5Backend> Backward<B, 3> for KdaGateBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, Option<f64>);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (f, dt_bias, a_log, bound) = ops.state;
+        let (df, db, da) = B::kda_forget_gate_backward(f, dt_bias, a_log, grad, bound);
+        register!(grads, ops.parents, [df, db, da]);
+    }
+}
+
 /// SiLU; holds `x`.
 #[derive(Debug)]
 struct SiluBackward;
@@ -355,6 +370,11 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, limit: f64) -> FloatTensor<Self> {
         let out = B::swiglu(gate.primitive.clone(), up.primitive.clone(), limit);
         record!(SwigluBackward, [gate, up], (gate.primitive, up.primitive, limit), out)
+    }
+
+    fn kda_forget_gate(f: FloatTensor<Self>, dt_bias: FloatTensor<Self>, a_log: FloatTensor<Self>, bound: Option<f64>) -> FloatTensor<Self> {
+        let out = B::kda_forget_gate(f.primitive.clone(), dt_bias.primitive.clone(), a_log.primitive.clone(), bound);
+        record!(KdaGateBackward, [f, dt_bias, a_log], (f.primitive, dt_bias.primitive, a_log.primitive, bound), out)
     }
 
     fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -2,15 +2,15 @@
 //! fp32 inputs; other dtypes take the reference ops, keeping their rounding.
 
 use burn::backend::Flex;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::DType;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{DType, Int, Tensor};
 
 use super::prim::*;
 use super::Glm5Backend;
 use crate::ops::adamw::{self, AdamWScalars};
 use crate::ops::kda_scan::ScanInputs;
 use crate::ops::OpImpl;
-use crate::ops::{conv, hc_streams, kda_host, kda_pairs, rms, sinkhorn, swiglu};
+use crate::ops::{conv, hc_streams, kda_gate, kda_host, kda_pairs, rms, sinkhorn, sparse_attn, swiglu};
 
 /// A Flex tensor as contiguous fp32 host memory — the tensor's own buffer when it already
 /// is one (no copy), a converted copy otherwise.
@@ -36,6 +36,12 @@ fn host_n<const D: usize>(t: FloatTensor<Flex>) -> (HostF32, [usize; D]) {
 
 fn host(t: FloatTensor<Flex>) -> (HostF32, [usize; 3]) {
     host_n::<3>(t)
+}
+
+/// An integer Flex tensor's elements as `i64` host values (a copy).
+fn host_i64(t: IntTensor<Flex>) -> Vec<i64> {
+    let data = Tensor::<Flex, 2, Int>::from_primitive(t).into_data().convert::<i64>();
+    data.into_vec::<i64>().expect("converted to i64")
 }
 
 /// A rank-`D` Flex tensor owning host fp32 data (no copy).
@@ -222,6 +228,69 @@ impl Glm5Backend for Flex {
     fn hc_sinkhorn_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>, iters: usize, eps: f64) -> FloatTensor<Self> {
         let ((z, [x, n, _]), (g, _)) = (host(z), host(grad));
         flex_tensor(sinkhorn::host_backward(&z, &g, n, iters, eps as f32), [x, n, n])
+    }
+
+    fn kda_forget_gate(f: FloatTensor<Self>, dt_bias: FloatTensor<Self>, a_log: FloatTensor<Self>, bound: Option<f64>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&f), Some(&dt_bias), Some(&a_log)]) {
+            return kda_gate::reference_forward(f2::<Self>(f), f1(dt_bias), f1(a_log), bound).into_primitive().tensor();
+        }
+        let ((f, [n, c]), (b, _), (a, _)) = (host_n::<2>(f), host_n::<1>(dt_bias), host_n::<1>(a_log));
+        flex_tensor(kda_gate::host_forward(&f, &b, &a, bound.map(|l| l as f32)), [n, c])
+    }
+
+    fn kda_forget_gate_backward(
+        f: FloatTensor<Self>,
+        dt_bias: FloatTensor<Self>,
+        a_log: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        bound: Option<f64>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&f), Some(&dt_bias), Some(&a_log), Some(&grad)]) {
+            let (df, db, da) = kda_gate::reference_backward(f2::<Self>(f), f1(dt_bias), f1(a_log), f2(grad), bound);
+            return (df.into_primitive().tensor(), db.into_primitive().tensor(), da.into_primitive().tensor());
+        }
+        let ((f, [n, c]), (b, _), (a, [h]), (g, _)) = (host_n::<2>(f), host_n::<1>(dt_bias), host_n::<1>(a_log), host_n::<2>(grad));
+        let (df, db, da) = kda_gate::host_backward(&f, &b, &a, &g, bound.map(|l| l as f32));
+        (flex_tensor(df, [n, c]), flex_tensor(db, [c]), flex_tensor(da, [h]))
+    }
+
+    fn sparse_attention_impl() -> OpImpl {
+        OpImpl::Fused
+    }
+
+    fn sparse_latent_attention(
+        q: FloatTensor<Self>,
+        kv: FloatTensor<Self>,
+        idx: IntTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&q), Some(&kv)]) {
+            let (o, lse) = sparse_attn::latent_reference::<Self>(f3(q), f2(kv), Tensor::from_primitive(idx), scale);
+            return (o.into_primitive().tensor(), lse.into_primitive().tensor());
+        }
+        let ((q, [n, h, r]), (kv, _), idx) = (host(q), host_n::<2>(kv), host_i64(idx));
+        let (o, lse) = sparse_attn::host_forward(&q, &kv, &idx, h, r, scale);
+        (flex_tensor(o, [n, h, r]), flex_tensor(lse, [n, h]))
+    }
+
+    fn sparse_latent_attention_backward(
+        q: FloatTensor<Self>,
+        kv: FloatTensor<Self>,
+        idx: IntTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if !all_f32(&[Some(&q), Some(&kv), Some(&o), Some(&d_o)]) {
+            let (dq, dkv) =
+                sparse_attn::latent_reference_backward::<Self>(f3(q), f2(kv), Tensor::from_primitive(idx), f3(o), f2(lse), f3(d_o), scale);
+            return (dq.into_primitive().tensor(), dkv.into_primitive().tensor());
+        }
+        let ((q, [n, h, r]), (kv, [m, _]), idx) = (host(q), host_n::<2>(kv), host_i64(idx));
+        let ((o, _), (lse, _), (d_o, _)) = (host(o), host_n::<2>(lse), host(d_o));
+        let (dq, dkv) = sparse_attn::host_backward(&q, &kv, &idx, &o, &lse, &d_o, h, r, scale);
+        (flex_tensor(dq, [n, h, r]), flex_tensor(dkv, [m, r]))
     }
 
     /// The token recurrence as fused host loops (`ops::kda_host`).

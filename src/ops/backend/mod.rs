@@ -20,6 +20,7 @@
 //! | `rms_norm` (+ backward) | `ops::rms` | fused host loops | reference | hand-written backward |
 //! | `swiglu` (+ backward; the MLPs' clamped SiLU gate) | `ops::swiglu` | fused host loops | reference | hand-written backward |
 //! | `silu` (+ backward; KDA's activation after the short conv) | `ops::swiglu` | fused host loops | reference | hand-written backward |
+//! | `kda_forget_gate` (+ backward; KDA's log-space gate) | `ops::kda_gate` | fused host loops | reference | hand-written backward |
 //! | `adamw_step` (the optimizer's update) | `ops::adamw` | fused host loop | reference | the inner backend's (no gradient) |
 //! | `hc_collapse`, `hc_post` (+ backwards) | `ops::hc_streams` | fused host loops | reference | hand-written backward |
 //! | `hc_sinkhorn` (+ backward) | `ops::sinkhorn` | fused host loops | reference | hand-written backward |
@@ -66,7 +67,7 @@ use super::adamw::{self, AdamWScalars};
 use super::kda_scan::ScanInputs;
 use super::kpool::{self, KpoolSelect};
 use super::OpImpl;
-use super::{block_attn, conv, hc_streams, kda_pairs, kda_scan, rms, sinkhorn, sparse_attn, swiglu};
+use super::{block_attn, conv, hc_streams, kda_gate, kda_pairs, kda_scan, rms, sinkhorn, sparse_attn, swiglu};
 use prim::*;
 
 mod autodiff;
@@ -287,6 +288,26 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         swiglu::reference_silu_backward(f1::<Self>(x), f1::<Self>(grad)).into_primitive().tensor()
     }
 
+    /// KDA's log-space forget gate (`ops::kda_gate`): `f` `[N, H·d]`, `dt_bias` `[H·d]`,
+    /// `a_log` `[H]` → `g` `[N, H·d]`; `bound` λ gives `λ·σ(e^{A_log}(f + dt_bias))`, `None`
+    /// the softplus gate. Default: the reference tensor ops.
+    fn kda_forget_gate(f: FloatTensor<Self>, dt_bias: FloatTensor<Self>, a_log: FloatTensor<Self>, bound: Option<f64>) -> FloatTensor<Self> {
+        kda_gate::reference_forward(f2::<Self>(f), f1(dt_bias), f1(a_log), bound).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::kda_forget_gate`]: `(∂f, ∂dt_bias, ∂a_log)`. Default: the reference
+    /// closed form.
+    fn kda_forget_gate_backward(
+        f: FloatTensor<Self>,
+        dt_bias: FloatTensor<Self>,
+        a_log: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        bound: Option<f64>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (df, db, da) = kda_gate::reference_backward(f2::<Self>(f), f1(dt_bias), f1(a_log), f2(grad), bound);
+        (df.into_primitive().tensor(), db.into_primitive().tensor(), da.into_primitive().tensor())
+    }
+
     /// One AdamW update of a flat parameter `p` `[N]` with its gradient and moments
     /// (`ops::adamw`): `(p, m, v)` after the step. Default: the reference tensor ops.
     fn adamw_step(
@@ -422,6 +443,11 @@ pub fn swiglu<B: Glm5Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, 
     let dims = gate.dims();
     let flat = |t: Tensor<B, D>| t.reshape([dims.iter().product::<usize>()]).into_primitive().tensor();
     f1::<B>(B::swiglu(flat(gate), flat(up), limit)).reshape(dims)
+}
+
+/// [`Glm5Backend::kda_forget_gate`] on tensors.
+pub fn kda_forget_gate<B: Glm5Backend>(f: Tensor<B, 2>, dt_bias: Tensor<B, 1>, a_log: Tensor<B, 1>, bound: Option<f64>) -> Tensor<B, 2> {
+    f2(B::kda_forget_gate(f.into_primitive().tensor(), dt_bias.into_primitive().tensor(), a_log.into_primitive().tensor(), bound))
 }
 
 /// [`Glm5Backend::silu`] on tensors of any rank.
