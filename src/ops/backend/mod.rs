@@ -13,7 +13,7 @@
 //! | `kda_chunk_scan` (+ backward) | `ops::kda_scan` (batched ops + the two below) | token recurrence, host loops (`ops::kda_host`) | reference body on the kernels | hand-written backward |
 //! | `kda_states_forward` / `_backward` | loops of tensor ops | reference | kernels | (inside the scan op) |
 //! | `kda_unit_lower_solve` (the UT transform, both directions) | product-form inverse × B | reference | kernel (substitution) | (inside the scan op) |
-//! | `sparse_latent_attention` (+ backward) | gather + masked softmax | reference | kernels (online softmax) | hand-written backward |
+//! | `sparse_latent_attention` (+ backward) | gather + masked softmax | fused host loops | kernels (online softmax) | hand-written backward |
 //! | `kpool_compress` | gather + softmax + sum | reference | kernel | no gradient |
 //! | `kpool_select` | dense scores + host top-k | reference | kernels (tiled scores, radix select) | no gradient |
 //! | `causal_conv1d` (+ backward) | `ops::conv`: shifted slices | fused host loops | reference | hand-written backward |
@@ -26,8 +26,9 @@
 //! | `hc_sinkhorn` (+ backward) | `ops::sinkhorn` | fused host loops | reference | hand-written backward |
 //! | `block_attention` (+ backward; the vision tower's) | `ops::block_attn`: blocked online softmax | reference | reference | hand-written backward (recomputes blocks) |
 //!
-//! The last four exist for the CPU path: as tensor ops they are chains of small broadcasting
-//! ops whose autodiff backward dominated Flex's train step; Flex runs each as one pass (fp32
+//! The ops from `causal_conv1d` to `hc_sinkhorn` exist for the CPU path: as tensor ops they
+//! are chains of small broadcasting ops whose autodiff backward dominated Flex's train step;
+//! Flex runs each (and the sparse attention) as one pass (fp32
 //! inputs; other dtypes take the reference ops, keeping their rounding). Every fused form is
 //! tested against its reference and against autodiff through it (`tests/fused_ops.rs`,
 //! `tests/kda_scan.rs`).
@@ -85,7 +86,7 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         OpImpl::Reference
     }
 
-    /// What [`Self::sparse_latent_attention`] runs here (CubeCL backends: a kernel).
+    /// What [`Self::sparse_latent_attention`] runs here (Flex: fused host loops; CubeCL backends: a kernel).
     fn sparse_attention_impl() -> OpImpl {
         OpImpl::Reference
     }
