@@ -1,6 +1,6 @@
 //! KDA's log-space forget gate as one op (the body of
 //! [`crate::ops::backend::Glm5Backend::kda_forget_gate`]), HF `modeling_glm5_next.py`,
-//! `Glm5NextKimiDeltaAttention.forward` (`fused_kda_gate` in its fla form).
+//! `Glm5NextTextForgetGate.forward`.
 //!
 //! For `f` `[N, H·d]` (the output of `f_b_proj`), `dt_bias` `[H·d]`, `A_log` `[H]`, column
 //! `c` in head `h = c / d`, `x = f + dt_bias`, `a = e^{A_log}`:

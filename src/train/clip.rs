@@ -17,8 +17,8 @@ struct SquaredNorm<'a, B: AutodiffBackend, const N: usize> {
 impl<B: AutodiffBackend, const N: usize> ModuleVisitor<B> for SquaredNorm<'_, B, N> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            // Σ g² as the product gᵀg: one pass of the backend's matmul (on Flex parallel and
-            // without the squared copy that `square().sum()` allocates and fills on one thread)
+            // Σ g² as the product gᵀg: one pass of the backend's matmul, without the squared
+            // copy that `square().sum()` allocates and fills (on Flex, element by element)
             let n = g.shape().num_elements();
             let flat = g.cast(DType::F32).reshape([1, n]);
             self.total[(self.class)(param.id)] += flat.clone().matmul(flat.transpose()).into_scalar().to_f64_lossy();
