@@ -20,7 +20,7 @@ use crate::config::Glm5Config;
 use crate::error::ModelError;
 use crate::generate::cache::DecodeCache;
 use crate::ops::backend::Glm5Backend;
-use crate::text::mlp::linear;
+use crate::text::mlp::new_linear;
 use crate::text::model::{TextModel, TextOutput};
 use crate::text::{ForwardOptions, TokenMask};
 use crate::vision::VisionModel;
@@ -90,7 +90,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
             image_token_id: config.image_token_id,
             video_start_token_id: config.video_start_token_id,
             video_end_token_id: config.video_end_token_id,
-            lm_head: (!config.tie_word_embeddings).then(|| linear(c.hidden_size, c.vocab_size, false, device)),
+            lm_head: (!config.tie_word_embeddings).then(|| new_linear(c.hidden_size, c.vocab_size, false, device)),
             vocab_size: c.vocab_size,
             num_experts: c.n_routed_experts,
             top_k: c.num_experts_per_tok,
@@ -124,12 +124,12 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     /// A sharded model ends its forward here ([`crate::distributed::ShardPlan::end`]).
     pub fn head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3>
     where
-        B: crate::distributed::CollectiveBackend,
+        B: crate::distributed::CollectiveBackend + crate::ops::backend::Glm5Backend,
     {
         let _t = crate::profile::scope("lm head");
         let lm = &self.language_model;
         let logits = match &self.lm_head {
-            Some(h) => lm.unit_after(h, &hidden, false).forward(hidden),
+            Some(h) => crate::ops::backend::linear(&lm.unit_after(h, &hidden, false), hidden),
             None => {
                 let w = lm.unit_after(&lm.embed_tokens, &hidden, false).weight.val(); // [V, D]
                 let [b, s, d] = hidden.dims();

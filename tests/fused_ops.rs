@@ -18,13 +18,16 @@
 //! * `sparse_latent_attention` (`ops::sparse_attn`): index rows with −1s, out-of-range
 //!   entries, duplicates and an all-invalid query; a tiny case, the release head shape
 //!   (64 heads × latent 512) and 1024 queries; `∂kv` the same bits on one thread and on all.
+//! * `linear` (`ops::linear`): rank-3 inputs with and without bias, a product above the
+//!   parallel threshold, a frozen layer and an untracked input (only the tracked inputs get
+//!   gradients), against Burn's own `Linear` and its backward.
 //!
 //! Bar: 1e-5 relative (fp32, different association orders of the same sums).
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Tensor, TensorPrimitive};
 use glm5_burn::ops::backend::{
-    causal_conv1d, hc_collapse, hc_post, hc_sinkhorn, kda_forget_gate, rms_norm, silu, sparse_latent_attention, swiglu, Glm5Backend,
+    causal_conv1d, hc_collapse, hc_post, hc_sinkhorn, kda_forget_gate, linear, rms_norm, silu, sparse_latent_attention, swiglu, Glm5Backend,
 };
 use glm5_burn::ops::sinkhorn::{reference_backward, reference_forward};
 use glm5_burn::ops::sparse_attn::{latent_reference, latent_reference_backward};
@@ -410,6 +413,56 @@ fn fused_kda_forget_gate_matches_reference_ops_and_autodiff() {
         for (k, name) in ["∂f", "∂dt_bias", "∂A_log"].iter().enumerate() {
             for (how, got) in [("reference", &reference[k]), ("fused", &fu[k]), ("Autodiff op", &op[k])] {
                 check(&format!("{what}: {name} {how}"), got, &want[k]);
+            }
+        }
+    }
+}
+
+/// A Burn `Linear` with the given weight `[K, M]` and bias (`train`: the parameters take
+/// gradients; a frozen layer's do not).
+fn layer<B: burn::tensor::backend::Backend>(w: &[f32], b: Option<&[f32]>, [k, m]: [usize; 2], train: bool) -> burn::nn::Linear<B> {
+    use burn::module::Param;
+    burn::nn::Linear {
+        weight: Param::from_tensor(t::<B, 2>(w, [k, m])).set_require_grad(train),
+        bias: b.map(|b| Param::from_tensor(t::<B, 1>(b, [m])).set_require_grad(train)),
+    }
+}
+
+#[test]
+fn fused_linear_matches_burn_linear_and_autodiff() {
+    // (batch, rows, in, out, bias, layer trained, input tracked): a product above Flex's
+    // parallel threshold, a one-column output, a frozen layer (∂x only) and a constant input
+    // (∂W, ∂b only)
+    for (bt, s, k, m, bias, train, track_x, seed) in [
+        (2, 37, 48, 24, true, true, true, 1),
+        (1, 300, 256, 768, false, true, true, 2),
+        (3, 5, 7, 1, true, true, true, 3),
+        (2, 19, 32, 16, true, false, true, 4),
+        (1, 64, 32, 16, true, true, false, 5),
+    ] {
+        let mut g = Rng(seed);
+        let (x, w, b, up) = (g.vec(bt * s * k, 1.0), g.vec(k * m, 1.0), g.vec(m, 1.0), g.vec(bt * s * m, 1.0));
+        let b = bias.then_some(&b[..]);
+        let what = format!("linear [{bt}, {s}, {k}] → {m} bias {bias} trained {train} input tracked {track_x}");
+        let want = host(layer::<Flex>(&w, b, [k, m], false).forward(t::<Flex, 3>(&x, [bt, s, k])));
+        check(&format!("{what}: forward"), &host(linear(&layer::<Flex>(&w, b, [k, m], false), t::<Flex, 3>(&x, [bt, s, k]))), &want);
+
+        // gradients of Σ y ⊙ up: Burn's Linear (its own backward) against the op's
+        let grads = |ours: bool| {
+            let l = layer::<A>(&w, b, [k, m], train);
+            let xa = t::<A, 3>(&x, [bt, s, k]);
+            let xa = if track_x { xa.require_grad() } else { xa };
+            let y = if ours { linear(&l, xa.clone()) } else { l.forward(xa.clone()) };
+            let gr = (y * t::<A, 3>(&up, [bt, s, m])).sum().backward();
+            [xa.grad(&gr).map(host), l.weight.val().grad(&gr).map(host), l.bias.as_ref().and_then(|b| b.val().grad(&gr)).map(host)]
+        };
+        let (want, got) = (grads(false), grads(true));
+        for (i, name) in ["∂x", "∂W", "∂b"].iter().enumerate() {
+            let expected = [track_x, train, train && bias][i];
+            assert_eq!(got[i].is_some(), expected, "{what}: {name} present");
+            assert_eq!(want[i].is_some(), expected, "{what}: {name} present in Burn's");
+            if let (Some(gv), Some(wv)) = (&got[i], &want[i]) {
+                check(&format!("{what}: {name}"), gv, wv);
             }
         }
     }

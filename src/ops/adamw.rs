@@ -78,7 +78,10 @@ pub(crate) fn host(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: Ad
     let keep = (1.0 - decay) as f32;
     let lr = s.lr as f32;
     p.par_chunks_mut(BLOCK).zip(g.par_chunks(BLOCK)).zip(m.par_chunks_mut(BLOCK).zip(v.par_chunks_mut(BLOCK))).for_each(|((p, g), (m, v))| {
-        for i in 0..p.len() {
+        // equal lengths up front: no bounds checks in the loop, so it vectorises
+        let n = p.len();
+        let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+        for i in 0..n {
             let gi = g[i];
             m[i] = m[i] * b1 + gi * f1;
             v[i] = v[i] * b2 + (gi * gi) * f2;

@@ -17,6 +17,8 @@
 use burn::tensor::{backend::Backend, Tensor};
 use rayon::prelude::*;
 
+use super::host::par_zeros;
+
 /// Reference forward: `x` `[B, T, C]`, `w` `[C, W]` → `[B, T, C]`.
 pub fn reference_forward<B: Backend>(x: Tensor<B, 3>, w: Tensor<B, 2>) -> Tensor<B, 3> {
     let [b, t, c] = x.dims();
@@ -52,7 +54,7 @@ const ROWS: usize = 64;
 /// Host forward over flat `[B, T, C]` data and `[C, W]` taps.
 pub(crate) fn host_forward(x: &[f32], w: &[f32], t: usize, c: usize, taps: usize) -> Vec<f32> {
     let wt = transpose(w, c, taps); // [W, C]: contiguous per tap
-    let mut out = vec![0f32; x.len()];
+    let mut out = par_zeros(x.len());
     out.par_chunks_mut(ROWS * c).enumerate().for_each(|(blk, o)| {
         for (r, orow) in o.chunks_mut(c).enumerate() {
             let row = blk * ROWS + r; // b·T + t
@@ -73,7 +75,7 @@ pub(crate) fn host_forward(x: &[f32], w: &[f32], t: usize, c: usize, taps: usize
 /// Host backward: `(∂x, ∂w)`.
 pub(crate) fn host_backward(x: &[f32], w: &[f32], grad: &[f32], t: usize, c: usize, taps: usize) -> (Vec<f32>, Vec<f32>) {
     let wt = transpose(w, c, taps);
-    let mut dx = vec![0f32; x.len()];
+    let mut dx = par_zeros(x.len());
     // per fixed block of rows, then the blocks summed in order: ∂w's rounding does not depend
     // on the thread count or on scheduling
     let partials: Vec<Vec<f32>> = dx
@@ -115,7 +117,7 @@ pub(crate) fn host_backward(x: &[f32], w: &[f32], grad: &[f32], t: usize, c: usi
 
 /// `[r, k]` → `[k, r]`.
 fn transpose(a: &[f32], r: usize, k: usize) -> Vec<f32> {
-    let mut out = vec![0f32; a.len()];
+    let mut out = par_zeros(a.len());
     for i in 0..r {
         for j in 0..k {
             out[j * r + i] = a[i * k + j];

@@ -16,6 +16,8 @@
 use burn::tensor::{backend::Backend, Tensor};
 use rayon::prelude::*;
 
+use super::host::{dot, par_rows, par_zeros};
+
 /// Reference collapse `h = Σ_i pre_i X_i`.
 pub fn reference_collapse<B: Backend>(x: Tensor<B, 3>, pre: Tensor<B, 2>) -> Tensor<B, 2> {
     let [t, _, d] = x.dims();
@@ -56,25 +58,22 @@ pub fn reference_post_backward<B: Backend>(
 /// Host collapse over flat data.
 pub(crate) fn host_collapse(x: &[f32], pre: &[f32], n: usize, d: usize) -> Vec<f32> {
     let t = pre.len() / n.max(1);
-    let mut h = vec![0f32; t * d];
-    h.par_chunks_mut(d).enumerate().for_each(|(ti, h)| {
+    par_rows(t * d, d, |ti, h| {
         for i in 0..n {
             let (p, xi) = (pre[ti * n + i], &x[(ti * n + i) * d..][..d]);
             h.iter_mut().zip(xi).for_each(|(hj, xj)| *hj += p * xj);
         }
-    });
-    h
+    })
 }
 
 /// Host backward of the collapse: `(∂X, ∂pre)`.
 pub(crate) fn host_collapse_backward(x: &[f32], pre: &[f32], grad: &[f32], n: usize, d: usize) -> (Vec<f32>, Vec<f32>) {
-    let mut dx = vec![0f32; x.len()];
-    let mut dpre = vec![0f32; pre.len()];
+    let (mut dx, mut dpre) = (par_zeros(x.len()), vec![0f32; pre.len()]);
     dx.par_chunks_mut(n * d).zip(dpre.par_chunks_mut(n)).enumerate().for_each(|(ti, (dx, dp))| {
         let g = &grad[ti * d..][..d];
         for i in 0..n {
             let xi = &x[(ti * n + i) * d..][..d];
-            dp[i] = xi.iter().zip(g).map(|(a, b)| a * b).sum();
+            dp[i] = dot(xi, g);
             let p = pre[ti * n + i];
             dx[i * d..][..d].iter_mut().zip(g).for_each(|(o, gj)| *o = p * gj);
         }
@@ -84,8 +83,7 @@ pub(crate) fn host_collapse_backward(x: &[f32], pre: &[f32], grad: &[f32], n: us
 
 /// Host post over flat data.
 pub(crate) fn host_post(post: &[f32], comb: &[f32], y: &[f32], res: &[f32], n: usize, d: usize) -> Vec<f32> {
-    let mut out = vec![0f32; res.len()];
-    out.par_chunks_mut(n * d).enumerate().for_each(|(ti, o)| {
+    par_rows(res.len(), n * d, |ti, o| {
         let (yt, xt, c) = (&y[ti * d..][..d], &res[ti * n * d..][..n * d], &comb[ti * n * n..][..n * n]);
         for j in 0..n {
             let oj = &mut o[j * d..][..d];
@@ -96,15 +94,13 @@ pub(crate) fn host_post(post: &[f32], comb: &[f32], y: &[f32], res: &[f32], n: u
                 oj.iter_mut().zip(&xt[i * d..][..d]).for_each(|(v, xv)| *v += cij * xv);
             }
         }
-    });
-    out
+    })
 }
 
 /// Host backward of the post: `(∂post, ∂C, ∂y, ∂X)`.
 pub(crate) fn host_post_backward(post: &[f32], comb: &[f32], y: &[f32], res: &[f32], grad: &[f32], n: usize, d: usize) -> [Vec<f32>; 4] {
     let t = post.len() / n.max(1);
-    let (mut dpost, mut dcomb, mut dy, mut dres) = (vec![0f32; t * n], vec![0f32; t * n * n], vec![0f32; t * d], vec![0f32; t * n * d]);
-    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    let (mut dpost, mut dcomb, mut dy, mut dres) = (vec![0f32; t * n], vec![0f32; t * n * n], par_zeros(t * d), par_zeros(t * n * d));
     dpost.par_chunks_mut(n).zip(dcomb.par_chunks_mut(n * n)).zip(dy.par_chunks_mut(d)).zip(dres.par_chunks_mut(n * d)).enumerate().for_each(
         |(ti, (((dp, dc), dyt), dx))| {
             let (g, yt, xt, c) = (&grad[ti * n * d..][..n * d], &y[ti * d..][..d], &res[ti * n * d..][..n * d], &comb[ti * n * n..][..n * n]);

@@ -20,6 +20,8 @@ use burn::tensor::activation::{sigmoid, softplus};
 use burn::tensor::{backend::Backend, Tensor};
 use rayon::prelude::*;
 
+use super::host::par_copy;
+
 /// Above this, the softplus gate is the identity (the reference's `threshold=20`).
 const SOFTPLUS_THRESHOLD: f32 = 20.0;
 
@@ -86,7 +88,7 @@ pub(crate) fn host_forward(f: &[f32], dt_bias: &[f32], a_log: &[f32], bound: Opt
     let c = dt_bias.len();
     let d = c / a_log.len().max(1);
     let a: Vec<f32> = a_log.iter().map(|v| v.exp()).collect();
-    let mut out = f.to_vec();
+    let mut out = par_copy(f);
     out.par_chunks_mut(BLOCK_ROWS * c).for_each(|block| {
         for row in block.chunks_mut(c) {
             for (j, v) in row.iter_mut().enumerate() {
@@ -107,7 +109,7 @@ pub(crate) fn host_backward(f: &[f32], dt_bias: &[f32], a_log: &[f32], grad: &[f
     let (c, h) = (dt_bias.len(), a_log.len());
     let d = c / h.max(1);
     let a: Vec<f32> = a_log.iter().map(|v| v.exp()).collect();
-    let mut df = grad.to_vec();
+    let mut df = par_copy(grad);
     // ∂f in place; per block, the partial sums of ∂dt_bias (per column) and ∂a (per head)
     let partials: Vec<(Vec<f32>, Vec<f32>)> = df
         .par_chunks_mut(BLOCK_ROWS * c)

@@ -29,6 +29,8 @@
 
 use rayon::prelude::*;
 
+use super::host::{dot, par_zeros};
+
 /// Shapes of one scan: batch `b`, `t` tokens, `h` heads, key width `dk`, value width `dv`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Dims {
@@ -89,7 +91,7 @@ impl<'a> Inputs<'a> {
 
 /// Scatters per-head `[T, w]` rows (head `x = b·H + h`) into `[B, T, H, w]`.
 fn scatter_heads(per_head: &[Vec<f32>], d: Dims, w: usize) -> Vec<f32> {
-    let mut out = vec![0f32; d.b * d.t * d.h * w];
+    let mut out = par_zeros(d.b * d.t * d.h * w);
     out.par_chunks_mut(d.t * d.h * w).enumerate().for_each(|(bi, ob)| {
         for hi in 0..d.h {
             let src = &per_head[bi * d.h + hi];
@@ -107,21 +109,6 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (yj, xj) in y.iter_mut().zip(x) {
         *yj += a * xj;
     }
-}
-
-/// `Σ_j a_j b_j` in 8 independent partial sums (so it vectorises; a fixed order, so the
-/// result does not depend on anything but the inputs).
-#[inline]
-fn dot8(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
 /// One token's step on `s` (`S_{t−1}` in, `S_t` out); leaves `κ` in `kappa`, `u` in `u` and,
@@ -236,7 +223,7 @@ pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk:
                     let kap = &kappas[r * dv..][..dv];
                     let (q, k, g) = (h.qr(ti, dk), h.kr(ti, dk), h.gr(ti, dk));
                     let (v, b) = (h.vr(ti, dv), h.beta(ti));
-                    let dot = d_o_row(ti);
+                    let d_o = d_o_row(ti);
                     for j in 0..dv {
                         u[j] = b * (v[j] - kap[j]);
                     }
@@ -244,9 +231,9 @@ pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk:
                     du.fill(0.0);
                     for i in 0..dk {
                         let (row, st) = (&mut ds[i * dv..][..dv], &s_t[i * dv..][..dv]);
-                        axpy(row, q[i], dot);
-                        dq[ti * dk + i] = dot8(st, dot);
-                        dkk[ti * dk + i] = dot8(row, &u);
+                        axpy(row, q[i], d_o);
+                        dq[ti * dk + i] = dot(st, d_o);
+                        dkk[ti * dk + i] = dot(row, &u);
                         axpy(&mut du, k[i], row);
                     }
                     // u = β (v − κ)
@@ -255,14 +242,14 @@ pub(crate) fn backward(x: &Inputs, d: Dims, d_o: &[f32], d_final: &[f32], chunk:
                         vmk[j] = v[j] - kap[j];
                         dkap[j] = -b * du[j];
                     }
-                    db[ti] = dot8(&du, &vmk);
+                    db[ti] = dot(&du, &vmk);
                     // κ = Aᵀ k and A = α ⊙ S_{t−1}:  ∂A = ∂S + k ∂κᵀ,  ∂g = α·rowsum(∂A ⊙ S_{t−1})
                     for i in 0..dk {
                         let a = g[i].exp();
                         let (row, sp) = (&mut ds[i * dv..][..dv], &s_prev[i * dv..][..dv]);
                         axpy(row, k[i], &dkap);
-                        dkk[ti * dk + i] += a * dot8(sp, &dkap);
-                        dg[ti * dk + i] = a * dot8(row, sp);
+                        dkk[ti * dk + i] += a * dot(sp, &dkap);
+                        dg[ti * dk + i] = a * dot(row, sp);
                         row.iter_mut().for_each(|r| *r *= a);
                     }
                     if reset(ti) {

@@ -22,6 +22,8 @@
 use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
+use super::host::par_zeros;
+
 /// Row indices of the causal pairs `(x, r, s ≤ r)`: rows of `r`, rows of `s`, and the
 /// flat position `(x, r, s)` in `[x, C, C]`.
 pub fn pair_rows<B: Backend>(x: usize, c: usize, device: &B::Device) -> [Tensor<B, 1, Int>; 3] {
@@ -133,7 +135,7 @@ fn pair_sums_backward_block<B: Backend>(
 /// Host forward over contiguous fp32 `[x, C, d]` data → `[x, C, 2C]`: parallel over chunks, no
 /// `[pairs, d]` intermediates, one `exp` per pair and channel shared by both halves.
 pub(crate) fn host_forward(k: &[f32], q: &[f32], g: &[f32], x: usize, c: usize, d: usize) -> Vec<f32> {
-    let mut out = vec![0f32; x * c * 2 * c];
+    let mut out = par_zeros(x * c * 2 * c);
     out.par_chunks_mut(c * 2 * c).enumerate().for_each(|(xi, o)| {
         let base = xi * c * d;
         for r in 0..c {
@@ -156,9 +158,7 @@ pub(crate) fn host_forward(k: &[f32], q: &[f32], g: &[f32], x: usize, c: usize, 
 
 /// Host backward: `(∂k, ∂q, ∂Γ)`, each `[x, C, d]`.
 pub(crate) fn host_backward(k: &[f32], q: &[f32], g: &[f32], gr_all: &[f32], x: usize, c: usize, d: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let mut dk = vec![0f32; x * c * d];
-    let mut dq = vec![0f32; x * c * d];
-    let mut dg = vec![0f32; x * c * d];
+    let (mut dk, mut dq, mut dg) = (par_zeros(x * c * d), par_zeros(x * c * d), par_zeros(x * c * d));
     dk.par_chunks_mut(c * d).zip(dq.par_chunks_mut(c * d)).zip(dg.par_chunks_mut(c * d)).enumerate().for_each(|(xi, ((dk, dq), dg))| {
         let base = xi * c * d;
         let gb = &gr_all[xi * c * 2 * c..][..c * 2 * c];

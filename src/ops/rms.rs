@@ -16,6 +16,8 @@
 use burn::tensor::{backend::Backend, Tensor};
 use rayon::prelude::*;
 
+use super::host::{dot, par_rows};
+
 /// Reference forward: `[R, D]` (fp32) → `[R, D]`.
 pub fn reference_forward<B: Backend>(x: Tensor<B, 2>, w: Option<Tensor<B, 1>>, eps: f64) -> Tensor<B, 2> {
     let var = x.clone().square().mean_dim(1);
@@ -49,15 +51,15 @@ pub fn reference_backward<B: Backend>(
 
 /// Host forward over flat rows of width `d`.
 pub(crate) fn host_forward(x: &[f32], w: Option<&[f32]>, d: usize, eps: f32) -> Vec<f32> {
-    let mut out = x.to_vec();
-    out.par_chunks_mut(d).for_each(|row| {
-        let r = inv_rms(row, eps);
-        match w {
-            Some(w) => row.iter_mut().zip(w).for_each(|(v, wj)| *v *= r * wj),
-            None => row.iter_mut().for_each(|v| *v *= r),
+    par_rows(x.len(), BLOCK_ROWS * d, |bi, ob| {
+        for (o, xr) in ob.chunks_mut(d).zip(x[bi * BLOCK_ROWS * d..].chunks(d)) {
+            let r = inv_rms(xr, eps);
+            match w {
+                Some(w) => o.iter_mut().zip(xr).zip(w).for_each(|((v, xj), wj)| *v = xj * (r * wj)),
+                None => o.iter_mut().zip(xr).for_each(|(v, xj)| *v = xj * r),
+            }
         }
-    });
-    out
+    })
 }
 
 /// Rows per parallel block of the backward: fixed, so the weight gradient's partial sums — and
@@ -66,7 +68,7 @@ const BLOCK_ROWS: usize = 64;
 
 /// Host backward: `(∂x, ∂w)` over flat rows of width `d`.
 pub(crate) fn host_backward(x: &[f32], w: Option<&[f32]>, grad: &[f32], d: usize, eps: f32) -> (Vec<f32>, Option<Vec<f32>>) {
-    let mut dx = grad.to_vec();
+    let mut dx = par_rows(grad.len(), BLOCK_ROWS * d, |bi, c| c.copy_from_slice(&grad[bi * BLOCK_ROWS * d..][..c.len()]));
     // ∂x in place per row; the rows' shares of ∂w summed per block, then the blocks in order
     let partials: Vec<Option<Vec<f32>>> = dx
         .par_chunks_mut(BLOCK_ROWS * d)
@@ -76,12 +78,12 @@ pub(crate) fn host_backward(x: &[f32], w: Option<&[f32]>, grad: &[f32], d: usize
             for (g, xr) in gb.chunks_mut(d).zip(xb.chunks(d)) {
                 let r = inv_rms(xr, eps);
                 if let (Some(w), Some(acc)) = (w, acc.as_mut()) {
-                    for j in 0..d {
-                        acc[j] += g[j] * xr[j] * r;
-                        g[j] *= w[j];
+                    for (((a, gj), xj), wj) in acc.iter_mut().zip(g.iter_mut()).zip(xr).zip(w) {
+                        *a += *gj * xj * r;
+                        *gj *= wj;
                     }
                 }
-                let proj = g.iter().zip(xr).map(|(gj, xj)| gj * xj * r).sum::<f32>() / d as f32;
+                let proj = dot(g, xr) * r / d as f32;
                 for (gj, xj) in g.iter_mut().zip(xr) {
                     *gj = r * (*gj - xj * r * proj);
                 }
@@ -100,6 +102,6 @@ pub(crate) fn host_backward(x: &[f32], w: Option<&[f32]>, grad: &[f32], d: usize
 }
 
 fn inv_rms(row: &[f32], eps: f32) -> f32 {
-    let ms = row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32;
+    let ms = dot(row, row) / row.len() as f32;
     1.0 / (ms + eps).sqrt()
 }

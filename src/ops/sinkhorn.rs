@@ -20,6 +20,8 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, Tensor};
 use rayon::prelude::*;
 
+use super::host::par_copy;
+
 /// Number of normalisations: one column pass, then `iters − 1` (row, column) rounds.
 fn steps(iters: usize) -> usize {
     1 + 2 * iters.saturating_sub(1)
@@ -58,7 +60,7 @@ pub fn reference_backward<B: Backend>(z: Tensor<B, 3>, grad: Tensor<B, 3>, iters
 
 /// Host forward over flat `[X, n, n]` data.
 pub(crate) fn host_forward(z: &[f32], n: usize, iters: usize, eps: f32) -> Vec<f32> {
-    let mut out = z.to_vec();
+    let mut out = par_copy(z);
     out.par_chunks_mut(n * n).for_each(|c| {
         softmax_rows(c, n);
         c.iter_mut().for_each(|x| *x += eps);
@@ -73,7 +75,7 @@ pub(crate) fn host_forward(z: &[f32], n: usize, iters: usize, eps: f32) -> Vec<f
 pub(crate) fn host_backward(z: &[f32], grad: &[f32], n: usize, iters: usize, eps: f32) -> Vec<f32> {
     let nn = n * n;
     let steps = steps(iters);
-    let mut out = grad.to_vec();
+    let mut out = par_copy(grad);
     out.par_chunks_mut(nn).enumerate().for_each_init(
         || vec![0f32; (steps + 1) * nn],
         |saved, (x, g)| {

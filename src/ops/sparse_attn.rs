@@ -22,6 +22,8 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, Bool, DType, IndexingUpdateOp, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
+use super::host::{dot, par_zeros};
+
 use super::backend::{sparse_latent_attention, Glm5Backend};
 use super::PathKind;
 
@@ -150,7 +152,7 @@ pub(crate) fn host_forward(q: &[f32], kv: &[f32], idx: &[i64], h: usize, r: usiz
     let n = q.len() / (h * r).max(1);
     let m = kv.len() / r.max(1);
     let w = idx.len() / n.max(1);
-    let mut o = vec![0f32; n * h * r];
+    let mut o = par_zeros(n * h * r);
     let mut lse = vec![0f32; n * h];
     o.par_chunks_mut(h * r).zip(lse.par_chunks_mut(h)).enumerate().for_each(|(t, (o_t, lse_t))| {
         let rows: Vec<usize> = idx[t * w..(t + 1) * w].iter().filter(|&&i| i >= 0 && (i as usize) < m).map(|&i| i as usize).collect();
@@ -200,8 +202,8 @@ pub(crate) fn host_backward(
     let m = kv.len() / r.max(1);
     let w = idx.len() / n.max(1);
     let valid = |i: i64| i >= 0 && (i as usize) < m;
-    let mut dq = vec![0f32; n * h * r];
-    let mut dc = vec![0f32; n * w * r]; // per entry, zero for invalid ones
+    let mut dq = par_zeros(n * h * r);
+    let mut dc = par_zeros(n * w * r); // per entry, zero for invalid ones
     dq.par_chunks_mut(h * r).zip(dc.par_chunks_mut(w * r)).enumerate().for_each(|(t, (dq_t, dc_t))| {
         let entries = &idx[t * w..(t + 1) * w];
         for hh in 0..h {
@@ -238,27 +240,13 @@ pub(crate) fn host_backward(
         order[fill[i as usize]] = e;
         fill[i as usize] += 1;
     }
-    let mut dkv = vec![0f32; m * r];
+    let mut dkv = par_zeros(m * r);
     dkv.par_chunks_mut(r).enumerate().for_each(|(row, acc)| {
         for &e in &order[start[row]..start[row + 1]] {
             acc.iter_mut().zip(&dc[e * r..(e + 1) * r]).for_each(|(a, g)| *a += g);
         }
     });
     (dq, dkv)
-}
-
-/// Dot product in eight independent lanes (so the compiler can vectorise it), then the lanes
-/// and the tail in order.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for k in 0..8 {
-            lanes[k] += x[k] * y[k];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
 }
 
 /// Absorbed-latent sparse form, processed in blocks of `block` queries: `q` `[B, S, H, dq]`,

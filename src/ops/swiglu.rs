@@ -21,6 +21,8 @@ use burn::tensor::activation::sigmoid;
 use burn::tensor::{backend::Backend, Tensor};
 use rayon::prelude::*;
 
+use super::host::{par_rows, par_zeros};
+
 /// Reference forward on flat tensors: `[N]`, `[N]` → `[N]`.
 pub fn reference_forward<B: Backend>(gate: Tensor<B, 1>, up: Tensor<B, 1>, limit: f64) -> Tensor<B, 1> {
     let a = gate.clamp_max(limit);
@@ -77,14 +79,13 @@ fn sigmoid_f32(a: f32) -> f32 {
 
 /// Host forward over flat fp32 data.
 pub(crate) fn host_forward(gate: &[f32], up: &[f32], limit: f32) -> Vec<f32> {
-    let mut out = vec![0f32; gate.len()];
-    out.par_chunks_mut(BLOCK).zip(gate.par_chunks(BLOCK).zip(up.par_chunks(BLOCK))).for_each(|(o, (g, u))| {
+    par_rows(gate.len(), BLOCK, |bi, o| {
+        let (g, u) = (&gate[bi * BLOCK..][..o.len()], &up[bi * BLOCK..][..o.len()]);
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
             let a = clamp_max(g, limit);
             *o = (a * sigmoid_f32(a)) * u.clamp(-limit, limit);
         }
-    });
-    out
+    })
 }
 
 /// Host backward over flat fp32 data: `(∂gate, ∂up)`. The products are those autodiff forms
@@ -92,17 +93,17 @@ pub(crate) fn host_forward(gate: &[f32], up: &[f32], limit: f32) -> Vec<f32> {
 /// so the gradients too equal the composition's bits.
 pub(crate) fn host_backward(gate: &[f32], up: &[f32], grad: &[f32], limit: f32) -> (Vec<f32>, Vec<f32>) {
     let n = gate.len();
-    let (mut dg, mut du) = (vec![0f32; n], vec![0f32; n]);
+    let (mut dg, mut du) = (par_zeros(n), par_zeros(n));
     dg.par_chunks_mut(BLOCK)
         .zip(du.par_chunks_mut(BLOCK))
         .zip(gate.par_chunks(BLOCK).zip(up.par_chunks(BLOCK)).zip(grad.par_chunks(BLOCK)))
         .for_each(|((dg, du), ((g, u), gr))| {
-            for i in 0..dg.len() {
-                let a = clamp_max(g[i], limit);
+            for ((dg, du), ((&g, &u), &gr)) in dg.iter_mut().zip(du).zip(g.iter().zip(u).zip(gr)) {
+                let a = clamp_max(g, limit);
                 let s = sigmoid_f32(a);
-                let ds = gr[i] * u[i].clamp(-limit, limit);
-                dg[i] = if g[i] > limit { 0.0 } else { ds * s + ((ds * a) * s) * (1.0 - s) };
-                du[i] = if u[i] > limit || u[i] < -limit { 0.0 } else { gr[i] * (a * s) };
+                let ds = gr * u.clamp(-limit, limit);
+                *dg = if g > limit { 0.0 } else { ds * s + ((ds * a) * s) * (1.0 - s) };
+                *du = if u > limit || u < -limit { 0.0 } else { gr * (a * s) };
             }
         });
     (dg, du)
@@ -110,24 +111,19 @@ pub(crate) fn host_backward(gate: &[f32], up: &[f32], grad: &[f32], limit: f32) 
 
 /// Host SiLU over flat fp32 data (the bits of Burn's `x * sigmoid(x)` on Flex).
 pub(crate) fn host_silu(x: &[f32]) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
-    out.par_chunks_mut(BLOCK).zip(x.par_chunks(BLOCK)).for_each(|(o, x)| {
-        for (o, &a) in o.iter_mut().zip(x) {
+    par_rows(x.len(), BLOCK, |bi, o| {
+        for (o, &a) in o.iter_mut().zip(&x[bi * BLOCK..]) {
             *o = a * sigmoid_f32(a);
         }
-    });
-    out
+    })
 }
 
 /// Host SiLU backward (the bits of autodiff through `x * sigmoid(x)`).
 pub(crate) fn host_silu_backward(x: &[f32], grad: &[f32]) -> Vec<f32> {
-    let mut dx = vec![0f32; x.len()];
-    dx.par_chunks_mut(BLOCK).zip(x.par_chunks(BLOCK).zip(grad.par_chunks(BLOCK))).for_each(|(d, (x, g))| {
-        for i in 0..d.len() {
-            let (a, ds) = (x[i], g[i]);
+    par_rows(x.len(), BLOCK, |bi, d| {
+        for ((d, &a), &ds) in d.iter_mut().zip(&x[bi * BLOCK..]).zip(&grad[bi * BLOCK..]) {
             let s = sigmoid_f32(a);
-            d[i] = ds * s + ((ds * a) * s) * (1.0 - s);
+            *d = ds * s + ((ds * a) * s) * (1.0 - s);
         }
-    });
-    dx
+    })
 }

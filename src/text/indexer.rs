@@ -18,7 +18,7 @@ use burn::module::{Initializer, Module, ModuleVisitor, Param};
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, DType, Tensor, TensorPrimitive};
 
-use super::mlp::linear;
+use super::mlp::new_linear;
 use super::norm::LayerNorm;
 use super::TokenMask;
 use crate::config::TextConfig;
@@ -59,10 +59,10 @@ impl<B: Backend> Indexer<B> {
     pub fn new(c: &TextConfig, device: &B::Device) -> Self {
         let (d, hi, hd) = (c.hidden_size, c.index_n_heads, c.index_head_dim);
         Self {
-            wq_b: linear(c.q_lora_rank, hi * hd, false, device),
-            wk: linear(d, hd, false, device),
+            wq_b: new_linear(c.q_lora_rank, hi * hd, false, device),
+            wk: new_linear(d, hd, false, device),
             k_norm: LayerNorm::new(hd, 1e-6, device),
-            weights_proj: linear(d, hi, false, device),
+            weights_proj: new_linear(d, hi, false, device),
             index_kpool_compress_ape: Initializer::Zeros.init([c.index_kpool, hd], device),
             index_kpool_compress_gate: Initializer::Ones.init([hd, d], device),
             n_heads: hi,

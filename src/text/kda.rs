@@ -23,14 +23,14 @@ use burn::nn::Linear;
 use burn::tensor::activation::sigmoid;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
-use super::mlp::linear;
+use super::mlp::new_linear;
 use super::norm::GatedRmsNorm;
 use super::{ForwardOptions, KdaImpl, PathKind, TokenMask};
 use crate::config::{Activation, TextConfig};
 use crate::distributed::context::{conv_halo, kda_context, Chain, ShardDocs};
 use crate::distributed::{CollectiveBackend, DistError, Group};
 use crate::generate::cache::KdaCache;
-use crate::ops::backend::{causal_conv1d, kda_forget_gate, Glm5Backend};
+use crate::ops::backend::{causal_conv1d, kda_forget_gate, linear, Glm5Backend};
 use crate::ops::kda::{kda_chunked, kda_recurrent, KdaInputs};
 
 /// Causal depthwise conv taps (`weight` `[C, W]`; tap `W−1` multiplies the current token).
@@ -102,21 +102,21 @@ impl<B: Backend> KdaAttention<B> {
         let conv =
             || DepthwiseConv { weight: Initializer::KaimingUniform { gain: 1.0, fan_out_only: false }.init_with([p, w], Some(w), None, device) };
         Self {
-            q_proj: linear(d, p, false, device),
-            k_proj: linear(d, p, false, device),
-            v_proj: linear(d, p, false, device),
+            q_proj: new_linear(d, p, false, device),
+            k_proj: new_linear(d, p, false, device),
+            v_proj: new_linear(d, p, false, device),
             q_conv1d: conv(),
             k_conv1d: conv(),
             v_conv1d: conv(),
-            f_a_proj: linear(d, hd, false, device),
-            f_b_proj: linear(hd, p, false, device),
+            f_a_proj: new_linear(d, hd, false, device),
+            f_b_proj: new_linear(hd, p, false, device),
             dt_bias: Initializer::Zeros.init([p], device),
             A_log: Initializer::Zeros.init([h], device),
-            b_proj: linear(d, h, false, device),
-            g_a_proj: linear(d, hd, false, device),
-            g_b_proj: linear(hd, p, false, device),
+            b_proj: new_linear(d, h, false, device),
+            g_a_proj: new_linear(d, hd, false, device),
+            g_b_proj: new_linear(hd, p, false, device),
             o_norm: GatedRmsNorm::new(hd, c.rms_norm_eps, device),
-            o_proj: linear(p, d, false, device),
+            o_proj: new_linear(p, d, false, device),
             num_heads: h,
             head_dim: hd,
             act: c.hidden_act,
@@ -131,7 +131,7 @@ impl<B: Backend> KdaAttention<B> {
     {
         let [b, t, _] = u.dims();
         let (h, hd) = (self.num_heads, self.head_dim);
-        let f = self.f_b_proj.forward(self.f_a_proj.forward(u)).cast(DType::F32).reshape([b * t, h * hd]);
+        let f = linear(&self.f_b_proj, linear(&self.f_a_proj, u)).cast(DType::F32).reshape([b * t, h * hd]);
         let fp32 = |p: &Param<Tensor<B, 1>>| p.val().cast(DType::F32);
         // one op (`ops::kda_gate`): as tensor ops the broadcast bias add and per-head scale
         // were element-by-element passes on Flex, forward and backward
@@ -215,7 +215,7 @@ impl<B: Backend> KdaAttention<B> {
         let flat = u.clone().reshape([s, d]);
         let u_pad = Tensor::cat(vec![flat, Tensor::zeros([1, d], (&device, dtype))], 0).select(0, src).reshape([1, sp, d]);
         let branch = |proj: &Linear<B>, conv: &DepthwiseConv<B>| {
-            let x = conv.forward(proj.forward(u_pad.clone()));
+            let x = conv.forward(linear(proj, u_pad.clone()));
             self.act.apply_op(x).cast(dtype).reshape([1, sp, h, hd])
         };
         let q = branch(&self.q_proj, &self.q_conv1d);
@@ -223,14 +223,14 @@ impl<B: Backend> KdaAttention<B> {
         let v = branch(&self.v_proj, &self.v_conv1d);
         // padding is inert: g = 0 (no decay) and β = 0 (no write)
         let g = self.forget_gate(u_pad.clone()) * real.clone().reshape([1, sp, 1, 1]);
-        let beta = sigmoid(self.b_proj.forward(u_pad)) * real.reshape([1, sp, 1]).cast(dtype);
+        let beta = sigmoid(linear(&self.b_proj, u_pad)) * real.reshape([1, sp, 1]).cast(dtype);
         drop(t_in);
         let (o, _) = crate::ops::kda::kda_packed_op(KdaInputs { q, k, v, g, beta, initial_state: None }, chunk, &resets);
         let o = o.reshape([sp, h * hd]).select(0, back).reshape([1, s, h, hd]);
         let _t_out = crate::profile::scope("kda: output gate, norm, o_proj");
-        let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([1, s, h, hd]);
+        let gate = linear(&self.g_b_proj, linear(&self.g_a_proj, u)).reshape([1, s, h, hd]);
         let o = self.o_norm.forward(o, gate).reshape([1, s, h * hd]);
-        self.o_proj.forward(o)
+        linear(&self.o_proj, o)
     }
 
     /// [`Self::forward`] on this rank's shard of a packed row under context parallelism
@@ -260,7 +260,7 @@ impl<B: Backend> KdaAttention<B> {
         let keep = self.q_conv1d.weight.dims()[1] - 1;
         let dtype = u.dtype();
         let mut branch = |proj: &Linear<B>, conv: &DepthwiseConv<B>| -> Result<Tensor<B, 4>, DistError> {
-            let x = proj.forward(u.clone());
+            let x = linear(proj, u.clone());
             let p = x.dims()[2];
             let halo = conv_halo(x.clone(), keep, docs, group, chain)?;
             // the first piece always reads the halo (zeros where its document starts here), so
@@ -284,11 +284,11 @@ impl<B: Backend> KdaAttention<B> {
         let k = branch(&self.k_proj, &self.k_conv1d)?;
         let v = branch(&self.v_proj, &self.v_conv1d)?;
         let g = self.forget_gate(u.clone());
-        let beta = sigmoid(self.b_proj.forward(u.clone()));
+        let beta = sigmoid(linear(&self.b_proj, u.clone()));
         let o = kda_context(KdaInputs { q, k, v, g, beta, initial_state: None }, docs, chunk, opts.linear_path, group, chain)?;
-        let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([1, t, h, hd]);
+        let gate = linear(&self.g_b_proj, linear(&self.g_a_proj, u)).reshape([1, t, h, hd]);
         let o = self.o_norm.forward(o, gate).reshape([1, t, h * hd]);
-        Ok(self.o_proj.forward(o))
+        Ok(linear(&self.o_proj, o))
     }
 
     /// A cached step (prefill or decode): `u` `[B, T, D]` are the next `T` positions of every
@@ -307,7 +307,7 @@ impl<B: Backend> KdaAttention<B> {
         let p = h * hd;
         let dtype = u.dtype();
         let branch = |proj: &Linear<B>, conv: &DepthwiseConv<B>, window: &mut Tensor<B, 3>| {
-            let x = proj.forward(u.clone());
+            let x = linear(proj, u.clone());
             let keep = window.dims()[1];
             let y = if keep == 0 {
                 conv.forward(x)
@@ -323,16 +323,16 @@ impl<B: Backend> KdaAttention<B> {
         let k = branch(&self.k_proj, &self.k_conv1d, wk);
         let v = branch(&self.v_proj, &self.v_conv1d, wv);
         let g = self.forget_gate(u.clone());
-        let beta = sigmoid(self.b_proj.forward(u.clone()));
+        let beta = sigmoid(linear(&self.b_proj, u.clone()));
         let x = KdaInputs { q, k, v, g, beta, initial_state: Some(cache.state.clone()) };
         let (o, state) = match opts.kda {
             KdaImpl::Chunked(c) if t > 1 => kda_chunked(x, c, opts.linear_path),
             _ => kda_recurrent(x),
         };
         cache.state = state;
-        let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([b, t, h, hd]);
+        let gate = linear(&self.g_b_proj, linear(&self.g_a_proj, u)).reshape([b, t, h, hd]);
         let o = self.o_norm.forward(o, gate).reshape([b, t, h * hd]);
-        self.o_proj.forward(o)
+        linear(&self.o_proj, o)
     }
 
     /// Like [`Self::forward`], starting from a recurrent state `[B, H, d, d]` (fp32) and
@@ -353,7 +353,7 @@ impl<B: Backend> KdaAttention<B> {
         let (h, hd) = (self.num_heads, self.head_dim);
         let dtype = u.dtype();
         let branch = |proj: &Linear<B>, conv: &DepthwiseConv<B>| {
-            let x = conv.forward(proj.forward(u.clone()));
+            let x = conv.forward(linear(proj, u.clone()));
             self.act.apply_op(x).cast(dtype).reshape([b, t, h, hd])
         };
         let t_in = crate::profile::scope("kda: projections, conv, gates");
@@ -361,7 +361,7 @@ impl<B: Backend> KdaAttention<B> {
         let k = branch(&self.k_proj, &self.k_conv1d);
         let v = branch(&self.v_proj, &self.v_conv1d);
         let g = self.forget_gate(u.clone());
-        let beta = sigmoid(self.b_proj.forward(u.clone()));
+        let beta = sigmoid(linear(&self.b_proj, u.clone()));
         drop(t_in);
         let x = KdaInputs { q, k, v, g, beta, initial_state };
         let (o, state) = match opts.kda {
@@ -369,8 +369,8 @@ impl<B: Backend> KdaAttention<B> {
             KdaImpl::Recurrent => kda_recurrent(x),
         };
         let _t_out = crate::profile::scope("kda: output gate, norm, o_proj");
-        let gate = self.g_b_proj.forward(self.g_a_proj.forward(u)).reshape([b, t, h, hd]);
+        let gate = linear(&self.g_b_proj, linear(&self.g_a_proj, u)).reshape([b, t, h, hd]);
         let o = self.o_norm.forward(o, gate).reshape([b, t, h * hd]);
-        (self.o_proj.forward(o), state)
+        (linear(&self.o_proj, o), state)
     }
 }

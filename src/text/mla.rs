@@ -19,7 +19,7 @@ use burn::nn::Linear;
 use burn::tensor::{backend::Backend, Tensor};
 
 use super::indexer::Indexer;
-use super::mlp::linear;
+use super::mlp::new_linear;
 use super::norm::RmsNorm;
 use super::{AttentionImpl, ForwardOptions, PathKind, TokenMask};
 use crate::config::TextConfig;
@@ -27,7 +27,7 @@ use crate::distributed::collective::all_gather_rows;
 use crate::distributed::context::Chain;
 use crate::distributed::{CollectiveBackend, DistError, Group};
 use crate::generate::cache::DsaCache;
-use crate::ops::backend::Glm5Backend;
+use crate::ops::backend::{linear, Glm5Backend};
 use crate::ops::sparse_attn::{dense_masked, sparse_absorbed};
 use crate::ops::OpImpl;
 
@@ -71,13 +71,13 @@ impl<B: Backend> MlaAttention<B> {
         let (d, h) = (c.hidden_size, c.num_attention_heads);
         let dq = c.qk_nope_head_dim + c.qk_rope_head_dim;
         Self {
-            q_a_proj: linear(d, c.q_lora_rank, c.attention_bias, device),
+            q_a_proj: new_linear(d, c.q_lora_rank, c.attention_bias, device),
             q_a_layernorm: RmsNorm::new(c.q_lora_rank, c.rms_norm_eps, device),
-            q_b_proj: linear(c.q_lora_rank, h * dq, false, device),
-            kv_a_proj_with_mqa: linear(d, c.kv_lora_rank + c.qk_rope_head_dim, c.attention_bias, device),
+            q_b_proj: new_linear(c.q_lora_rank, h * dq, false, device),
+            kv_a_proj_with_mqa: new_linear(d, c.kv_lora_rank + c.qk_rope_head_dim, c.attention_bias, device),
             kv_a_layernorm: RmsNorm::new(c.kv_lora_rank, c.rms_norm_eps, device),
-            kv_b_proj: linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), false, device),
-            o_proj: linear(h * c.v_head_dim, d, c.attention_bias, device),
+            kv_b_proj: new_linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), false, device),
+            o_proj: new_linear(h * c.v_head_dim, d, c.attention_bias, device),
             indexer: with_indexer.then(|| Indexer::new(c, device)),
             num_heads: h,
             qk_head_dim: dq,
@@ -152,9 +152,9 @@ impl<B: Backend> MlaAttention<B> {
         let s = t * p;
         let (h, dq, dv, r) = (self.num_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank);
         let device = x.device();
-        let q_resid = self.q_a_layernorm.forward(self.q_a_proj.forward(x.clone()));
-        let q = self.q_b_proj.forward(q_resid.clone()).reshape([1, t, h, dq]);
-        let latent = self.kv_a_layernorm.forward(self.kv_a_proj_with_mqa.forward(x.clone()));
+        let q_resid = self.q_a_layernorm.forward(linear(&self.q_a_proj, x.clone()));
+        let q = linear(&self.q_b_proj, q_resid.clone()).reshape([1, t, h, dq]);
+        let latent = self.kv_a_layernorm.forward(linear(&self.kv_a_proj_with_mqa, x.clone()));
         let latent = all_gather_rows(chain.tie(latent.reshape([t, r])), &vec![t; p], group)?;
         chain.link(&latent);
         let latent = latent.reshape([1, s, r]);
@@ -186,7 +186,7 @@ impl<B: Backend> MlaAttention<B> {
         let w_ukv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]);
         let scale = (dq as f64).powf(-0.5);
         let o = sparse_absorbed(q, latent, w_ukv, &indices, scale, opts.sparse_block, opts.attn_path);
-        Ok((self.o_proj.forward(o.reshape([1, t, h * dv])), indices, margin))
+        Ok((linear(&self.o_proj, o.reshape([1, t, h * dv])), indices, margin))
     }
 
     /// `x` `[B, S, D]` → (`[B, S, D]`, the index rows used, the indexer's boundary margin).
@@ -240,9 +240,9 @@ impl<B: Backend> MlaAttention<B> {
     {
         let [b, t, _] = x.dims();
         let (h, dq, dv, r) = (self.num_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank);
-        let q_resid = self.q_a_layernorm.forward(self.q_a_proj.forward(x.clone()));
-        let q = self.q_b_proj.forward(q_resid.clone()).reshape([b, t, h, dq]);
-        let latent = self.kv_a_layernorm.forward(self.kv_a_proj_with_mqa.forward(x.clone()));
+        let q_resid = self.q_a_layernorm.forward(linear(&self.q_a_proj, x.clone()));
+        let q = linear(&self.q_b_proj, q_resid.clone()).reshape([b, t, h, dq]);
+        let latent = self.kv_a_layernorm.forward(linear(&self.kv_a_proj_with_mqa, x.clone()));
         cache.latent = Tensor::cat(vec![cache.latent.clone(), latent], 1);
         let indices = match (&self.indexer, &mut cache.indexer, shared_indices) {
             (Some(ix), Some(ic), _) => ix.forward_cached(x, q_resid, ic, context),
@@ -252,7 +252,7 @@ impl<B: Backend> MlaAttention<B> {
         let w_ukv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]);
         let scale = (dq as f64).powf(-0.5);
         let o = sparse_absorbed(q, cache.latent.clone(), w_ukv, &indices, scale, opts.sparse_block, opts.attn_path);
-        (self.o_proj.forward(o.reshape([b, t, h * dv])), indices)
+        (linear(&self.o_proj, o.reshape([b, t, h * dv])), indices)
     }
 
     /// [`Self::forward`], also returning the normalised latent `[B, S, R]`.
@@ -268,9 +268,9 @@ impl<B: Backend> MlaAttention<B> {
     {
         let [b, s, _] = x.dims();
         let (h, dq, dv, r) = (self.num_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank);
-        let q_resid = self.q_a_layernorm.forward(self.q_a_proj.forward(x.clone()));
-        let q = self.q_b_proj.forward(q_resid.clone()).reshape([b, s, h, dq]);
-        let latent = self.kv_a_layernorm.forward(self.kv_a_proj_with_mqa.forward(x.clone()));
+        let q_resid = self.q_a_layernorm.forward(linear(&self.q_a_proj, x.clone()));
+        let q = linear(&self.q_b_proj, q_resid.clone()).reshape([b, s, h, dq]);
+        let latent = self.kv_a_layernorm.forward(linear(&self.kv_a_proj_with_mqa, x.clone()));
 
         let (indices, margin) = match (&self.indexer, shared_indices) {
             (Some(ix), _) => {
@@ -296,11 +296,11 @@ impl<B: Backend> MlaAttention<B> {
             let w_ukv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]); // [H, dq+dv, R]
             sparse_absorbed(q, latent.clone(), w_ukv, &indices, scale, opts.sparse_block, opts.attn_path)
         } else {
-            let kv = self.kv_b_proj.forward(latent.clone()).reshape([b, s, h, dq + dv]);
+            let kv = linear(&self.kv_b_proj, latent.clone()).reshape([b, s, h, dq + dv]);
             let k = kv.clone().slice([0..b, 0..s, 0..h, 0..dq]);
             let v = kv.slice([0..b, 0..s, 0..h, dq..dq + dv]);
             dense_masked(q, k, v, &indices, width, scale)
         };
-        (self.o_proj.forward(o.reshape([b, s, h * dv])), indices, margin, latent)
+        (linear(&self.o_proj, o.reshape([b, s, h * dv])), indices, margin, latent)
     }
 }

@@ -9,7 +9,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{backend::Backend, Tensor};
 
 use crate::config::Activation;
-use crate::ops::backend::{swiglu, Glm5Backend};
+use crate::ops::backend::{linear, swiglu, Glm5Backend};
 
 /// Dense clamped SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`, no biases).
 #[derive(Module, Debug)]
@@ -26,7 +26,8 @@ pub struct Mlp<B: Backend> {
     pub limit: f64,
 }
 
-pub(crate) fn linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Linear<B> {
+/// A Burn `Linear` `[d_in, d_out]` with Burn's default initialisation.
+pub(crate) fn new_linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Linear<B> {
     LinearConfig::new(d_in, d_out).with_bias(bias).init(device)
 }
 
@@ -49,9 +50,9 @@ impl<B: Backend> Mlp<B> {
     /// With biases on all three projections (the vision tower's MLP when `attention_bias`).
     pub fn with_bias(hidden: usize, intermediate: usize, act: Activation, limit: f64, bias: bool, device: &B::Device) -> Self {
         Self {
-            gate_proj: linear(hidden, intermediate, bias, device),
-            up_proj: linear(hidden, intermediate, bias, device),
-            down_proj: linear(intermediate, hidden, bias, device),
+            gate_proj: new_linear(hidden, intermediate, bias, device),
+            up_proj: new_linear(hidden, intermediate, bias, device),
+            down_proj: new_linear(intermediate, hidden, bias, device),
             act,
             limit,
         }
@@ -62,7 +63,7 @@ impl<B: Backend> Mlp<B> {
     where
         B: Glm5Backend,
     {
-        let h = clamped_swiglu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x), self.limit, self.act);
-        self.down_proj.forward(h)
+        let h = clamped_swiglu(linear(&self.gate_proj, x.clone()), linear(&self.up_proj, x), self.limit, self.act);
+        linear(&self.down_proj, h)
     }
 }

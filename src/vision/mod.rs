@@ -24,8 +24,8 @@ use burn::tensor::{backend::Backend, Tensor};
 
 use crate::config::{Activation, VisionConfig};
 use crate::error::ModelError;
-use crate::ops::backend::block_attention;
-use crate::text::mlp::{clamped_swiglu, linear, Mlp};
+use crate::ops::backend::{block_attention, linear};
+use crate::text::mlp::{clamped_swiglu, new_linear, Mlp};
 use crate::text::norm::{LayerNorm, RmsNorm};
 
 /// A convolution whose kernel equals its stride, applied as a matmul over flattened patches.
@@ -148,8 +148,8 @@ impl<B: Backend> VisionModel<B> {
                     norm1: RmsNorm::new(h, eps, device),
                     norm2: RmsNorm::new(h, eps, device),
                     attn: VisionAttention {
-                        qkv: linear(h, 3 * h, c.attention_bias, device),
-                        proj: linear(h, h, c.attention_bias, device),
+                        qkv: new_linear(h, 3 * h, c.attention_bias, device),
+                        proj: new_linear(h, h, c.attention_bias, device),
                         q_norm: RmsNorm::new(hd, eps, device),
                         k_norm: RmsNorm::new(hd, eps, device),
                         num_heads: c.num_heads,
@@ -161,11 +161,11 @@ impl<B: Backend> VisionModel<B> {
             post_layernorm: RmsNorm::new(h, eps, device),
             downsample: PatchConv::new(h * m * m, o, device),
             merger: PatchMerger {
-                proj: linear(o, o, false, device),
+                proj: new_linear(o, o, false, device),
                 post_projection_norm: LayerNorm::new(o, 1e-5, device),
-                gate_proj: linear(o, c.projection_intermediate_size, false, device),
-                up_proj: linear(o, c.projection_intermediate_size, false, device),
-                down_proj: linear(c.projection_intermediate_size, o, false, device),
+                gate_proj: new_linear(o, c.projection_intermediate_size, false, device),
+                up_proj: new_linear(o, c.projection_intermediate_size, false, device),
+                down_proj: new_linear(c.projection_intermediate_size, o, false, device),
                 act: c.hidden_act,
                 limit: c.swiglu_limit,
             },
@@ -217,10 +217,10 @@ impl<B: Backend> VisionModel<B> {
         let m2 = self.merge * self.merge;
         let blocks = x.reshape([n / m2, m2, h]).swap_dims(1, 2).reshape([n / m2, h * m2]);
         let z = self.downsample.forward(blocks);
-        let z = self.merger.proj.forward(z);
+        let z = linear(&self.merger.proj, z);
         let z = gelu(self.merger.post_projection_norm.forward(z));
-        let g = clamped_swiglu(self.merger.gate_proj.forward(z.clone()), self.merger.up_proj.forward(z), self.merger.limit, self.merger.act);
-        self.merger.down_proj.forward(g)
+        let g = clamped_swiglu(linear(&self.merger.gate_proj, z.clone()), linear(&self.merger.up_proj, z), self.merger.limit, self.merger.act);
+        linear(&self.merger.down_proj, g)
     }
 }
 
@@ -234,7 +234,7 @@ impl<B: Backend> VisionAttention<B> {
         let heads = self.num_heads;
         let hd = h / heads;
         let dtype = x.dtype();
-        let qkv = self.qkv.forward(x).reshape([n, 3, heads, hd]);
+        let qkv = linear(&self.qkv, x).reshape([n, 3, heads, hd]);
         let q = self.q_norm.forward(qkv.clone().slice([0..n, 0..1, 0..heads, 0..hd]).reshape([n, heads, hd]));
         let k = self.k_norm.forward(qkv.clone().slice([0..n, 1..2, 0..heads, 0..hd]).reshape([n, heads, hd]));
         let v = qkv.slice([0..n, 2..3, 0..heads, 0..hd]).reshape([n, heads, hd]);
@@ -253,6 +253,6 @@ impl<B: Backend> VisionAttention<B> {
             outs.push(block_attention(qs, ks, vs, scale).swap_dims(0, 1)); // [len, heads, hd]
             start += len;
         }
-        self.proj.forward(Tensor::cat(outs, 0).reshape([n, h]))
+        linear(&self.proj, Tensor::cat(outs, 0).reshape([n, h]))
     }
 }

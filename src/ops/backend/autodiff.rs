@@ -108,6 +108,27 @@ impl<B: Glm5Backend> Backward<B, 3> for KdaGateBackward {
     }
 }
 
+/// A linear layer; holds `x` only when `W` is tracked and `W` only when `x` is — what the
+/// wanted gradients need, so a frozen layer keeps no activation alive. `N = 3` with a bias.
+#[derive(Debug)]
+struct LinearBackward;
+
+impl<B: Glm5Backend, const N: usize> Backward<B, N> for LinearBackward {
+    type State = (Option<FloatTensor<B>>, Option<FloatTensor<B>>);
+
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, w) = ops.state;
+        let bias = N == 3 && ops.parents[2].is_some();
+        let (dx, dw, db) = B::linear_layer_backward(x, w, grad, bias);
+        for (node, g) in ops.parents.into_iter().zip([dx, dw, db]) {
+            if let (Some(node), Some(g)) = (node, g) {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
 /// SiLU; holds `x`.
 #[derive(Debug)]
 struct SiluBackward;
@@ -375,6 +396,15 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
     fn kda_forget_gate(f: FloatTensor<Self>, dt_bias: FloatTensor<Self>, a_log: FloatTensor<Self>, bound: Option<f64>) -> FloatTensor<Self> {
         let out = B::kda_forget_gate(f.primitive.clone(), dt_bias.primitive.clone(), a_log.primitive.clone(), bound);
         record!(KdaGateBackward, [f, dt_bias, a_log], (f.primitive, dt_bias.primitive, a_log.primitive, bound), out)
+    }
+
+    fn linear_layer(x: FloatTensor<Self>, w: FloatTensor<Self>, b: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
+        let out = B::linear_layer(x.primitive.clone(), w.primitive.clone(), b.as_ref().map(|b| b.primitive.clone()));
+        let state = (w.is_tracked().then(|| x.primitive.clone()), x.is_tracked().then(|| w.primitive.clone()));
+        match b {
+            None => record!(LinearBackward, [x, w], state, out),
+            Some(b) => record!(LinearBackward, [x, w, b], state, out),
+        }
     }
 
     fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -9,6 +9,7 @@ use super::prim::*;
 use super::Glm5Backend;
 use crate::ops::adamw::{self, AdamWScalars};
 use crate::ops::kda_scan::ScanInputs;
+use crate::ops::linear;
 use crate::ops::OpImpl;
 use crate::ops::{conv, hc_streams, kda_gate, kda_host, kda_pairs, rms, sinkhorn, sparse_attn, swiglu};
 
@@ -159,6 +160,32 @@ impl Glm5Backend for Flex {
         }
         let ((x, [n]), (g, _)) = (host_n::<1>(x), host_n::<1>(grad));
         flex_tensor(swiglu::host_silu_backward(&x, &g), [n])
+    }
+
+    fn linear_layer(x: FloatTensor<Self>, w: FloatTensor<Self>, b: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&x), Some(&w), b.as_ref()]) {
+            return linear::reference_forward(f2::<Self>(x), f2(w), b.map(f1)).into_primitive().tensor();
+        }
+        let ((x, [n, k]), (w, [_, m])) = (host_n::<2>(x), host_n::<2>(w));
+        let b = b.map(|b| host_n::<1>(b).0);
+        flex_tensor(linear::host_forward(&x, &w, b.as_deref(), n, k, m), [n, m])
+    }
+
+    fn linear_layer_backward(
+        x: Option<FloatTensor<Self>>,
+        w: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        bias: bool,
+    ) -> (Option<FloatTensor<Self>>, Option<FloatTensor<Self>>, Option<FloatTensor<Self>>) {
+        if !all_f32(&[x.as_ref(), w.as_ref(), Some(&grad)]) {
+            let (dx, dw, db) = linear::reference_backward(x.map(f2::<Self>), w.map(f2::<Self>), f2(grad), bias);
+            return (dx.map(|t| t.into_primitive().tensor()), dw.map(|t| t.into_primitive().tensor()), db.map(|t| t.into_primitive().tensor()));
+        }
+        let (g, [n, m]) = host_n::<2>(grad);
+        let (x, w) = (x.map(host_n::<2>), w.map(host_n::<2>));
+        let k = x.as_ref().map(|(_, [_, k])| *k).or(w.as_ref().map(|(_, [k, _])| *k)).unwrap_or(0);
+        let (dx, dw, db) = linear::host_backward(x.as_ref().map(|(x, _)| &x[..]), w.as_ref().map(|(w, _)| &w[..]), &g, (n, k, m), bias);
+        (dx.map(|v| flex_tensor(v, [n, k])), dw.map(|v| flex_tensor(v, [k, m])), db.map(|v| flex_tensor(v, [m])))
     }
 
     fn adamw_step(

@@ -21,6 +21,7 @@
 //! | `swiglu` (+ backward; the MLPs' clamped SiLU gate) | `ops::swiglu` | fused host loops | reference | hand-written backward |
 //! | `silu` (+ backward; KDA's activation after the short conv) | `ops::swiglu` | fused host loops | reference | hand-written backward |
 //! | `kda_forget_gate` (+ backward; KDA's log-space gate) | `ops::kda_gate` | fused host loops | reference | hand-written backward |
+//! | `linear_layer` (+ backward; every `Linear` layer's `x·W + b`) | `ops::linear`: Burn's `linear` | `gemm` on the strided operands | reference | hand-written backward (only the tracked inputs' gradients) |
 //! | `adamw_step` (the optimizer's update) | `ops::adamw` | fused host loop | reference | the inner backend's (no gradient) |
 //! | `hc_collapse`, `hc_post` (+ backwards) | `ops::hc_streams` | fused host loops | reference | hand-written backward |
 //! | `hc_sinkhorn` (+ backward) | `ops::sinkhorn` | fused host loops | reference | hand-written backward |
@@ -67,6 +68,7 @@ use burn::tensor::{Int, Tensor, TensorPrimitive};
 use super::adamw::{self, AdamWScalars};
 use super::kda_scan::ScanInputs;
 use super::kpool::{self, KpoolSelect};
+use super::linear;
 use super::OpImpl;
 use super::{block_attn, conv, hc_streams, kda_gate, kda_pairs, kda_scan, rms, sinkhorn, sparse_attn, swiglu};
 use prim::*;
@@ -309,6 +311,26 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         (df.into_primitive().tensor(), db.into_primitive().tensor(), da.into_primitive().tensor())
     }
 
+    /// A linear layer's `x·W + b` (`ops::linear`): `x` `[N, K]`, `w` `[K, M]` (Burn's `Linear`
+    /// layout), `b` `[M]` → `[N, M]`. Default: Burn's `linear`.
+    fn linear_layer(x: FloatTensor<Self>, w: FloatTensor<Self>, b: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
+        linear::reference_forward(f2::<Self>(x), f2(w), b.map(f1)).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::linear_layer`]: `(∂x, ∂w, ∂b)` — `∂x` when `w` is given, `∂w` when `x`
+    /// is, `∂b` when `bias` (each gradient needs only the other operand). Default: the
+    /// reference products.
+    #[allow(clippy::type_complexity)]
+    fn linear_layer_backward(
+        x: Option<FloatTensor<Self>>,
+        w: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        bias: bool,
+    ) -> (Option<FloatTensor<Self>>, Option<FloatTensor<Self>>, Option<FloatTensor<Self>>) {
+        let (dx, dw, db) = linear::reference_backward(x.map(f2::<Self>), w.map(f2::<Self>), f2(grad), bias);
+        (dx.map(|t| t.into_primitive().tensor()), dw.map(|t| t.into_primitive().tensor()), db.map(|t| t.into_primitive().tensor()))
+    }
+
     /// One AdamW update of a flat parameter `p` `[N]` with its gradient and moments
     /// (`ops::adamw`): `(p, m, v)` after the step. Default: the reference tensor ops.
     fn adamw_step(
@@ -449,6 +471,22 @@ pub fn swiglu<B: Glm5Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, 
 /// [`Glm5Backend::kda_forget_gate`] on tensors.
 pub fn kda_forget_gate<B: Glm5Backend>(f: Tensor<B, 2>, dt_bias: Tensor<B, 1>, a_log: Tensor<B, 1>, bound: Option<f64>) -> Tensor<B, 2> {
     f2(B::kda_forget_gate(f.into_primitive().tensor(), dt_bias.into_primitive().tensor(), a_log.into_primitive().tensor(), bound))
+}
+
+/// A Burn `Linear` layer applied through [`Glm5Backend::linear_layer`]: `x` `[..., K]` → `[..., M]`
+/// (the leading dimensions flattened into rows for the op, as `Linear::forward` computes).
+pub fn linear<B: Glm5Backend, const D: usize>(layer: &burn::nn::Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    let dims = x.dims();
+    let [k, m] = layer.weight.dims();
+    let rows = dims[..D - 1].iter().product::<usize>();
+    let out = f2::<B>(B::linear_layer(
+        x.reshape([rows, k]).into_primitive().tensor(),
+        layer.weight.val().into_primitive().tensor(),
+        layer.bias.as_ref().map(|b| b.val().into_primitive().tensor()),
+    ));
+    let mut out_dims = dims;
+    out_dims[D - 1] = m;
+    out.reshape(out_dims)
 }
 
 /// [`Glm5Backend::silu`] on tensors of any rank.

@@ -1,0 +1,202 @@
+//! The linear layers' product as one op (the body of
+//! [`crate::ops::backend::Glm5Backend::linear_layer`]); every `nn.Linear` of the HF model
+//! (`modeling_glm5_next.py`: the attention, KDA, indexer, MLP and vision projections) runs
+//! through it via [`crate::ops::backend::linear`].
+//!
+//! For `x` `[N, K]`, Burn's `Linear` weight `W` `[K, M]` (the transpose of HF's
+//! `[out, in]`), optional bias `b` `[M]` and the upstream gradient `∂y` `[N, M]`:
+//!
+//! ```text
+//! y = x·W + b        ∂x = ∂y·Wᵀ        ∂W = xᵀ·∂y        ∂b = Σ_rows ∂y
+//! ```
+//!
+//! The reference is Burn's own `linear` and the products above as tensor ops. The Flex body
+//! calls the `gemm` crate — the matmul Flex itself uses — with the operands' strides, so `Wᵀ`
+//! and `xᵀ` are read in place, and writes into a fresh buffer: through Flex's `matmul` each
+//! product also zero-fills its output and copies it into an aligned buffer on the calling
+//! thread, and a rank-3 input takes the batched path, which copies the transposed operand
+//! and sums the weight gradient over the batch in extra passes — together about a tenth of a
+//! train step's main-thread time (`perf`, `configs/bench_small.json`, 512 tokens).
+
+use burn::tensor::{backend::Backend, Tensor};
+
+use super::host::par_rows;
+
+/// Reference forward: `x` `[N, K]`, `w` `[K, M]`, `b` `[M]` → `[N, M]` (Burn's `linear`).
+pub fn reference_forward<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tensor<B, 1>>) -> Tensor<B, 2> {
+    burn::tensor::module::linear(x, w, b)
+}
+
+/// Reference backward: `(∂x, ∂W, ∂b)`. Each gradient needs the other operand: `∂x` is
+/// computed when `w` is given, `∂W` when `x` is, `∂b` when `bias` — so a caller keeps alive
+/// only what the gradients it wants need (a frozen layer's input is never kept).
+pub fn reference_backward<B: Backend>(
+    x: Option<Tensor<B, 2>>,
+    w: Option<Tensor<B, 2>>,
+    grad: Tensor<B, 2>,
+    bias: bool,
+) -> (Option<Tensor<B, 2>>, Option<Tensor<B, 2>>, Option<Tensor<B, 1>>) {
+    let m = grad.dims()[1];
+    let dx = w.map(|w| grad.clone().matmul(w.transpose()));
+    let dw = x.map(|x| x.transpose().matmul(grad.clone()));
+    let db = bias.then(|| grad.sum_dim(0).reshape([m]));
+    (dx, dw, db)
+}
+
+/// Below this many multiply-adds a product runs on the calling thread (Flex's threshold).
+const PARALLEL_FLOPS: usize = 192 * 192 * 192;
+
+/// A row-major `[rows, cols]` operand, or its transpose read in place.
+#[derive(Clone, Copy)]
+struct Operand<'a> {
+    data: &'a [f32],
+    /// Element stride between rows and between columns of the operand as used.
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> Operand<'a> {
+    fn plain(data: &'a [f32], cols: usize) -> Self {
+        Operand { data, row_stride: cols, col_stride: 1 }
+    }
+
+    /// The transpose of row-major `[_, cols]` data.
+    fn transposed(data: &'a [f32], cols: usize) -> Self {
+        Operand { data, row_stride: 1, col_stride: cols }
+    }
+}
+
+/// `dst` `[m, n]` (row-major, `m·n` elements) `= lhs·rhs` (`read_dst`: `+=`), with `k` the
+/// inner dimension.
+///
+/// # Panics
+/// If an operand is shorter than its shape needs (a bug of the caller: every caller passes
+/// buffers of the shapes it checked).
+fn gemm_into(dst: &mut Vec<f32>, read_dst: bool, lhs: Operand, rhs: Operand, m: usize, n: usize, k: usize) {
+    let last = |o: Operand, rows: usize, cols: usize| (rows.max(1) - 1) * o.row_stride + (cols.max(1) - 1) * o.col_stride;
+    assert!(m * k == 0 || last(lhs, m, k) < lhs.data.len(), "linear: lhs buffer shorter than [{m}, {k}]");
+    assert!(k * n == 0 || last(rhs, k, n) < rhs.data.len(), "linear: rhs buffer shorter than [{k}, {n}]");
+    assert!(dst.capacity() >= m * n && (!read_dst || dst.len() == m * n));
+    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_FLOPS { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
+    if m * n == 0 {
+        return;
+    }
+    if k == 0 && !read_dst {
+        dst.clear();
+        dst.resize(m * n, 0.0);
+        return;
+    }
+    // SAFETY: the operands cover the strided extents checked above; `dst` has room for
+    // `m·n` elements, and with `read_dst == false` gemm writes every one of them without
+    // reading, so `set_len` exposes only initialised memory.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            read_dst,
+            lhs.data.as_ptr(),
+            lhs.col_stride as isize,
+            lhs.row_stride as isize,
+            rhs.data.as_ptr(),
+            rhs.col_stride as isize,
+            rhs.row_stride as isize,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+        dst.set_len(m * n);
+    }
+}
+
+/// Rows per parallel block when broadcasting the bias.
+const BIAS_ROWS: usize = 64;
+
+/// Host forward over flat fp32 data: `x` `[n, k]`, `w` `[k, m]`, `b` `[m]` → `[n, m]`.
+pub(crate) fn host_forward(x: &[f32], w: &[f32], b: Option<&[f32]>, n: usize, k: usize, m: usize) -> Vec<f32> {
+    let mut y = match b {
+        // every row starts as the bias and the product is added onto it
+        Some(b) => par_rows(n * m, BIAS_ROWS * m, |_, rows| rows.chunks_mut(m).for_each(|r| r.copy_from_slice(b))),
+        None => Vec::with_capacity(n * m),
+    };
+    gemm_into(&mut y, b.is_some(), Operand::plain(x, k), Operand::plain(w, m), n, m, k);
+    y
+}
+
+/// Columns per parallel block of the bias gradient.
+const BIAS_COLS: usize = 64;
+
+/// Host backward over flat fp32 data: `grad` `[n, m]`, `x` `[n, k]`, `w` `[k, m]` →
+/// `(∂x, ∂W, ∂b)` as [`reference_backward`] (`∂x` when `w` is given, `∂W` when `x` is).
+#[allow(clippy::type_complexity)]
+pub(crate) fn host_backward(
+    x: Option<&[f32]>,
+    w: Option<&[f32]>,
+    grad: &[f32],
+    (n, k, m): (usize, usize, usize),
+    bias: bool,
+) -> (Option<Vec<f32>>, Option<Vec<f32>>, Option<Vec<f32>>) {
+    let dx = w.map(|w| {
+        let mut dx = Vec::with_capacity(n * k);
+        gemm_into(&mut dx, false, Operand::plain(grad, m), Operand::transposed(w, m), n, k, m);
+        dx
+    });
+    let dw = x.map(|x| {
+        let mut dw = Vec::with_capacity(k * m);
+        gemm_into(&mut dw, false, Operand::transposed(x, k), Operand::plain(grad, m), k, m, n);
+        dw
+    });
+    // column blocks in parallel, rows in order within each: the sums do not depend on threads
+    let db = bias.then(|| {
+        par_rows(m, BIAS_COLS, |ci, acc| {
+            let lo = ci * BIAS_COLS;
+            for row in grad.chunks_exact(m) {
+                acc.iter_mut().zip(&row[lo..]).for_each(|(a, g)| *a += g);
+            }
+        })
+    });
+    (dx, dw, db)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Small integers: every product and sum is exact in f32, whatever the order.
+    fn data(len: usize, seed: usize) -> Vec<f32> {
+        (0..len).map(|i| ((i * 7 + seed * 13) % 9) as f32 - 4.0).collect()
+    }
+
+    fn naive(a: &[f32], b: &[f32], n: usize, k: usize, m: usize) -> Vec<f32> {
+        (0..n * m).map(|ij| (0..k).map(|l| a[ij / m * k + l] * b[l * m + ij % m]).sum()).collect()
+    }
+
+    fn transpose(a: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+        (0..rows * cols).map(|ij| a[(ij % rows) * cols + ij / rows]).collect()
+    }
+
+    #[test]
+    fn host_matches_naive_products() {
+        // one shape below the parallel threshold, one above
+        for (n, k, m) in [(5, 3, 4), (300, 200, 130)] {
+            let (x, w, b, g) = (data(n * k, 1), data(k * m, 2), data(m, 3), data(n * m, 4));
+            let mut want = naive(&x, &w, n, k, m);
+            want.iter_mut().enumerate().for_each(|(i, v)| *v += b[i % m]);
+            assert_eq!(host_forward(&x, &w, Some(&b), n, k, m), want);
+            assert_eq!(host_forward(&x, &w, None, n, k, m), naive(&x, &w, n, k, m));
+            let (dx, dw, db) = host_backward(Some(&x), Some(&w), &g, (n, k, m), true);
+            assert_eq!(dx.unwrap(), naive(&g, &transpose(&w, k, m), n, m, k));
+            assert_eq!(dw.unwrap(), naive(&transpose(&x, n, k), &g, k, n, m));
+            let colsum: Vec<f32> = (0..m).map(|j| (0..n).map(|i| g[i * m + j]).sum()).collect();
+            assert_eq!(db.unwrap(), colsum);
+            let only_w = host_backward(Some(&x), None, &g, (n, k, m), false);
+            assert!(only_w.0.is_none() && only_w.1.is_some() && only_w.2.is_none());
+        }
+    }
+}
