@@ -13,7 +13,7 @@
 
 use burn::module::Module;
 use burn::nn::Linear;
-use burn::tensor::activation::{log_softmax, softmax};
+use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
 use crate::config::Glm5Config;
@@ -133,7 +133,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
             None => {
                 let w = lm.unit_after(&lm.embed_tokens, &hidden, false).weight.val(); // [V, D]
                 let [b, s, d] = hidden.dims();
-                hidden.reshape([b * s, d]).matmul(w.transpose()).reshape([b, s, self.vocab_size])
+                crate::ops::backend::matmul_bias(hidden.reshape([b * s, d]), w.transpose(), None).reshape([b, s, self.vocab_size])
             }
         };
         if let Some(plan) = &lm.shards {
@@ -406,14 +406,20 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     }
 
     /// Shifted next-token cross-entropy (mean over labels ≠ −100). `labels` `[B, S]` host.
-    pub fn lm_loss(logits: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1> {
+    pub fn lm_loss(logits: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1>
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
         let (sum, count) = Self::lm_loss_sum(logits, labels);
         sum / count.max(1) as f64
     }
 
     /// The summed shifted cross-entropy and the number of label tokens it covers (to
     /// normalise by the label tokens of a whole global batch).
-    pub fn lm_loss_sum(logits: Tensor<B, 3>, labels: &[i64]) -> (Tensor<B, 1>, usize) {
+    pub fn lm_loss_sum(logits: Tensor<B, 3>, labels: &[i64]) -> (Tensor<B, 1>, usize)
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
         let [b, s, _] = logits.dims();
         Self::target_loss_sum(logits, &Self::shifted_targets(labels, b, s))
     }
@@ -426,23 +432,15 @@ impl<B: Backend> Glm5ForCausalLM<B> {
 
     /// The summed cross-entropy of `logits` `[B, S, V]` against already shifted `targets`
     /// `[B, S]` (−100 or out of the vocabulary: not a label) and the number of labels.
-    pub fn target_loss_sum(logits: Tensor<B, 3>, targets: &[i64]) -> (Tensor<B, 1>, usize) {
+    pub fn target_loss_sum(logits: Tensor<B, 3>, targets: &[i64]) -> (Tensor<B, 1>, usize)
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
         let _t = crate::profile::scope("loss");
         let [b, s, v] = logits.dims();
-        let device = logits.device();
-        let mut target = Vec::with_capacity(b * s);
-        let mut weight = Vec::with_capacity(b * s);
-        for &l in &targets[..b * s] {
-            let ok = l >= 0 && (l as usize) < v;
-            target.push(if ok { l } else { 0 });
-            weight.push(if ok { 1.0f32 } else { 0.0 });
-        }
-        let count = weight.iter().filter(|&&w| w > 0.0).count();
-        let target = Tensor::<B, 2, Int>::from_data(TensorData::new(target, [b * s, 1]), &device);
-        let weight = Tensor::<B, 1>::from_data(TensorData::new(weight, [b * s]), &device);
-        let logp = log_softmax(logits.cast(DType::F32).reshape([b * s, v]), 1);
-        let nll = logp.gather(1, target).reshape([b * s]).neg();
-        ((nll * weight).sum(), count)
+        let targets = &targets[..b * s];
+        let count = targets.iter().filter(|&&l| l >= 0 && (l as usize) < v).count();
+        (crate::ops::backend::cross_entropy_sum(logits.cast(DType::F32).reshape([b * s, v]), targets), count)
     }
 
     /// Number of label tokens of a `[B, S]` label buffer after the shift.

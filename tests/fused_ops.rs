@@ -21,17 +21,21 @@
 //! * `linear` (`ops::linear`): rank-3 inputs with and without bias, a product above the
 //!   parallel threshold, a frozen layer and an untracked input (only the tracked inputs get
 //!   gradients), against Burn's own `Linear` and its backward.
+//! * `cross_entropy_sum` (`ops::cross_entropy`): labelled, −100 and out-of-vocabulary targets,
+//!   peaked rows (logits up to ±40), a one-word vocabulary; unlabelled rows take no gradient;
+//!   forward and backward the same bits on one thread and on all.
 //!
 //! Bar: 1e-5 relative (fp32, different association orders of the same sums).
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Tensor, TensorPrimitive};
 use glm5_burn::ops::backend::{
-    causal_conv1d, hc_collapse, hc_post, hc_sinkhorn, kda_forget_gate, linear, rms_norm, silu, sparse_latent_attention, swiglu, Glm5Backend,
+    causal_conv1d, cross_entropy_sum, hc_collapse, hc_post, hc_sinkhorn, kda_forget_gate, linear, rms_norm, silu, sparse_latent_attention, swiglu,
+    Glm5Backend,
 };
 use glm5_burn::ops::sinkhorn::{reference_backward, reference_forward};
 use glm5_burn::ops::sparse_attn::{latent_reference, latent_reference_backward};
-use glm5_burn::ops::{conv, hc_streams, kda_gate, rms, swiglu as swiglu_ops};
+use glm5_burn::ops::{conv, cross_entropy, hc_streams, kda_gate, rms, swiglu as swiglu_ops};
 
 mod common;
 use common::random::{ints, rel, sparse_case, tensor as t, to_host as host, Rng};
@@ -463,6 +467,49 @@ fn fused_linear_matches_burn_linear_and_autodiff() {
             assert_eq!(want[i].is_some(), expected, "{what}: {name} present in Burn's");
             if let (Some(gv), Some(wv)) = (&got[i], &want[i]) {
                 check(&format!("{what}: {name}"), gv, wv);
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_cross_entropy_matches_reference_ops_and_autodiff() {
+    // (rows, vocabulary, logit scale): labels, −100s and out-of-vocabulary targets mixed; a
+    // large scale puts most of each row's mass on one logit
+    for (n, v, scale, seed) in [(37, 50, 1.0, 1), (512, 4096, 4.0, 2), (3, 1, 1.0, 3), (65, 33, 40.0, 4)] {
+        let mut g = Rng(seed);
+        let x: Vec<f32> = g.vec(n * v, 1.0).iter().map(|a| a * scale).collect();
+        // targets in 0..v+2 (the top two out of the vocabulary), every fifth row −100
+        let targets: Vec<i64> =
+            g.vec(n, 1.0).iter().enumerate().map(|(i, r)| if i % 5 == 1 { -100 } else { ((r + 1.0) / 2.0 * (v + 2) as f32) as i64 }).collect();
+        let up = 0.37f32;
+        let what = format!("cross-entropy [{n}, {v}] scale {scale}");
+        let want = host(cross_entropy::reference_forward(t::<Flex, 2>(&x, [n, v]), &targets));
+        let got = from_prim::<1>(Flex::cross_entropy_sum(prim(&x, [n, v]), &targets));
+        check(&format!("{what}: forward"), &got, &want);
+
+        let xa = t::<A, 2>(&x, [n, v]).require_grad();
+        let gr = (cross_entropy::reference_forward(xa.clone(), &targets) * up).sum().backward();
+        let oracle = host(xa.grad(&gr).unwrap());
+        let reference = host(cross_entropy::reference_backward(t::<Flex, 2>(&x, [n, v]), &targets, t(&[up], [1])));
+        let fused = || from_prim::<2>(Flex::cross_entropy_sum_backward(prim(&x, [n, v]), &targets, prim(&[up], [1])));
+        let fu = fused();
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        assert!(one.install(fused) == fu, "{what}: the fused backward depends on the thread count");
+        assert!(
+            one.install(|| from_prim::<1>(Flex::cross_entropy_sum(prim(&x, [n, v]), &targets))) == got,
+            "{what}: forward depends on the thread count"
+        );
+        let xo = t::<A, 2>(&x, [n, v]).require_grad();
+        let gr = (cross_entropy_sum(xo.clone(), &targets) * up).sum().backward();
+        let op = host(xo.grad(&gr).unwrap());
+        for (how, gv) in [("reference", &reference), ("fused", &fu), ("Autodiff op", &op)] {
+            check(&format!("{what}: ∂logits {how}"), gv, &oracle);
+        }
+        // unlabelled rows take no gradient
+        for (i, &tg) in targets.iter().enumerate() {
+            if tg < 0 || tg >= v as i64 {
+                assert!(fu[i * v..][..v].iter().all(|&d| d == 0.0), "{what}: row {i} (target {tg}) has a gradient");
             }
         }
     }

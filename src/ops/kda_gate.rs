@@ -20,7 +20,7 @@ use burn::tensor::activation::{sigmoid, softplus};
 use burn::tensor::{backend::Backend, Tensor};
 use rayon::prelude::*;
 
-use super::host::par_copy;
+use super::host::{self, par_copy};
 
 /// Above this, the softplus gate is the identity (the reference's `threshold=20`).
 const SOFTPLUS_THRESHOLD: f32 = 20.0;
@@ -79,10 +79,6 @@ pub fn reference_backward<B: Backend>(
 /// their rounding — do not depend on the thread count or on scheduling.
 const BLOCK_ROWS: usize = 64;
 
-fn sigmoid_f32(z: f32) -> f32 {
-    1.0 / (1.0 + (-z).exp())
-}
-
 /// Host forward over flat rows of width `C = H·d`.
 pub(crate) fn host_forward(f: &[f32], dt_bias: &[f32], a_log: &[f32], bound: Option<f32>) -> Vec<f32> {
     let c = dt_bias.len();
@@ -94,7 +90,7 @@ pub(crate) fn host_forward(f: &[f32], dt_bias: &[f32], a_log: &[f32], bound: Opt
             for (j, v) in row.iter_mut().enumerate() {
                 let (x, a) = (*v + dt_bias[j], a[j / d]);
                 *v = match bound {
-                    Some(lambda) => sigmoid_f32(x * a) * lambda,
+                    Some(lambda) => host::sigmoid(x * a) * lambda,
                     None if x > SOFTPLUS_THRESHOLD => x * -a,
                     None => x.exp().ln_1p() * -a,
                 };
@@ -121,12 +117,12 @@ pub(crate) fn host_backward(f: &[f32], dt_bias: &[f32], a_log: &[f32], grad: &[f
                     let (x, ah) = (fr[j] + dt_bias[j], a[j / d]);
                     let (dx, dah) = match bound {
                         Some(lambda) => {
-                            let s = sigmoid_f32(x * ah);
+                            let s = host::sigmoid(x * ah);
                             let dz = g[j] * lambda * s * (1.0 - s);
                             (dz * ah, dz * x)
                         }
                         None if x > SOFTPLUS_THRESHOLD => (-g[j] * ah, -g[j] * x),
-                        None => (-g[j] * ah * sigmoid_f32(x), -g[j] * x.exp().ln_1p()),
+                        None => (-g[j] * ah * host::sigmoid(x), -g[j] * x.exp().ln_1p()),
                     };
                     g[j] = dx;
                     db[j] += dx;

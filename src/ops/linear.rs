@@ -30,6 +30,7 @@ pub fn reference_forward<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option
 /// Reference backward: `(∂x, ∂W, ∂b)`. Each gradient needs the other operand: `∂x` is
 /// computed when `w` is given, `∂W` when `x` is, `∂b` when `bias` — so a caller keeps alive
 /// only what the gradients it wants need (a frozen layer's input is never kept).
+#[allow(clippy::type_complexity)]
 pub fn reference_backward<B: Backend>(
     x: Option<Tensor<B, 2>>,
     w: Option<Tensor<B, 2>>,

@@ -14,6 +14,8 @@
 //!   normalisation, mHC's stream collapse/update, its Sinkhorn mixing matrix and the MLPs'
 //!   clamped SiLU gate, each a
 //!   reference tensor-op form with a closed-form backward and a fused host form for Flex.
+//! * [`linear`]: the linear layers' `x·W + b` and its backward as one op.
+//! * [`cross_entropy`]: the summed token cross-entropy (the LM loss) and its backward.
 //! * [`adamw`]: one AdamW update of a parameter tensor, the optimizer's fused step.
 //! * [`backend`]: [`backend::Glm5Backend`], the custom-op trait: ops whose default bodies are
 //!   reference paths and which a backend overrides (Flex: KDA's scan as a host recurrence,
@@ -24,6 +26,7 @@ pub mod adamw;
 pub mod backend;
 pub mod block_attn;
 pub mod conv;
+pub mod cross_entropy;
 pub mod hc_streams;
 mod host;
 pub mod kda;

@@ -21,7 +21,7 @@ use burn::tensor::activation::sigmoid;
 use burn::tensor::{backend::Backend, Tensor};
 use rayon::prelude::*;
 
-use super::host::{par_rows, par_zeros};
+use super::host::{self, par_rows, par_zeros};
 
 /// Reference forward on flat tensors: `[N]`, `[N]` → `[N]`.
 pub fn reference_forward<B: Backend>(gate: Tensor<B, 1>, up: Tensor<B, 1>, limit: f64) -> Tensor<B, 1> {
@@ -66,24 +66,13 @@ fn clamp_max(x: f32, limit: f32) -> f32 {
     }
 }
 
-/// Burn Flex's sigmoid, branch for branch: the fused forward then gives the same bits as the
-/// tensor-op composition, so switching to the op moves no routing decision downstream.
-fn sigmoid_f32(a: f32) -> f32 {
-    if a >= 0.0 {
-        1.0 / (1.0 + (-a).exp())
-    } else {
-        let e = a.exp();
-        e / (1.0 + e)
-    }
-}
-
 /// Host forward over flat fp32 data.
 pub(crate) fn host_forward(gate: &[f32], up: &[f32], limit: f32) -> Vec<f32> {
     par_rows(gate.len(), BLOCK, |bi, o| {
         let (g, u) = (&gate[bi * BLOCK..][..o.len()], &up[bi * BLOCK..][..o.len()]);
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
             let a = clamp_max(g, limit);
-            *o = (a * sigmoid_f32(a)) * u.clamp(-limit, limit);
+            *o = (a * host::sigmoid(a)) * u.clamp(-limit, limit);
         }
     })
 }
@@ -100,7 +89,7 @@ pub(crate) fn host_backward(gate: &[f32], up: &[f32], grad: &[f32], limit: f32) 
         .for_each(|((dg, du), ((g, u), gr))| {
             for ((dg, du), ((&g, &u), &gr)) in dg.iter_mut().zip(du).zip(g.iter().zip(u).zip(gr)) {
                 let a = clamp_max(g, limit);
-                let s = sigmoid_f32(a);
+                let s = host::sigmoid(a);
                 let ds = gr * u.clamp(-limit, limit);
                 *dg = if g > limit { 0.0 } else { ds * s + ((ds * a) * s) * (1.0 - s) };
                 *du = if u > limit || u < -limit { 0.0 } else { gr * (a * s) };
@@ -109,20 +98,20 @@ pub(crate) fn host_backward(gate: &[f32], up: &[f32], grad: &[f32], limit: f32) 
     (dg, du)
 }
 
-/// Host SiLU over flat fp32 data (the bits of Burn's `x * sigmoid(x)` on Flex).
+/// Host SiLU over flat fp32 data.
 pub(crate) fn host_silu(x: &[f32]) -> Vec<f32> {
     par_rows(x.len(), BLOCK, |bi, o| {
         for (o, &a) in o.iter_mut().zip(&x[bi * BLOCK..]) {
-            *o = a * sigmoid_f32(a);
+            *o = a * host::sigmoid(a);
         }
     })
 }
 
-/// Host SiLU backward (the bits of autodiff through `x * sigmoid(x)`).
+/// Host SiLU backward (the products autodiff forms through `x·σ(x)`, in its order).
 pub(crate) fn host_silu_backward(x: &[f32], grad: &[f32]) -> Vec<f32> {
     par_rows(x.len(), BLOCK, |bi, d| {
         for ((d, &a), &ds) in d.iter_mut().zip(&x[bi * BLOCK..]).zip(&grad[bi * BLOCK..]) {
-            let s = sigmoid_f32(a);
+            let s = host::sigmoid(a);
             *d = ds * s + ((ds * a) * s) * (1.0 - s);
         }
     })

@@ -21,7 +21,7 @@ use burn::tensor::activation::sigmoid;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
 use super::norm::rms_normalize;
-use crate::ops::backend::{hc_collapse, hc_post, hc_sinkhorn, Glm5Backend};
+use crate::ops::backend::{hc_collapse, hc_post, hc_sinkhorn, matmul_bias, Glm5Backend};
 
 /// One mHC site. `fn_weight` is the checkpoint's `hc_{attn,ffn}_fn`.
 #[derive(Module, Debug)]
@@ -73,7 +73,7 @@ impl<B: Glm5Backend> HyperConnection<B> {
         let dtype = streams.dtype();
         let bs = b * s;
         let flat = rms_normalize(streams.clone().reshape([bs, n * d]), self.rms_eps);
-        let m = flat.matmul(self.fn_weight.val().cast(DType::F32).transpose()); // [BS, (2+n)n]
+        let m = matmul_bias(flat, self.fn_weight.val().cast(DType::F32).transpose(), None); // [BS, (2+n)n]
         let base = self.base.val().cast(DType::F32);
         let scale = self.scale.val().cast(DType::F32);
         let sc = |i: usize| scale.clone().slice(i..i + 1).reshape([1, 1]);

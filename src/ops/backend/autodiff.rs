@@ -129,6 +129,20 @@ impl<B: Glm5Backend, const N: usize> Backward<B, N> for LinearBackward {
     }
 }
 
+/// The summed cross-entropy; holds the logits and the targets.
+#[derive(Debug)]
+struct CrossEntropyBackward;
+
+impl<B: Glm5Backend> Backward<B, 1> for CrossEntropyBackward {
+    type State = (FloatTensor<B>, Vec<i64>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (logits, targets) = ops.state;
+        register!(grads, ops.parents, [B::cross_entropy_sum_backward(logits, &targets, grad)]);
+    }
+}
+
 /// SiLU; holds `x`.
 #[derive(Debug)]
 struct SiluBackward;
@@ -405,6 +419,11 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
             None => record!(LinearBackward, [x, w], state, out),
             Some(b) => record!(LinearBackward, [x, w, b], state, out),
         }
+    }
+
+    fn cross_entropy_sum(logits: FloatTensor<Self>, targets: &[i64]) -> FloatTensor<Self> {
+        let out = B::cross_entropy_sum(logits.primitive.clone(), targets);
+        record!(CrossEntropyBackward, [logits], (logits.primitive, targets.to_vec()), out)
     }
 
     fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {

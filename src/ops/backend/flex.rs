@@ -9,9 +9,9 @@ use super::prim::*;
 use super::Glm5Backend;
 use crate::ops::adamw::{self, AdamWScalars};
 use crate::ops::kda_scan::ScanInputs;
-use crate::ops::linear;
 use crate::ops::OpImpl;
 use crate::ops::{conv, hc_streams, kda_gate, kda_host, kda_pairs, rms, sinkhorn, sparse_attn, swiglu};
+use crate::ops::{cross_entropy, linear};
 
 /// A Flex tensor as contiguous fp32 host memory — the tensor's own buffer when it already
 /// is one (no copy), a converted copy otherwise.
@@ -186,6 +186,22 @@ impl Glm5Backend for Flex {
         let k = x.as_ref().map(|(_, [_, k])| *k).or(w.as_ref().map(|(_, [k, _])| *k)).unwrap_or(0);
         let (dx, dw, db) = linear::host_backward(x.as_ref().map(|(x, _)| &x[..]), w.as_ref().map(|(w, _)| &w[..]), &g, (n, k, m), bias);
         (dx.map(|v| flex_tensor(v, [n, k])), dw.map(|v| flex_tensor(v, [k, m])), db.map(|v| flex_tensor(v, [m])))
+    }
+
+    fn cross_entropy_sum(logits: FloatTensor<Self>, targets: &[i64]) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&logits)]) {
+            return cross_entropy::reference_forward(f2::<Self>(logits), targets).into_primitive().tensor();
+        }
+        let (x, [_, v]) = host_n::<2>(logits);
+        flex_tensor(vec![cross_entropy::host_forward(&x, targets, v)], [1])
+    }
+
+    fn cross_entropy_sum_backward(logits: FloatTensor<Self>, targets: &[i64], grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !all_f32(&[Some(&logits), Some(&grad)]) {
+            return cross_entropy::reference_backward(f2::<Self>(logits), targets, f1(grad)).into_primitive().tensor();
+        }
+        let ((x, [n, v]), (g, _)) = (host_n::<2>(logits), host_n::<1>(grad));
+        flex_tensor(cross_entropy::host_backward(&x, targets, v, g[0]), [n, v])
     }
 
     fn adamw_step(

@@ -22,6 +22,7 @@
 //! | `silu` (+ backward; KDA's activation after the short conv) | `ops::swiglu` | fused host loops | reference | hand-written backward |
 //! | `kda_forget_gate` (+ backward; KDA's log-space gate) | `ops::kda_gate` | fused host loops | reference | hand-written backward |
 //! | `linear_layer` (+ backward; every `Linear` layer's `x·W + b`) | `ops::linear`: Burn's `linear` | `gemm` on the strided operands | reference | hand-written backward (only the tracked inputs' gradients) |
+//! | `cross_entropy_sum` (+ backward; the LM loss) | `ops::cross_entropy`: `log_softmax` + `gather` | fused host loops | reference | hand-written backward |
 //! | `adamw_step` (the optimizer's update) | `ops::adamw` | fused host loop | reference | the inner backend's (no gradient) |
 //! | `hc_collapse`, `hc_post` (+ backwards) | `ops::hc_streams` | fused host loops | reference | hand-written backward |
 //! | `hc_sinkhorn` (+ backward) | `ops::sinkhorn` | fused host loops | reference | hand-written backward |
@@ -68,9 +69,9 @@ use burn::tensor::{Int, Tensor, TensorPrimitive};
 use super::adamw::{self, AdamWScalars};
 use super::kda_scan::ScanInputs;
 use super::kpool::{self, KpoolSelect};
-use super::linear;
 use super::OpImpl;
 use super::{block_attn, conv, hc_streams, kda_gate, kda_pairs, kda_scan, rms, sinkhorn, sparse_attn, swiglu};
+use super::{cross_entropy, linear};
 use prim::*;
 
 mod autodiff;
@@ -331,6 +332,19 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         (dx.map(|t| t.into_primitive().tensor()), dw.map(|t| t.into_primitive().tensor()), db.map(|t| t.into_primitive().tensor()))
     }
 
+    /// The summed cross-entropy of `logits` `[N, V]` (fp32) against `targets` (`N` of them;
+    /// one outside `0..V`, such as −100, is not a label) → `[1]` (`ops::cross_entropy`).
+    /// Default: the reference tensor ops.
+    fn cross_entropy_sum(logits: FloatTensor<Self>, targets: &[i64]) -> FloatTensor<Self> {
+        cross_entropy::reference_forward(f2::<Self>(logits), targets).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::cross_entropy_sum`]: `∂logits` for the upstream `grad` `[1]`.
+    /// Default: the reference closed form.
+    fn cross_entropy_sum_backward(logits: FloatTensor<Self>, targets: &[i64], grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        cross_entropy::reference_backward(f2::<Self>(logits), targets, f1(grad)).into_primitive().tensor()
+    }
+
     /// One AdamW update of a flat parameter `p` `[N]` with its gradient and moments
     /// (`ops::adamw`): `(p, m, v)` after the step. Default: the reference tensor ops.
     fn adamw_step(
@@ -473,17 +487,26 @@ pub fn kda_forget_gate<B: Glm5Backend>(f: Tensor<B, 2>, dt_bias: Tensor<B, 1>, a
     f2(B::kda_forget_gate(f.into_primitive().tensor(), dt_bias.into_primitive().tensor(), a_log.into_primitive().tensor(), bound))
 }
 
-/// A Burn `Linear` layer applied through [`Glm5Backend::linear_layer`]: `x` `[..., K]` → `[..., M]`
-/// (the leading dimensions flattened into rows for the op, as `Linear::forward` computes).
+/// [`Glm5Backend::cross_entropy_sum`] on tensors: `logits` `[N, V]`, `targets` (at least `N`;
+/// the first `N` are used) → the summed loss `[1]`.
+pub fn cross_entropy_sum<B: Glm5Backend>(logits: Tensor<B, 2>, targets: &[i64]) -> Tensor<B, 1> {
+    let n = logits.dims()[0];
+    f1(B::cross_entropy_sum(logits.into_primitive().tensor(), &targets[..n]))
+}
+
+/// [`Glm5Backend::linear_layer`] on tensors: `x` `[N, K]` · `w` `[K, M]` (+ `b` `[M]`) → `[N, M]`.
+pub fn matmul_bias<B: Glm5Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tensor<B, 1>>) -> Tensor<B, 2> {
+    f2(B::linear_layer(x.into_primitive().tensor(), w.into_primitive().tensor(), b.map(|b| b.into_primitive().tensor())))
+}
+
+/// A Burn `Linear` layer applied through [`Glm5Backend::linear_layer`]: `x` `[..., K]` →
+/// `[..., M]` (the leading dimensions flattened into rows for the op, as `Linear::forward`
+/// computes).
 pub fn linear<B: Glm5Backend, const D: usize>(layer: &burn::nn::Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
     let dims = x.dims();
     let [k, m] = layer.weight.dims();
     let rows = dims[..D - 1].iter().product::<usize>();
-    let out = f2::<B>(B::linear_layer(
-        x.reshape([rows, k]).into_primitive().tensor(),
-        layer.weight.val().into_primitive().tensor(),
-        layer.bias.as_ref().map(|b| b.val().into_primitive().tensor()),
-    ));
+    let out = matmul_bias(x.reshape([rows, k]), layer.weight.val(), layer.bias.as_ref().map(|b| b.val()));
     let mut out_dims = dims;
     out_dims[D - 1] = m;
     out.reshape(out_dims)
