@@ -11,7 +11,8 @@
 //!   lengths that do not fill the last parallel block.
 //! * `swiglu` (`ops::swiglu`): values on both sides of the limit (clamped elements take no
 //!   gradient), an infinite limit, lengths that do not fill the last parallel block, NaN kept;
-//!   `silu` likewise. Both also bit for bit against the tensor ops they replace.
+//!   `silu` likewise. (Their sigmoid uses `ops::host::exp`, within 1.2 ulp of `eˣ`, so they
+//!   match the tensor ops they replace to rounding, no longer bit for bit.)
 //! * `kda_forget_gate` (`ops::kda_gate`): the bounded (sigmoid) and the softplus gate, inputs
 //!   on both sides of the softplus threshold, row counts that do not fill a parallel block;
 //!   the parameter gradients the same bits on one thread and on all.
@@ -289,14 +290,6 @@ fn fused_swiglu_matches_reference_ops_and_autodiff() {
             check(&format!("swiglu n {n} L {limit}: ∂gate {name}"), &got_g, &og);
             check(&format!("swiglu n {n} L {limit}: ∂up {name}"), &got_u, &ou);
         }
-        // the fused body repeats the composition's operations in its order: the same bits
-        // (so switching to the op moves no routing decision of a trained model)
-        let fwd = host(swiglu(t::<Flex, 1>(&g, [n]), t::<Flex, 1>(&u, [n]), limit));
-        let (fg, fu) = Flex::swiglu_backward(prim(&g, [n]), prim(&u, [n]), prim(&up, [n]), limit);
-        let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-        assert_eq!(bits(&fwd, &want), 0, "forward bits");
-        assert_eq!(bits(&from_prim::<1>(fg), &og), 0, "∂gate bits");
-        assert_eq!(bits(&from_prim::<1>(fu), &ou), 0, "∂up bits");
         if limit.is_finite() && n > 100 {
             let clamped = g.iter().filter(|&&v| v as f64 > limit).count();
             assert!(clamped > n / 10, "the case must exercise the clamp ({clamped} of {n})");
@@ -327,9 +320,6 @@ fn fused_silu_matches_reference_ops_and_autodiff() {
         for (name, got) in [("reference", &reference), ("fused", &fused), ("Autodiff op", &through_op)] {
             check(&format!("silu n {n}: ∂x {name}"), got, &oracle);
         }
-        let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-        assert_eq!(bits(&host(silu(t::<Flex, 1>(&x, [n]))), &want), 0, "forward bits");
-        assert_eq!(bits(&fused, &oracle), 0, "∂x bits");
     }
 }
 

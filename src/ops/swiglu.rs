@@ -78,8 +78,9 @@ pub(crate) fn host_forward(gate: &[f32], up: &[f32], limit: f32) -> Vec<f32> {
 }
 
 /// Host backward over flat fp32 data: `(∂gate, ∂up)`. The products are those autodiff forms
-/// through `(a·σ(a))·u` (`∂a = ∂s·σ + ((∂s·a)·σ)·(1 − σ)` with `∂s = ∂out·u`), in its order,
-/// so the gradients too equal the composition's bits.
+/// through `(a·σ(a))·u` (`∂a = ∂s·σ + ((∂s·a)·σ)·(1 − σ)` with `∂s = ∂out·u`), in its order;
+/// `σ` through `ops::host::sigmoid` (a vectorisable `exp` within 1.2 ulp), so the results equal
+/// the composition's to rounding.
 pub(crate) fn host_backward(gate: &[f32], up: &[f32], grad: &[f32], limit: f32) -> (Vec<f32>, Vec<f32>) {
     let n = gate.len();
     let (mut dg, mut du) = (par_zeros(n), par_zeros(n));

@@ -8,7 +8,7 @@ use crate::ops::backend::Glm5Backend;
 
 impl Activation {
     /// As [`Self::apply`], with SiLU as the backend op [`Glm5Backend::silu`] (one fused pass on
-    /// Flex, the same bits as the tensor ops).
+    /// Flex; equal to the tensor ops to rounding).
     pub fn apply_op<B: Glm5Backend, const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         match self {
             Activation::Silu => crate::ops::backend::silu(x),
