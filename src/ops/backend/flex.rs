@@ -178,8 +178,7 @@ impl Glm5Backend for Flex {
         bias: bool,
     ) -> (Option<FloatTensor<Self>>, Option<FloatTensor<Self>>, Option<FloatTensor<Self>>) {
         if !all_f32(&[x.as_ref(), w.as_ref(), Some(&grad)]) {
-            let (dx, dw, db) = linear::reference_backward(x.map(f2::<Self>), w.map(f2::<Self>), f2(grad), bias);
-            return (dx.map(|t| t.into_primitive().tensor()), dw.map(|t| t.into_primitive().tensor()), db.map(|t| t.into_primitive().tensor()));
+            return super::linear_reference_backward::<Self>(x, w, grad, bias);
         }
         let (g, [n, m]) = host_n::<2>(grad);
         let (x, w) = (x.map(host_n::<2>), w.map(host_n::<2>));

@@ -328,8 +328,7 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         grad: FloatTensor<Self>,
         bias: bool,
     ) -> (Option<FloatTensor<Self>>, Option<FloatTensor<Self>>, Option<FloatTensor<Self>>) {
-        let (dx, dw, db) = linear::reference_backward(x.map(f2::<Self>), w.map(f2::<Self>), f2(grad), bias);
-        (dx.map(|t| t.into_primitive().tensor()), dw.map(|t| t.into_primitive().tensor()), db.map(|t| t.into_primitive().tensor()))
+        linear_reference_backward::<Self>(x, w, grad, bias)
     }
 
     /// The summed cross-entropy of `logits` `[N, V]` (fp32) against `targets` (`N` of them;
@@ -485,6 +484,19 @@ pub fn swiglu<B: Glm5Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, 
 /// [`Glm5Backend::kda_forget_gate`] on tensors.
 pub fn kda_forget_gate<B: Glm5Backend>(f: Tensor<B, 2>, dt_bias: Tensor<B, 1>, a_log: Tensor<B, 1>, bound: Option<f64>) -> Tensor<B, 2> {
     f2(B::kda_forget_gate(f.into_primitive().tensor(), dt_bias.into_primitive().tensor(), a_log.into_primitive().tensor(), bound))
+}
+
+/// [`linear::reference_backward`] on primitives: the default body of
+/// [`Glm5Backend::linear_layer_backward`], and Flex's for dtypes other than fp32.
+#[allow(clippy::type_complexity)]
+pub(crate) fn linear_reference_backward<B: burn::tensor::backend::Backend>(
+    x: Option<FloatTensor<B>>,
+    w: Option<FloatTensor<B>>,
+    grad: FloatTensor<B>,
+    bias: bool,
+) -> (Option<FloatTensor<B>>, Option<FloatTensor<B>>, Option<FloatTensor<B>>) {
+    let (dx, dw, db) = linear::reference_backward(x.map(f2::<B>), w.map(f2::<B>), f2(grad), bias);
+    (dx.map(|t| t.into_primitive().tensor()), dw.map(|t| t.into_primitive().tensor()), db.map(|t| t.into_primitive().tensor()))
 }
 
 /// [`Glm5Backend::cross_entropy_sum`] on tensors: `logits` `[N, V]`, `targets` (at least `N`;
