@@ -108,17 +108,23 @@ impl<B: Glm5Backend> Backward<B, 3> for KdaGateBackward {
     }
 }
 
-/// A linear layer; holds `x` only when `W` is tracked and `W` only when `x` is — what the
-/// wanted gradients need, so a frozen layer keeps no activation alive. `N = 3` with a bias.
+/// A linear layer. Like Burn's own `linear`, it checkpoints `x` only when `W` is tracked and
+/// `W` only when `x` is (what the wanted gradients need: a frozen layer keeps no activation
+/// alive) and takes them back through the checkpointer in the backward, so a parameter that
+/// a checkpointing strategy or the sharded model recomputes (FSDP re-gathers a sharded
+/// weight for the backward) is recomputed rather than kept from the forward. `N = 3` with a
+/// bias.
 #[derive(Debug)]
 struct LinearBackward;
 
 impl<B: Glm5Backend, const N: usize> Backward<B, N> for LinearBackward {
-    type State = (Option<FloatTensor<B>>, Option<FloatTensor<B>>);
+    type State = (Option<NodeId>, Option<NodeId>);
 
-    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
         let (x, w) = ops.state;
+        let x = x.map(|id| checkpointer.retrieve_node_output::<FloatTensor<B>>(id));
+        let w = w.map(|id| checkpointer.retrieve_node_output::<FloatTensor<B>>(id));
         let bias = N == 3 && ops.parents[2].is_some();
         let (dx, dw, db) = B::linear_layer_backward(x, w, grad, bias);
         for (node, g) in ops.parents.into_iter().zip([dx, dw, db]) {
@@ -414,10 +420,21 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
 
     fn linear_layer(x: FloatTensor<Self>, w: FloatTensor<Self>, b: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
         let out = B::linear_layer(x.primitive.clone(), w.primitive.clone(), b.as_ref().map(|b| b.primitive.clone()));
-        let state = (w.is_tracked().then(|| x.primitive.clone()), x.is_tracked().then(|| w.primitive.clone()));
+        let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
+        macro_rules! finish {
+            ($prep:expr) => {
+                match $prep.compute_bound().stateful() {
+                    OpsKind::Tracked(mut prep) => {
+                        let state = (w_tracked.then(|| prep.checkpoint(&x)), x_tracked.then(|| prep.checkpoint(&w)));
+                        prep.finish(state, out)
+                    }
+                    OpsKind::UnTracked(prep) => prep.finish(out),
+                }
+            };
+        }
         match b {
-            None => record!(LinearBackward, [x, w], state, out),
-            Some(b) => record!(LinearBackward, [x, w, b], state, out),
+            None => finish!(LinearBackward.prepare::<C>([x.node.clone(), w.node.clone()])),
+            Some(b) => finish!(LinearBackward.prepare::<C>([x.node.clone(), w.node.clone(), b.node.clone()])),
         }
     }
 
