@@ -144,7 +144,15 @@ pub(crate) fn par_zeros(n: usize) -> Vec<f32> {
 
 /// A copy of `src`, made in parallel blocks (for outputs updated in place).
 pub(crate) fn par_copy(src: &[f32]) -> Vec<f32> {
-    par_rows(src.len(), BLOCK, |i, c| c.copy_from_slice(&src[i * BLOCK..][..c.len()]))
+    let mut out: Vec<f32> = Vec::with_capacity(src.len());
+    out.spare_capacity_mut()[..src.len()].par_chunks_mut(BLOCK).zip(src.par_chunks(BLOCK)).for_each(|(d, s)| {
+        d.iter_mut().zip(s).for_each(|(d, &s)| {
+            d.write(s);
+        })
+    });
+    // SAFETY: the chunks cover `0..src.len()`, every element written just above.
+    unsafe { out.set_len(src.len()) };
+    out
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@
 use burn::tensor::{backend::Backend, Tensor};
 use rayon::prelude::*;
 
-use super::host::{dot, par_rows};
+use super::host::{dot, par_copy, par_rows};
 
 /// Reference forward: `[R, D]` (fp32) → `[R, D]`.
 pub fn reference_forward<B: Backend>(x: Tensor<B, 2>, w: Option<Tensor<B, 1>>, eps: f64) -> Tensor<B, 2> {
@@ -68,7 +68,7 @@ const BLOCK_ROWS: usize = 64;
 
 /// Host backward: `(∂x, ∂w)` over flat rows of width `d`.
 pub(crate) fn host_backward(x: &[f32], w: Option<&[f32]>, grad: &[f32], d: usize, eps: f32) -> (Vec<f32>, Option<Vec<f32>>) {
-    let mut dx = par_rows(grad.len(), BLOCK_ROWS * d, |bi, c| c.copy_from_slice(&grad[bi * BLOCK_ROWS * d..][..c.len()]));
+    let mut dx = par_copy(grad);
     // ∂x in place per row; the rows' shares of ∂w summed per block, then the blocks in order
     let partials: Vec<Option<Vec<f32>>> = dx
         .par_chunks_mut(BLOCK_ROWS * d)

@@ -191,7 +191,8 @@ impl Glm5Backend for Flex {
         if !all_f32(&[Some(&logits)]) {
             return cross_entropy::reference_forward(f2::<Self>(logits), targets).into_primitive().tensor();
         }
-        let (x, [_, v]) = host_n::<2>(logits);
+        let (x, [n, v]) = host_n::<2>(logits);
+        assert_eq!(targets.len(), n, "cross_entropy_sum: {} targets for {n} rows of logits", targets.len());
         flex_tensor(vec![cross_entropy::host_forward(&x, targets, v)], [1])
     }
 
@@ -200,6 +201,7 @@ impl Glm5Backend for Flex {
             return cross_entropy::reference_backward(f2::<Self>(logits), targets, f1(grad)).into_primitive().tensor();
         }
         let ((x, [n, v]), (g, _)) = (host_n::<2>(logits), host_n::<1>(grad));
+        assert_eq!(targets.len(), n, "cross_entropy_sum_backward: {} targets for {n} rows of logits", targets.len());
         flex_tensor(cross_entropy::host_backward(&x, targets, v, g[0]), [n, v])
     }
 

@@ -333,7 +333,8 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
 
     /// The summed cross-entropy of `logits` `[N, V]` (fp32) against `targets` (`N` of them;
     /// one outside `0..V`, such as −100, is not a label) → `[1]` (`ops::cross_entropy`).
-    /// Default: the reference tensor ops.
+    /// Panics when `targets` does not hold `N` (a caller's bug: the wrapper
+    /// [`cross_entropy_sum`] passes the first `N`). Default: the reference tensor ops.
     fn cross_entropy_sum(logits: FloatTensor<Self>, targets: &[i64]) -> FloatTensor<Self> {
         cross_entropy::reference_forward(f2::<Self>(logits), targets).into_primitive().tensor()
     }
