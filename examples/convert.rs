@@ -63,11 +63,7 @@ fn run(args: Args) -> Result<()> {
         return inspect(dir);
     }
     let (input, output) = (args.input.expect("clap requires it"), args.output.expect("clap requires it"));
-    if let (Ok(i), Ok(o)) = (input.canonicalize(), output.canonicalize()) {
-        if i == o {
-            bail!("--output {} is the --input checkpoint: converting in place would destroy it; name another directory", output.display());
-        }
-    }
+    glm5_burn::io::check_output_dir("--output", &output, &[("--input", &input)])?;
     let opts =
         ConvertOptions { dtype: if args.dtype == "f32" { Dtype::F32 } else { Dtype::BF16 }, max_shard_bytes: parse_size(&args.max_shard_size)? };
     let bar = ProgressBar::new(0);
@@ -91,6 +87,9 @@ fn run(args: Args) -> Result<()> {
         report.bytes_written as f64 / 1e9,
         start.elapsed()
     );
+    if !report.copied.is_empty() {
+        println!("copied beside the weights: {}", report.copied.join(", "));
+    }
     Ok(())
 }
 

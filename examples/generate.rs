@@ -20,7 +20,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use clap::{Parser, ValueEnum};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::generate::{checkpoint_eos_ids, generate, generate_with, GenerateOptions, Prompt, SamplingConfig, StopStrings};
-use glm5_burn::io::{write_sequences, TokenInputs};
+use glm5_burn::io::{check_output_file, write_sequences, TokenInputs};
 use glm5_burn::{ForwardOptions, Glm5Backend};
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -39,6 +39,7 @@ enum BackendChoice {
 
 /// Generate tokens with a GLM-5.3-Flash checkpoint.
 #[derive(Parser)]
+#[command(allow_negative_numbers = true)]
 struct Args {
     /// Checkpoint directory (config.json + safetensors).
     #[arg(long)]
@@ -70,18 +71,18 @@ struct Args {
     /// Sample instead of greedy decoding.
     #[arg(long)]
     do_sample: bool,
-    /// Sampling temperature.
-    #[arg(long, default_value_t = 1.0)]
-    temperature: f32,
-    /// Top-k filter (0: off).
-    #[arg(long, default_value_t = 50)]
-    top_k: usize,
-    /// Top-p (nucleus) filter (1: off).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Seed of the draws.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Sampling temperature (> 0; with `--do-sample`) [default: 1.0].
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Top-k filter (0: off; with `--do-sample`) [default: 50].
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Top-p (nucleus) filter, in (0, 1] (1: off; with `--do-sample`) [default: 1.0].
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Seed of the draws (with `--do-sample`) [default: 0].
+    #[arg(long)]
+    seed: Option<u64>,
     /// Backend to run on.
     #[arg(long, value_enum, default_value = "flex")]
     backend: BackendChoice,
@@ -109,15 +110,88 @@ fn main() {
     }
 }
 
+/// The sampling settings, refused when out of range or given without `--do-sample` (greedy
+/// decoding would ignore them without a word).
+fn sampling(args: &Args) -> Result<SamplingConfig> {
+    if !args.do_sample {
+        let given: Vec<&str> =
+            [args.temperature.map(|_| "--temperature"), args.top_k.map(|_| "--top-k"), args.top_p.map(|_| "--top-p"), args.seed.map(|_| "--seed")]
+                .into_iter()
+                .flatten()
+                .collect();
+        if !given.is_empty() {
+            bail!(
+                "{}: sampling settings, used only with --do-sample (decoding is greedy without it): add --do-sample or drop them",
+                given.join(", ")
+            );
+        }
+    }
+    let temperature = args.temperature.unwrap_or(1.0);
+    if !(temperature.is_finite() && temperature > 0.0) {
+        bail!("--temperature {temperature}: must be a finite number > 0 (for greedy decoding drop --do-sample)");
+    }
+    let top_p = args.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        bail!("--top-p {top_p}: must be in (0, 1] (1 keeps every token)");
+    }
+    Ok(SamplingConfig { do_sample: args.do_sample, temperature, top_k: args.top_k.unwrap_or(50), top_p, seed: args.seed.unwrap_or(0) })
+}
+
+/// EOS ids must be token ids of the checkpoint's vocabulary.
+fn check_eos(eos: &[i64], vocab: usize, source: &str) -> Result<()> {
+    if let Some(bad) = eos.iter().find(|&&t| t < 0 || t as u64 >= vocab as u64) {
+        bail!("{source}: EOS id {bad} is not a token id of this checkpoint (vocab_size {vocab}: ids 0..{})", vocab - 1);
+    }
+    Ok(())
+}
+
+/// A row whose mask has a 0 after a token is right-padded: generation appends after the last
+/// position, so its new tokens would follow padding.
+fn check_left_padded(mask: &[bool], batch: usize, seq: usize, input: &std::path::Path) -> Result<()> {
+    for b in 0..batch {
+        let row = &mask[b * seq..(b + 1) * seq];
+        if let Some(first) = row.iter().position(|&m| m) {
+            if let Some(gap) = row[first..].iter().position(|&m| !m) {
+                bail!(
+                    "{}: attention_mask row {b} has padding at position {} after its tokens: decoder-only generation continues \
+                     from the last position, so pad prompts on the left (HF: tokenizer.padding_side = \"left\")",
+                    input.display(),
+                    first + gap
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
     let dtype = if matches!(args.dtype, Precision::Bf16) { DType::BF16 } else { DType::F32 };
-    let eos = if args.eos.is_empty() { checkpoint_eos_ids(&args.checkpoint)? } else { args.eos.clone() };
-    let sampling = SamplingConfig { do_sample: args.do_sample, temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed };
+    let sampling = sampling(args)?;
+    // everything the arguments can be checked against before a weight is read
+    let (config, _) = glm5_burn::checkpoint::read_config(&args.checkpoint)?;
+    let vocab = config.text_config.vocab_size;
+    let eos = if args.eos.is_empty() {
+        let eos = checkpoint_eos_ids(&args.checkpoint)?;
+        check_eos(&eos, vocab, &format!("{} (generation_config.json / config.json)", args.checkpoint.display()))?;
+        eos
+    } else {
+        check_eos(&args.eos, vocab, "--eos")?;
+        args.eos.clone()
+    };
     if let Some(question) = &args.prompt {
         return answer::<B>(args, question, dtype, eos, sampling, device);
     }
     let (input, output) = (args.input.clone().expect("clap requires it"), args.output.clone().expect("clap requires it"));
+    check_output_file("--output", &output, &[("--input", &input), ("--checkpoint", &args.checkpoint)])?;
     let inputs = TokenInputs::read(&input)?;
+    check_left_padded(&inputs.mask, inputs.batch, inputs.seq, &input)?;
+    if let Some(note) = inputs.placeholder_note(config.image_token_id) {
+        eprintln!("note: {note}");
+    }
+    let tokenizer = match &args.tokenizer {
+        Some(dir) => Some(load_tokenizer(dir)?),
+        None => None,
+    };
     let load = LoadOptions { vision: inputs.images.is_some(), ..LoadOptions::with_dtype(dtype) };
     let loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
     let text = &loaded.config.text_config;
@@ -133,10 +207,6 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
     });
     let prompt = Prompt { ids: &inputs.ids, batch: inputs.batch, seq: inputs.seq, mask: Some(&inputs.mask), images: pixels };
     let start = std::time::Instant::now();
-    let tokenizer = match &args.tokenizer {
-        Some(dir) => Some(load_tokenizer(dir)?),
-        None => None,
-    };
     let out = match &tokenizer {
         Some(tok) if !args.stop.is_empty() => {
             let mut stop = StopStrings::new(tok, &args.stop)?;
@@ -155,6 +225,7 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
 fn answer<B: Glm5Backend>(args: &Args, question: &str, dtype: DType, eos: Vec<i64>, sampling: SamplingConfig, device: &B::Device) -> Result<()> {
     use glm5_burn::data::chat::ChatFormat;
     use glm5_burn::data::image_processor::{ImageProcessor, RgbImage};
+    // `--tokenizer` names tokenizer.json or the directory holding it
     let dir = args.tokenizer.as_ref().expect("clap requires it");
     let chat = ChatFormat::from_dir(dir).with_context(|| format!("loading the tokenizer and chat template from {}", dir.display()))?;
     let images = args.images.iter().map(|p| RgbImage::open(p)).collect::<Result<Vec<_>, _>>()?;

@@ -101,21 +101,65 @@ impl MetricsRenderer for Lines {
 struct Args {
     /// Recipe file (YAML); without one, the embedded `configs/tiny_medpix.yaml`.
     recipe: Option<PathBuf>,
-    /// Directory of burn-train's checkpoints and logs.
+    /// Directory of burn-train's checkpoints and logs (the recipe's `checkpoint.checkpoint_dir`
+    /// is finetune's; the Learner writes here).
     #[arg(long, default_value = "checkpoints/tiny_medpix_learner")]
     dir: PathBuf,
+    /// Train again into a `--dir` that already holds a run (its files are replaced).
+    #[arg(long)]
+    overwrite: bool,
+}
+
+/// Recipe keys this path does not honour: given on the command line they are refused, naming
+/// the key and what to use instead (a silently ignored key would train something else).
+const NOT_HONOURED: &[(&str, &str)] = &[
+    ("checkpoint.checkpoint_dir", "the Learner writes burn-train's checkpoints and logs under --dir"),
+    ("checkpoint.keep_last", "burn-train's file checkpointer keeps its own files under --dir"),
+    ("step_scheduler.ckpt_every_steps", "burn-train checkpoints once per epoch"),
+    ("step_scheduler.val_every_steps", "burn-train validates once per epoch"),
+    ("step_scheduler.val_answer_max_new_tokens", "the Learner reports the validation loss only (use finetune for answer accuracy)"),
+    ("step_scheduler.on_nonfinite", "burn-train applies every step"),
+    ("distributed", "the Learner path runs in one process (use finetune under mpirun)"),
+];
+
+/// The first override naming a key of [`NOT_HONOURED`] (or a key below it).
+fn refuse_unhonoured(overrides: &[String]) -> Result<()> {
+    for o in overrides {
+        let key = o.trim_start_matches("--").split('=').next().unwrap_or_default();
+        if let Some((k, why)) = NOT_HONOURED.iter().find(|(k, _)| key == *k || key.starts_with(&format!("{k}."))) {
+            bail!("--{o}: the learner does not honour `{k}`: {why}");
+        }
+    }
+    Ok(())
 }
 
 fn main() -> Result<()> {
     let (overrides, rest) = split_overrides(std::env::args().skip(1));
     let matches = Args::command().get_matches_from(std::iter::once("learner".to_string()).chain(rest));
     let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    refuse_unhonoured(&overrides)?;
     let recipe = match &args.recipe {
         Some(p) => Recipe::from_file(p, &overrides)?,
         None => Recipe::embedded_default(&overrides)?,
     };
-    if recipe.distributed.dp_size != 1 {
-        bail!("distributed.dp_size = {}: the Learner path runs in one process (use finetune under mpirun)", recipe.distributed.dp_size);
+    let d = &recipe.distributed;
+    for (key, size) in [("dp_size", d.dp_size), ("ep_size", d.ep_size), ("cp_size", d.cp_size)] {
+        if size != 1 {
+            bail!("distributed.{key} = {size}: the Learner path runs in one process (use finetune under mpirun)");
+        }
+    }
+    // where burn-train writes, before any data or model is prepared (it panics on a directory
+    // it cannot create)
+    glm5_burn::io::check_output_dir("--dir", &args.dir, &[])?;
+    let earlier = std::fs::read_dir(&args.dir).map(|mut d| d.next().is_some()).unwrap_or(false);
+    if earlier && !args.overwrite {
+        bail!(
+            "--dir {} already holds a run (burn-train's checkpoints and logs): pass --overwrite to train again into it, or name another --dir",
+            args.dir.display()
+        );
+    }
+    if earlier {
+        println!("--overwrite: training again into {}, replacing the run there", args.dir.display());
     }
     if recipe.model.dtype != Precision::F32 {
         println!("model.dtype {:?}: the Learner trains the module in its own precision; training in f32", recipe.model.dtype);
@@ -189,11 +233,11 @@ fn main() -> Result<()> {
 
     let training = SupervisedTraining::new(&args.dir, Arc::new(LmLoader::new(train_items)), Arc::new(LmLoader::new(val_items)))
         .metric_train_numeric(LossMetric::new())
-        .metric_valid_numeric(LossMetric::new())
-        .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
-        .grads_accumulation(accum)
-        .num_epochs(1)
-        .summary();
+        .metric_valid_numeric(LossMetric::new());
+    // checkpoint.enabled: false writes no model checkpoints (burn-train's logs still go to --dir)
+    let training =
+        if recipe.checkpoint.enabled { training.with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new()) } else { training };
+    let training = training.grads_accumulation(accum).num_epochs(1).summary();
     let training = match std::io::stdout().is_terminal() {
         true => training,
         false => training.renderer(Lines { accumulation: accum, train: Vec::new(), valid: Vec::new() }),

@@ -51,6 +51,14 @@ fn status_kb(field: &str) -> u64 {
 }
 
 fn generate(dir: &PathBuf, config_path: &PathBuf, shard_mb: usize, fp8: bool) -> Result<()> {
+    // a generated checkpoint never lands over files that are there
+    glm5_burn::io::check_output_dir("--generate", dir, &[("--config", config_path)])?;
+    if std::fs::read_dir(dir).map(|mut d| d.next().is_some()).unwrap_or(false) {
+        anyhow::bail!("--generate {}: the directory is not empty; name a new or empty one", dir.display());
+    }
+    if shard_mb == 0 {
+        anyhow::bail!("--shard-mb 0: shards hold at least 1 MB");
+    }
     let mut text = std::fs::read_to_string(config_path).with_context(|| config_path.display().to_string())?;
     let mut json: serde_json::Value = serde_json::from_str(&text)?;
     let config = Glm5Config::from_hf_value(&json)?;

@@ -12,12 +12,12 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use burn::backend::Flex;
 use burn::tensor::{DType, Tensor, TensorData};
 use clap::{Parser, ValueEnum};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
-use glm5_burn::io::{write_logits, TokenInputs};
+use glm5_burn::io::{check_output_file, write_logits, TokenInputs};
 use glm5_burn::{AttentionImpl, ForwardOptions, Glm5Backend, TokenMask};
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -110,10 +110,11 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
         return run_prompt::<B>(args, prompt, device);
     }
     let (input, output) = (args.input.clone().expect("clap requires it"), args.output.clone().expect("clap requires it"));
-    if same_file(&input, &output) {
-        bail!("--output {} is the --input file: writing the logits would replace the inputs; name another file", output.display());
-    }
+    check_output_file("--output", &output, &[("--input", &input), ("--checkpoint", &args.checkpoint)])?;
     let inputs = TokenInputs::read(&input)?;
+    if let Some(note) = glm5_burn::checkpoint::read_config(&args.checkpoint).ok().and_then(|(c, _)| inputs.placeholder_note(c.image_token_id)) {
+        eprintln!("note: {note}");
+    }
     let (b, s) = (inputs.batch, inputs.seq);
     let dtype = match args.dtype {
         Precision::F32 => DType::F32,
@@ -171,8 +172,7 @@ fn run_prompt<B: Glm5Backend>(args: &Args, prompt: &str, device: &B::Device) -> 
     use glm5_burn::data::image_processor::{ImageProcessor, RgbImage};
     let tok = args.tokenizer.as_ref().expect("clap requires it");
     // `--tokenizer` may name tokenizer.json or the directory holding it
-    let dir = if tok.is_dir() { tok.as_path() } else { tok.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new(".")) };
-    let chat = ChatFormat::from_dir(dir).with_context(|| format!("loading the tokenizer and chat template from {}", dir.display()))?;
+    let chat = ChatFormat::from_dir(tok).with_context(|| format!("loading the tokenizer and chat template from {}", tok.display()))?;
     let images = args.images.iter().map(|p| RgbImage::open(p)).collect::<Result<Vec<_>, _>>()?;
     let p = glm5_burn::data::user_prompt(&chat, &ImageProcessor::default(), &images, prompt)?;
     let dtype = if matches!(args.dtype, Precision::Bf16) { DType::BF16 } else { DType::F32 };
@@ -200,12 +200,4 @@ fn run_prompt<B: Glm5Backend>(args: &Args, prompt: &str, device: &B::Device) -> 
         println!("  {i:>7}  p={:.4}  {text:?}", (last[i] - m).exp() / z);
     }
     Ok(())
-}
-
-/// Whether two paths name the same existing file (or the same path when they do not exist).
-fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
-    match (a.canonicalize(), b.canonicalize()) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => a == b,
-    }
 }

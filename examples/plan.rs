@@ -12,9 +12,9 @@
 //! batch 144) next to those measurements, and the smallest meshes that fit 80 GiB (H100) and
 //! 141 GB (H200) GPUs.
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
-use glm5_burn::distributed::plan::{plan, smallest_fitting, Mesh, PlanInputs};
+use glm5_burn::distributed::plan::{check_inputs, check_mesh, plan, smallest_fitting, Mesh, PlanInputs};
 use glm5_burn::Glm5Config;
 
 #[derive(Parser)]
@@ -49,6 +49,10 @@ struct Args {
 }
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+/// The published recipe's global batch (packs per optimizer step).
+const GLOBAL_BATCH: usize = 144;
+/// The largest world the smallest-mesh search tries.
+const MAX_WORLD: usize = 4096;
 
 fn main() -> Result<()> {
     let a = Args::parse();
@@ -56,11 +60,19 @@ fn main() -> Result<()> {
         Some(p) => Glm5Config::from_file(p).with_context(|| p.display().to_string())?,
         None => Glm5Config::full(),
     };
-    let mesh = Mesh::parse(&a.mesh).map_err(|e| anyhow!(e))?;
+    let mesh = Mesh::parse(&a.mesh).map_err(|e| anyhow!("--mesh {}: {e}", a.mesh))?;
+    if a.micro_batches.is_none() && mesh.dp > GLOBAL_BATCH {
+        bail!(
+            "--mesh {}: dp {} is larger than the recipe's global batch of {GLOBAL_BATCH} packs, so some data-parallel ranks \
+             would get none; give --micro-batches N for a global batch of dp × N",
+            a.mesh,
+            mesh.dp
+        );
+    }
     let inputs = |mesh: Mesh| PlanInputs {
         mesh,
         seq: a.seq,
-        micro_batches: a.micro_batches.unwrap_or((144 / mesh.dp).max(1)),
+        micro_batches: a.micro_batches.unwrap_or((GLOBAL_BATCH / mesh.dp).max(1)),
         param_bytes: a.param_bytes,
         grad_bytes: a.grad_bytes,
         optim_bytes: a.optim_bytes,
@@ -69,6 +81,9 @@ fn main() -> Result<()> {
         ..PlanInputs::medpix_recipe(mesh)
     };
     let i = inputs(mesh);
+    // the numbers first, so a bad --seq or byte size is named as such
+    check_inputs(&i).map_err(|e| anyhow!("{}", flag_names(&e)))?;
+    check_mesh(&config, mesh).map_err(|e| anyhow!("--mesh {}: {e}", a.mesh))?;
     let (m, comm) = plan(&config, &i).map_err(|e| anyhow!("--mesh {}: {e}", a.mesh))?;
     println!(
         "mesh dp={} ep={} cp={} ({} ranks), {} tokens per pack, {} micro-batches per rank, activation checkpointing {}",
@@ -106,23 +121,76 @@ fn main() -> Result<()> {
         mesh.ep
     );
 
-    // the published measurements of the same recipe (NeMo AutoModel, H100s)
-    println!("\n| published mesh | ranks | measured GiB per GPU | planned GiB | gap GiB |\n|---|---|---|---|---|");
-    for (mesh, ranks, measured) in [
-        (Mesh { dp: 36, ep: 72, cp: 2 }, 72, "57.2 mean / 57.7 peak"),
-        (Mesh { dp: 144, ep: 144, cp: 1 }, 144, "38.9"),
-        (Mesh { dp: 18, ep: 144, cp: 8 }, 144, "41.0"),
-    ] {
-        let (m, _) = plan(&config, &inputs(mesh)).map_err(|e| anyhow!(e))?;
-        let first: f64 = measured.split_whitespace().next().and_then(|x| x.parse().ok()).unwrap_or(f64::NAN);
-        println!("| EP{} / CP{} | {ranks} | {measured} | {:.1} | {:+.1} |", mesh.ep, mesh.cp, m.total() / GIB, first - m.total() / GIB);
+    // the published measurements of the same recipe (NeMo AutoModel, H100s), of the release
+    // model only: another config is not what was measured
+    if config == Glm5Config::full() {
+        println!("\n| published mesh | ranks | measured GiB per GPU | planned GiB | gap GiB |\n|---|---|---|---|---|");
+        for (mesh, ranks, measured) in [
+            (Mesh { dp: 36, ep: 72, cp: 2 }, 72, "57.2 mean / 57.7 peak"),
+            (Mesh { dp: 144, ep: 144, cp: 1 }, 144, "38.9"),
+            (Mesh { dp: 18, ep: 144, cp: 8 }, 144, "41.0"),
+        ] {
+            match plan(&config, &inputs(mesh)) {
+                Ok((m, _)) => {
+                    let first: f64 = measured.split_whitespace().next().and_then(|x| x.parse().ok()).unwrap_or(f64::NAN);
+                    println!("| EP{} / CP{} | {ranks} | {measured} | {:.1} | {:+.1} |", mesh.ep, mesh.cp, m.total() / GIB, first - m.total() / GIB);
+                }
+                Err(e) => println!("| EP{} / CP{} | {ranks} | {measured} | not planned: {e} | |", mesh.ep, mesh.cp),
+            }
+        }
+    } else {
+        println!("\n(published measurements are of the GLM-5.3-Flash release config; this config differs, so they are not compared)");
     }
 
     println!("\n| GPU memory | smallest mesh that fits (per cp) | planned GiB |\n|---|---|---|");
+    let cps = [1, 2, 4, 8];
     for (label, limit) in [("80 GiB (H100)", 80.0 * GIB), ("141 GB (H200)", 141e9)] {
-        for (mesh, m) in smallest_fitting(&config, &inputs(mesh), limit, &[1, 2, 4, 8], 4096) {
+        let fits = smallest_fitting(&config, &inputs(mesh), limit, &cps, MAX_WORLD);
+        for (mesh, m) in &fits {
             println!("| {label} | dp={} ep={} cp={} ({} ranks) | {:.1} |", mesh.dp, mesh.ep, mesh.cp, mesh.world(), m.total() / GIB);
+        }
+        if fits.is_empty() {
+            println!("| {label} | none up to {MAX_WORLD} ranks: {} | |", why_nothing_fits(&config, &inputs, &cps, limit));
         }
     }
     Ok(())
+}
+
+/// Why no mesh fits: the plan of the largest mesh tried, and its largest part.
+fn why_nothing_fits(config: &Glm5Config, inputs: &dyn Fn(Mesh) -> PlanInputs, cps: &[usize], limit: f64) -> String {
+    let e = config.text_config.n_routed_experts;
+    let best = cps
+        .iter()
+        .filter_map(|&cp| {
+            let world = MAX_WORLD / cp * cp;
+            let ep = (1..=world).rev().find(|x| world % x == 0 && e % x == 0).unwrap_or(1);
+            let mesh = Mesh { dp: world / cp, ep, cp };
+            plan(config, &inputs(mesh)).ok().map(|(m, _)| (mesh, m))
+        })
+        .min_by(|a, b| a.1.total().total_cmp(&b.1.total()));
+    match best {
+        Some((mesh, m)) => {
+            let parts = [
+                ("activations", m.activations),
+                ("parameters + gradients + optimizer", m.params + m.grads + m.optimizer),
+                ("gathered FSDP units", m.gathered),
+                ("EP exchange buffers", m.exchange),
+            ];
+            let (part, bytes) = parts.iter().copied().fold(("", 0.0), |a, b| if b.1 > a.1 { b } else { a });
+            format!(
+                "even dp={} ep={} cp={} plans {:.1} GiB per rank against {:.1} GiB, {part} alone {:.1} GiB (activations shrink only with a shorter --seq or a larger cp)",
+                mesh.dp, mesh.ep, mesh.cp, m.total() / GIB, limit / GIB, bytes / GIB
+            )
+        }
+        None => format!("no mesh of at most {MAX_WORLD} ranks is valid for this config and --seq"),
+    }
+}
+
+/// A plan-input error with the command-line flag names.
+fn flag_names(e: &str) -> String {
+    e.replacen("micro_batches", "--micro-batches", 1)
+        .replacen("param_bytes", "--param-bytes", 1)
+        .replacen("grad_bytes", "--grad-bytes", 1)
+        .replacen("optim_bytes", "--optim-bytes", 1)
+        .replacen("seq ", "--seq ", 1)
 }

@@ -129,6 +129,9 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let (spec_a, spec_b) = (parse_spec(&args.a).context("--a")?, parse_spec(&args.b).context("--b")?);
     let inputs = TokenInputs::read(&args.input)?;
+    if let Some(note) = glm5_burn::checkpoint::read_config(&args.checkpoint).ok().and_then(|(c, _)| inputs.placeholder_note(c.image_token_id)) {
+        eprintln!("note: {note}");
+    }
     let a = dispatch(&args, &spec_a, &inputs).with_context(|| format!("run A ({})", args.a))?;
     let b = dispatch(&args, &spec_b, &inputs).with_context(|| format!("run B ({})", args.b))?;
     let positions = inputs.batch * inputs.seq;

@@ -87,6 +87,25 @@ pub enum CheckpointError {
         /// The dtype as the header spells it.
         dtype: String,
     },
+    /// Images were asked of a checkpoint saved without its vision tower.
+    #[error(
+        "checkpoint {dir} has no vision tower (no model.visual.* tensors; the model expects {expected}), so it cannot take \
+         images: run it on text alone, or use a checkpoint saved with its vision tower"
+    )]
+    NoVisionTower {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// How many vision tensors the config implies.
+        expected: usize,
+    },
+    /// A training step directory was given where a model directory is meant.
+    #[error("{dir} has no config.json: it is a training checkpoint's step directory; its model is {model}")]
+    StepDirectory {
+        /// The directory given.
+        dir: PathBuf,
+        /// Its `model/` directory.
+        model: PathBuf,
+    },
     /// Checkpoint and model disagree; `report` lists every missing, unexpected and mis-shaped key.
     #[error("checkpoint {dir} does not match the model:\n{report}")]
     Mismatch {

@@ -360,9 +360,8 @@ impl<B: Backend> Glm5ForCausalLM<B> {
             self.gather_unused_vision(&embeds);
         }
         match images {
-            None if !image_pos.is_empty() => {
-                return Err(err("input_ids", format!("{} <|image|> placeholders but no pixel_values", image_pos.len())));
-            }
+            // HF's `Glm5NextModel.forward` looks for placeholders only when `pixel_values` are
+            // given: without them an `<|image|>` id is embedded as the token it is
             None => {}
             Some((pixels, grid)) => {
                 let visual = self.visual.as_ref().ok_or_else(|| err("pixel_values", "this model was loaded without its vision tower".into()))?;

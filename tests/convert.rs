@@ -190,3 +190,28 @@ fn existing_output_is_not_overwritten() {
     assert!(e.contains("not empty"), "{e}");
     assert_eq!(std::fs::read_to_string(tmp.path().join("keep.txt")).unwrap(), "user data");
 }
+
+/// The input's tokenizer, chat template and generation config travel with the weights, so the
+/// output runs in `generate` as the input did; weights, their index and hidden files do not.
+#[test]
+fn companion_files_are_copied() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("fp8");
+    std::fs::create_dir(&src).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixtures().join("fp8_f32_scales").join(f), src.join(f)).unwrap();
+    }
+    let chat = fixtures().join("chat");
+    std::fs::copy(chat.join("tokenizer.json"), src.join("tokenizer.json")).unwrap();
+    std::fs::copy(chat.join("chat_template.jinja"), src.join("chat_template.jinja")).unwrap();
+    std::fs::write(src.join("generation_config.json"), br#"{"eos_token_id": [1]}"#).unwrap();
+    std::fs::write(src.join(".lock"), b"").unwrap();
+    let out = tmp.path().join("bf16");
+    let report = convert(&src, &out, usize::MAX).unwrap();
+    assert_eq!(report.copied, ["chat_template.jinja", "generation_config.json", "tokenizer.json"]);
+    for f in &report.copied {
+        assert_eq!(std::fs::read(src.join(f)).unwrap(), std::fs::read(out.join(f)).unwrap(), "{f}");
+    }
+    assert!(!out.join(".lock").exists());
+    assert_eq!(glm5_burn::generate::checkpoint_eos_ids(&out).unwrap(), [1]);
+}

@@ -965,6 +965,41 @@ mod mpi_engine {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// Under `mpirun`, a refusal reaches the user once: one that every rank reaches alike (a
+    /// recipe value, a mesh that does not fit the launch) is printed by rank 0 alone, and a
+    /// run lock held by another run is printed by the rank that found it while every rank
+    /// stops cleanly (status 1, no MPI abort, so no `ORTE_ERROR_LOG` lines).
+    #[test]
+    fn refusals_under_mpirun_are_printed_once_and_end_cleanly() {
+        let dir = std::env::temp_dir().join(format!("glm5_dp_refusal_{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let args = |extra: &str| {
+            let mut a: Vec<String> = vec![
+                format!("--checkpoint.checkpoint_dir={}", dir.display()),
+                "--step_scheduler.max_steps=1".into(),
+                "--step_scheduler.global_batch_size=4".into(),
+                "--step_scheduler.local_batch_size=1".into(),
+                "--distributed.dp_size=2".into(),
+            ];
+            a.extend((!extra.is_empty()).then(|| extra.to_string()));
+            a
+        };
+        let (ok, out) = run_finetune(Some(2), &args("--optimizer.lr=-1e-3"));
+        assert!(!ok, "{out}");
+        assert_eq!(out.matches("must be a positive finite number").count(), 1, "printed once:\n{out}");
+        let (ok, out) = run_finetune(Some(2), &args("--distributed.dp_size=3"));
+        assert!(!ok && out.matches("distributed.dp_size is 3 but mpirun started 2 processes").count() == 1, "{out}");
+        // another run holds the directory's lock
+        std::fs::create_dir_all(&dir).unwrap();
+        let lock = glm5_burn::train::checkpoint::RunLock::acquire(&dir).unwrap();
+        let (ok, out) = run_finetune(Some(2), &args(""));
+        assert!(!ok, "{out}");
+        assert_eq!(out.matches("in use by another run").count(), 1, "printed once:\n{out}");
+        assert!(!out.contains("ORTE_ERROR_LOG") && !out.contains("MPI_ABORT"), "a clean stop, no abort:\n{out}");
+        drop(lock);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn differentiable_collectives_match_their_definitions_on_2_3_and_4_ranks() {
         for np in [2, 3, 4] {

@@ -292,7 +292,7 @@ fn clis_refuse_bad_sizes_and_paths() {
     assert_eq!(std::fs::read(&copy).unwrap(), before, "the input is untouched");
     let out = Command::new(example("convert")).args(["--input", ckpt.to_str().unwrap(), "--output", ckpt.to_str().unwrap()]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!out.status.success() && text.contains("is the --input checkpoint"), "{text}");
+    assert!(!out.status.success() && text.contains("is the --input directory"), "{text}");
     // --tokenizer may be the directory
     let chat = root.join("tests/fixtures/chat");
     let out = Command::new(example("logits"))

@@ -43,6 +43,7 @@ use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::fingerprint::DataFingerprint;
 use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions, Sampler};
+use glm5_burn::distributed::typed::all_gather;
 use glm5_burn::distributed::Group;
 use glm5_burn::ops::OpImpl;
 use glm5_burn::train::checkpoint as ckpt;
@@ -71,6 +72,10 @@ struct Args {
     /// Resume a checkpoint on changed data, from the first pack of the new data.
     #[arg(long)]
     reset_data_position: bool,
+    /// On resume, follow the recipe's learning-rate schedule when it differs from the run's
+    /// (e.g. after changing step_scheduler.max_steps); by default the run's schedule is kept.
+    #[arg(long)]
+    new_schedule: bool,
     /// Compute backend (cuda and vulkan need the cargo feature of that name).
     #[arg(long, default_value = "flex", value_parser = ["flex", "cuda", "vulkan"])]
     backend: String,
@@ -91,7 +96,62 @@ fn parse_args() -> Args {
     args
 }
 
-fn main() -> Result<()> {
+/// An error that another rank printed (or that every rank reached alike and rank 0 printed):
+/// this process exits with status 1 without repeating it.
+#[derive(Debug)]
+struct ReportedByAnotherRank;
+
+impl std::fmt::Display for ReportedByAnotherRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stopped: the error is reported by another rank")
+    }
+}
+
+impl std::error::Error for ReportedByAnotherRank {}
+
+/// This process's rank as the launcher (OpenMPI, MPICH/PMI, Slurm) numbers it, before MPI
+/// is started; 0 for one process.
+fn launcher_rank() -> usize {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().and_then(|r| r.parse().ok()))
+        .unwrap_or(0)
+}
+
+/// Errors reach the user once: a refusal every rank reaches alike (arguments, recipe, mesh)
+/// is printed by rank 0 alone, and a failure the ranks agreed on by the rank that had it; the
+/// process then exits with status 1 — no MPI abort, so no launcher noise on top.
+fn main() -> std::process::ExitCode {
+    match real_main() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            if !e.is::<ReportedByAnotherRank>() && launcher_rank() == 0 {
+                eprintln!("Error: {e:?}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The ranks agree on a setup step that may fail on some of them (a locked directory, a
+/// dataset one node cannot read): the lowest failing rank prints its error, and every rank
+/// then stops with [`ReportedByAnotherRank`] instead of one of them waiting in a collective
+/// the others never join.
+fn agree<T>(group: Option<&Group>, result: Result<T>) -> Result<T> {
+    let Some(g) = group.filter(|g| g.size() > 1) else { return result };
+    let failed = all_gather(&**g, &[u64::from(result.is_err())])?;
+    let Some(first) = failed.iter().position(|&f| f != 0) else { return result };
+    if let Err(e) = &result {
+        if g.rank() == first {
+            let others: Vec<usize> = failed.iter().enumerate().filter(|(r, &f)| f != 0 && *r != first).map(|(r, _)| r).collect();
+            let also = if others.is_empty() { String::new() } else { format!(" (ranks {others:?} failed too)") };
+            eprintln!("Error on rank {first} of {}{also}: {e:?}", g.size());
+        }
+    }
+    Err(ReportedByAnotherRank.into())
+}
+
+fn real_main() -> Result<()> {
     glm5_burn::train::alloc::keep_freed_memory();
     let args = parse_args();
     let recipe = match &args.recipe {
@@ -234,7 +294,7 @@ fn data_parallel_group(recipe: &Recipe) -> Result<Option<Group>> {
     let launched: usize = std::env::var("OMPI_COMM_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     #[cfg(feature = "mpi")]
     if dp > 1 || launched > 1 {
-        use glm5_burn::distributed::{typed::all_gather, MpiGroup, ProcessGroup};
+        use glm5_burn::distributed::{MpiGroup, ProcessGroup};
         let world = MpiGroup::world()?;
         if world.size() != dp {
             let d = &recipe.distributed;
@@ -297,6 +357,7 @@ where
 {
     let group = data_parallel_group(recipe)?;
     match train::<B>(recipe, args, group.clone()) {
+        Err(e) if e.is::<ReportedByAnotherRank>() => Err(e),
         // the other ranks may be waiting in a collective this rank will not join: end the job
         Err(e) if group.as_ref().is_some_and(|g| g.size() > 1) => {
             let g = group.expect("checked above");
@@ -347,30 +408,38 @@ where
         path(be.attn, B::sparse_attention_impl())
     );
 
-    // model description and tokenizer
-    let (config, config_json) = match (&recipe.model.checkpoint, &recipe.model.config) {
-        (Some(dir), _) => glm5_burn::checkpoint::read_config(dir)?,
-        (None, Some(path)) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("model.config: {}", path.display()))?;
-            let json: Value = serde_json::from_str(&text).with_context(|| format!("model.config: {}", path.display()))?;
-            (Glm5Config::from_hf_value(&json).with_context(|| format!("model.config: {}", path.display()))?, json)
-        }
-        (None, None) => bail!("the recipe names neither model.checkpoint nor model.config"),
-    };
-    let tok_dir = recipe.model.tokenizer.clone().or_else(|| recipe.model.checkpoint.clone()).context("model.tokenizer")?;
-    let chat = ChatFormat::from_dir(&tok_dir)?;
-    let extra_files: Vec<PathBuf> =
-        ["tokenizer.json", "chat_template.jinja", "tokenizer_config.json"].iter().map(|f| tok_dir.join(f)).filter(|p| p.is_file()).collect();
+    // the setup each rank does alone, up to the run lock; the ranks agree on it before the
+    // first collective of the model
+    let setup = (|| -> Result<_> {
+        // where checkpoints and metrics go, before any data or model is read
+        glm5_burn::io::check_output_dir("checkpoint.checkpoint_dir", &recipe.checkpoint.checkpoint_dir, &[])?;
+        // model description and tokenizer
+        let (config, config_json) = match (&recipe.model.checkpoint, &recipe.model.config) {
+            (Some(dir), _) => glm5_burn::checkpoint::read_config(dir)?,
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("model.config: {}", path.display()))?;
+                let json: Value = serde_json::from_str(&text).with_context(|| format!("model.config: {}", path.display()))?;
+                (Glm5Config::from_hf_value(&json).with_context(|| format!("model.config: {}", path.display()))?, json)
+            }
+            (None, None) => bail!("the recipe names neither model.checkpoint nor model.config"),
+        };
+        let tok_dir = recipe.model.tokenizer.clone().or_else(|| recipe.model.checkpoint.clone()).context("model.tokenizer")?;
+        let chat = ChatFormat::from_dir(&tok_dir)?;
+        let extra_files: Vec<PathBuf> =
+            ["tokenizer.json", "chat_template.jinja", "tokenizer_config.json"].iter().map(|f| tok_dir.join(f)).filter(|p| p.is_file()).collect();
 
-    let train = build_dataset(&recipe.dataset, recipe, &chat, config.image_token_id, "train")?;
-    let val = match &recipe.validation_dataset {
-        Some(v) => Some(build_dataset(v, recipe, &chat, config.image_token_id, "validation")?),
-        None => None,
-    };
+        let train = build_dataset(&recipe.dataset, recipe, &chat, config.image_token_id, "train")?;
+        let val = match &recipe.validation_dataset {
+            Some(v) => Some(build_dataset(v, recipe, &chat, config.image_token_id, "validation")?),
+            None => None,
+        };
 
-    let root = recipe.checkpoint.checkpoint_dir.clone();
-    // one run per directory, before anything in it is read or written
-    let _lock = if rank == 0 { Some(ckpt::RunLock::acquire(&root)?) } else { None };
+        let root = recipe.checkpoint.checkpoint_dir.clone();
+        // one run per directory, before anything in it is read or written
+        let lock = if rank == 0 { Some(ckpt::RunLock::acquire(&root)?) } else { None };
+        Ok((config, config_json, chat, extra_files, train, val, root, lock))
+    })();
+    let (config, config_json, chat, extra_files, train, val, root, _lock) = agree(group.as_ref(), setup)?;
     let fingerprint = DataFingerprint::of(
         &train,
         &recipe.dataset.path,
@@ -419,6 +488,11 @@ where
                 );
             };
             t.data_fingerprint = Some(fingerprint.clone());
+            let (schedule, note) = glm5_burn::train::schedule::resume_schedule(state.schedule, t.options.lr, state.step, args.new_schedule);
+            t.options.lr = schedule;
+            if let Some(note) = note {
+                println!("{note}");
+            }
             if rank == 0 {
                 truncate_metrics(&root.join("metrics.jsonl"), state.step)?;
             }
@@ -541,7 +615,8 @@ where
     if started >= s.max_steps {
         println!(
             "{} already holds step {started} of step_scheduler.max_steps {}: nothing to train \
-             (raise --step_scheduler.max_steps to continue, or pick another --checkpoint.checkpoint_dir)",
+             (raise --step_scheduler.max_steps to continue — the run keeps its learning-rate schedule unless --new-schedule — \
+             or pick another --checkpoint.checkpoint_dir)",
             root.display(),
             s.max_steps
         );

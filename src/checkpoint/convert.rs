@@ -3,7 +3,9 @@
 //! Every `*_scale_inv`-paired F8_E4M3 weight is dequantised (see [`super::fp8`]); other
 //! tensors are copied byte for byte. The output keeps the published names, gets a fresh
 //! `model.safetensors.index.json` when sharded, and a `config.json` without
-//! `quantization_config`. It is written into a staging directory that only becomes the output
+//! `quantization_config`; every other file of the input's top level (tokenizer, chat template,
+//! `generation_config.json`, processor config, README) is copied, so the output runs in every
+//! tool the input ran in. It is written into a staging directory that only becomes the output
 //! when everything succeeded.
 
 use std::path::{Path, PathBuf};
@@ -43,6 +45,27 @@ pub struct ConvertReport {
     pub bytes_written: u64,
     /// Safetensors shards written.
     pub shards: usize,
+    /// The input's other files copied beside the weights (tokenizer, chat template, …).
+    pub copied: Vec<String>,
+}
+
+/// Copy the regular files of `input`'s top level that are neither weights, their index nor
+/// `config.json` (rewritten) into `out`: what makes the output usable by `generate`/`logits`.
+fn copy_companions(input: &Path, out: &Path) -> Result<Vec<String>, CheckpointError> {
+    let io = |path: &Path, error: std::io::Error| CheckpointError::Io { path: path.to_path_buf(), error };
+    let mut copied = Vec::new();
+    for entry in std::fs::read_dir(input).map_err(|e| io(input, e))? {
+        let entry = entry.map_err(|e| io(input, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let weights = name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name == "config.json";
+        if weights || name.starts_with('.') || !entry.path().is_file() {
+            continue;
+        }
+        std::fs::copy(entry.path(), out.join(&name)).map_err(|e| io(&entry.path(), e))?;
+        copied.push(name);
+    }
+    copied.sort();
+    Ok(copied)
 }
 
 /// Convert `input` into `output` (which must not exist or be empty). `progress(done, total,
@@ -124,6 +147,7 @@ pub fn convert_checkpoint(
     }
     let cfg = serde_json::to_vec_pretty(&config).map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
     super::safetensors_io::write_atomic(&staging.dir.join("config.json"), &cfg)?;
+    let copied = copy_companions(input, &staging.dir)?;
     let output = staging.commit()?;
-    Ok(ConvertReport { output, tensors: n_tensors, dequantised, bytes_written: done, shards: shards.len() })
+    Ok(ConvertReport { output, tensors: n_tensors, dequantised, bytes_written: done, shards: shards.len(), copied })
 }

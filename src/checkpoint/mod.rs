@@ -86,6 +86,10 @@ pub struct LoadedModel<B: Backend> {
 /// Read and validate `dir/config.json`.
 pub fn read_config(dir: &Path) -> Result<(Glm5Config, Value), CheckpointError> {
     let path = dir.join("config.json");
+    // a training step directory holds its model under `model/`
+    if !path.exists() && dir.join("model").join("config.json").is_file() {
+        return Err(CheckpointError::StepDirectory { dir: dir.to_path_buf(), model: dir.join("model") });
+    }
     let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::Io { path: path.clone(), error: e })?;
     let json: Value = serde_json::from_str(&text).map_err(|e| crate::error::ConfigError::Json { path: path.display().to_string(), source: e })?;
     let config = Glm5Config::from_hf_value(&json).map_err(|e| match e {
@@ -221,6 +225,11 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
             let shard = files.shard_path(name).map(|p| p.display().to_string()).unwrap_or_default();
             unexpected.push(format!("  unexpected  {name} (in {shard})"));
         }
+    }
+    // a text-only checkpoint asked for its vision tower: one sentence, not a key per tensor
+    if model.visual.is_some() && !files.tensors.keys().any(|k| hf_map::is_vision(k)) {
+        let expected = missing.iter().filter(|m| m.contains("model.visual.")).count();
+        return Err(CheckpointError::NoVisionTower { dir: dir.to_path_buf(), expected });
     }
     let problems: Vec<String> = missing.into_iter().chain(unexpected).chain(misshaped).chain(bad_dtype).collect();
     if !problems.is_empty() {

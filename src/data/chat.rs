@@ -59,9 +59,15 @@ pub struct ChatFormat {
 
 impl ChatFormat {
     /// `tokenizer.json` plus the template: `chat_template.jinja` beside it, or the
-    /// `chat_template` field of `tokenizer_config.json`.
+    /// `chat_template` field of `tokenizer_config.json`. `dir` is the directory holding them,
+    /// or the `tokenizer.json` file itself (every tool's `--tokenizer` takes either).
     pub fn from_dir(dir: &Path) -> Result<Self, ChatError> {
-        let tok = dir.join("tokenizer.json");
+        let (dir, tok) = if dir.is_file() {
+            let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            (parent, dir.to_path_buf())
+        } else {
+            (dir, dir.join("tokenizer.json"))
+        };
         let jinja = dir.join("chat_template.jinja");
         let template = if jinja.exists() {
             std::fs::read_to_string(&jinja).map_err(|e| ChatError::File { path: jinja.display().to_string(), message: e.to_string() })?

@@ -34,6 +34,26 @@ pub enum ImageError {
         /// The decoder's error.
         message: String,
     },
+    /// An image whose decoded pixels exceed the decoder's memory limit.
+    #[error(
+        "{path}: image of {width}×{height} pixels is too large: decoding it needs about {needed_mib} MiB, over the \
+         decoder's limit of {limit_mib} MiB (the processor resizes every image to at most {max_pixels} pixels anyway; \
+         downscale it first)"
+    )]
+    TooLarge {
+        /// The image's path or origin.
+        path: String,
+        /// Its width.
+        width: u32,
+        /// Its height.
+        height: u32,
+        /// What its decoded 8-bit RGBA pixels take.
+        needed_mib: u64,
+        /// The decoder's allocation limit.
+        limit_mib: u64,
+        /// The processor's largest image (merged tokens × patch area).
+        max_pixels: u64,
+    },
     /// An image without pixels.
     #[error("{what}: zero-size image ({width}×{height})")]
     Empty {
@@ -70,7 +90,23 @@ impl RgbImage {
     /// RGB (`(255−c)(255−k)/255`, as PIL converts).
     pub fn decode(bytes: &[u8], what: &str) -> Result<Self, ImageError> {
         use image::DynamicImage as D;
-        let img = image::load_from_memory(bytes).map_err(|e| ImageError::Decode { path: what.into(), message: e.to_string() })?;
+        let img = image::load_from_memory(bytes).map_err(|e| match e {
+            image::ImageError::Limits(_) => {
+                let dims = image::ImageReader::new(std::io::Cursor::new(bytes)).with_guessed_format().ok().and_then(|r| r.into_dimensions().ok());
+                let (width, height) = dims.unwrap_or((0, 0));
+                let limit = image::Limits::default().max_alloc.unwrap_or(512 << 20);
+                let p = ImageProcessor::default();
+                ImageError::TooLarge {
+                    path: what.into(),
+                    width,
+                    height,
+                    needed_mib: (width as u64 * height as u64 * 4) >> 20,
+                    limit_mib: limit >> 20,
+                    max_pixels: (p.max_image_tokens * p.merge_size * p.merge_size * p.patch_size * p.patch_size) as u64,
+                }
+            }
+            e => ImageError::Decode { path: what.into(), message: e.to_string() },
+        })?;
         let (w, h) = (img.width() as usize, img.height() as usize);
         if w == 0 || h == 0 {
             return Err(ImageError::Empty { what: what.into(), width: w, height: h });

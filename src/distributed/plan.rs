@@ -58,24 +58,43 @@ impl Mesh {
         self.dp * self.cp
     }
 
-    /// Parse `dp=72,ep=72,cp=2` (missing sizes are 1).
+    /// Parse `dp=72,ep=72,cp=2` (missing sizes are 1; each size at most once, each at least 1
+    /// and the world `dp·cp` at most [`Mesh::MAX_RANKS`]).
     pub fn parse(text: &str) -> Result<Self, String> {
         let mut m = Mesh { dp: 1, ep: 1, cp: 1 };
+        let mut seen: Vec<&str> = Vec::new();
         for part in text.split(',').filter(|p| !p.trim().is_empty()) {
             let (k, v) = part.split_once('=').ok_or_else(|| format!("mesh: `{part}` is not key=value (dp=…, ep=…, cp=…)"))?;
+            let k = k.trim();
             let v: usize = v.trim().parse().map_err(|_| format!("mesh: {k}={v} is not a positive integer"))?;
             if v == 0 {
                 return Err(format!("mesh: {k}=0, sizes are at least 1"));
             }
-            match k.trim() {
+            if seen.contains(&k) {
+                return Err(format!("mesh: `{k}` is given twice in `{text}`"));
+            }
+            seen.push(k);
+            match k {
                 "dp" => m.dp = v,
                 "ep" => m.ep = v,
                 "cp" => m.cp = v,
                 other => return Err(format!("mesh: unknown size `{other}` (dp, ep, cp)")),
             }
         }
-        Ok(m)
+        match m.dp.checked_mul(m.cp) {
+            Some(w) if w <= Self::MAX_RANKS && m.ep <= Self::MAX_RANKS => Ok(m),
+            _ => Err(format!(
+                "mesh: dp={} × cp={} (ep={}) is more than {} ranks; the plan models meshes up to that size",
+                m.dp,
+                m.cp,
+                m.ep,
+                Self::MAX_RANKS
+            )),
+        }
     }
+
+    /// The largest world a plan models (2^20 ranks).
+    pub const MAX_RANKS: usize = 1 << 20;
 }
 
 /// What a run trains and how.
@@ -215,6 +234,27 @@ pub fn param_split(config: &Glm5Config, inputs: &PlanInputs) -> ParamSplit {
     s
 }
 
+/// Errors of a plan's numbers: a pack of no tokens or fewer than one per CP rank, no
+/// micro-batches, a value held in zero bytes.
+pub fn check_inputs(inputs: &PlanInputs) -> Result<(), String> {
+    let cp = inputs.mesh.cp;
+    if inputs.seq == 0 {
+        return Err("seq 0: a packed sequence holds at least one token".into());
+    }
+    if inputs.seq % cp != 0 {
+        return Err(format!("seq {} does not split into cp {cp} equal shards (context parallelism needs a multiple of cp)", inputs.seq));
+    }
+    if inputs.micro_batches == 0 {
+        return Err("micro_batches 0: each rank runs at least one micro-batch per step".into());
+    }
+    for (name, v) in [("param_bytes", inputs.param_bytes), ("grad_bytes", inputs.grad_bytes), ("optim_bytes", inputs.optim_bytes)] {
+        if v == 0 || v > 16 {
+            return Err(format!("{name} {v}: bytes per value are 1 to 16"));
+        }
+    }
+    Ok(())
+}
+
 /// Errors of a plan: the mesh does not fit the config.
 pub fn check_mesh(config: &Glm5Config, mesh: Mesh) -> Result<(), String> {
     let e = config.text_config.n_routed_experts;
@@ -229,10 +269,16 @@ pub fn check_mesh(config: &Glm5Config, mesh: Mesh) -> Result<(), String> {
 
 /// Per-rank memory and per-step communication of `config` under `inputs`.
 pub fn plan(config: &Glm5Config, inputs: &PlanInputs) -> Result<(RankMemory, StepComm), String> {
+    plan_split(config, inputs, &param_split(config, inputs))
+}
+
+/// [`plan`] with the parameter split already counted (it depends on the config and the frozen
+/// parts, not on the mesh: a sweep over meshes counts it once).
+pub fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSplit) -> Result<(RankMemory, StepComm), String> {
     let mesh = inputs.mesh;
     check_mesh(config, mesh)?;
+    check_inputs(inputs)?;
     let c = &config.text_config;
-    let s = param_split(config, inputs);
     let w = mesh.world() as f64;
     let (p, g, o) = (inputs.param_bytes as f64, inputs.grad_bytes as f64, inputs.optim_bytes as f64);
     let trainable = s.trainable_dense + s.trainable_experts;
@@ -330,6 +376,7 @@ pub fn dedup_factor(ep: usize, experts: usize, k: usize) -> f64 {
 /// the expert count, `cp ∈ cps`, the world up to `max_world`; at most one mesh per cp.
 pub fn smallest_fitting(config: &Glm5Config, base: &PlanInputs, limit_bytes: f64, cps: &[usize], max_world: usize) -> Vec<(Mesh, RankMemory)> {
     let e = config.text_config.n_routed_experts;
+    let split = param_split(config, base);
     let mut out = Vec::new();
     for &cp in cps {
         for world in (cp..=max_world).step_by(cp) {
@@ -337,7 +384,7 @@ pub fn smallest_fitting(config: &Glm5Config, base: &PlanInputs, limit_bytes: f64
             let mesh = Mesh { dp: world / cp, ep, cp };
             let mut inputs = base.clone();
             inputs.mesh = mesh;
-            if let Ok((m, _)) = plan(config, &inputs) {
+            if let Ok((m, _)) = plan_split(config, &inputs, &split) {
                 if m.total() <= limit_bytes {
                     out.push((mesh, m));
                     break;

@@ -107,6 +107,11 @@ pub struct TrainerState {
     /// seed, the packed token content); `None` in checkpoints written before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data: Option<DataFingerprint>,
+    /// The learning-rate schedule the run follows (a resumed run keeps it, even when the
+    /// recipe's `max_steps` changed: see `docs/finetuning.md`); `None` in checkpoints written
+    /// before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<super::schedule::LrSchedule>,
 }
 
 /// Checkpoint errors, naming the path.

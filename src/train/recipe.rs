@@ -433,9 +433,17 @@ impl Recipe {
         let attribute = |e: RecipeError| match e {
             RecipeError::Key { key, message, source_name } => {
                 // (an unknown key is reported at its section, naming the key in the message)
-                let unknown_here =
-                    |k: &str| k.starts_with(&format!("{key}.")) && message.contains(&format!("`{}`", k.rsplit('.').next().unwrap_or(k)));
-                let from = given.iter().rev().find(|(k, _)| key == *k || key.starts_with(&format!("{k}.")) || unknown_here(k));
+                // (`.` is the root: an unknown section); the override's next segment below
+                // `key` is the unknown name
+                let unknown_here = |k: &str| {
+                    let below = if key == "." || key.is_empty() { Some(k) } else { k.strip_prefix(&format!("{key}.")) };
+                    below.and_then(|b| b.split('.').next()).is_some_and(|seg| message.contains(&format!("`{seg}`")))
+                };
+                // an unknown section or key the override itself named (`--foo.bar=1`: `foo`)
+                let named_unknown = |k: &str| {
+                    k.starts_with(&format!("{key}.")) && message.contains(&format!("unknown field `{}`", key.rsplit('.').next().unwrap_or(&key)))
+                };
+                let from = given.iter().rev().find(|(k, _)| key == *k || key.starts_with(&format!("{k}.")) || unknown_here(k) || named_unknown(k));
                 RecipeError::Key { source_name: from.map(|(_, o)| format!("override --{o} (on {source})")).unwrap_or(source_name), key, message }
             }
             other => other,
@@ -503,7 +511,14 @@ impl Recipe {
         if s.local_batch_size == 0 || s.global_batch_size == 0 || s.global_batch_size % s.local_batch_size != 0 {
             return bad("step_scheduler.global_batch_size", format!("must be a positive multiple of local_batch_size ({})", s.local_batch_size));
         }
+        if s.max_steps == 0 {
+            return bad("step_scheduler.max_steps", "0: a run trains at least one optimizer step".into());
+        }
         let d = &self.distributed;
+        // overflow-safe: the world dp × cp must be a number of processes
+        if d.dp_size.checked_mul(d.cp_size).is_none_or(|w| w > 1 << 20) {
+            return bad("distributed.dp_size", format!("{} × distributed.cp_size {} is more than 2^20 ranks", d.dp_size, d.cp_size));
+        }
         if d.dp_size == 0 {
             return bad("distributed.dp_size", "must be at least 1".into());
         }

@@ -12,7 +12,7 @@
 use super::recipe::DecayStyle;
 
 /// A schedule for `total_steps` optimizer steps.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LrSchedule {
     /// Decay after warm-up.
     pub style: DecayStyle,
@@ -42,6 +42,45 @@ impl LrSchedule {
     }
 }
 
+/// The schedule a resumed run follows, and what to tell the user when the recipe asks for
+/// another one. Megatron and NeMo keep the schedule of the run that wrote the checkpoint (its
+/// `max_steps` horizon included): raising `max_steps` to train longer then continues at the
+/// rate the run had, which stays at the final rate past the old horizon, instead of jumping to
+/// a re-derived curve. `rederive` follows the recipe's schedule instead, saying where the rate
+/// jumps. A checkpoint without a recorded schedule follows the recipe's.
+pub fn resume_schedule(saved: Option<LrSchedule>, recipe: LrSchedule, step: usize, rederive: bool) -> (LrSchedule, Option<String>) {
+    let Some(saved) = saved.filter(|s| *s != recipe) else { return (recipe, None) };
+    let describe = |s: &LrSchedule| {
+        format!("{:?} from {:.3e} to {:.3e} over {} steps ({} warm-up)", s.style, s.lr, s.min_lr, s.total_steps, s.warmup_steps).to_lowercase()
+    };
+    if rederive {
+        let note = format!(
+            "--new-schedule: following the recipe's schedule ({}) instead of the run's ({}); the learning rate moves from {:.3e} to {:.3e} at step {}",
+            describe(&recipe),
+            describe(&saved),
+            saved.at(step),
+            recipe.at(step),
+            step + 1
+        );
+        return (recipe, Some(note));
+    }
+    let past = if recipe.total_steps > saved.total_steps && !matches!(saved.style, DecayStyle::Constant) {
+        format!("; after step {} it stays at {:.3e}", saved.total_steps, saved.at(saved.total_steps))
+    } else {
+        String::new()
+    };
+    let note = format!(
+        "the recipe's schedule ({}) differs from the run's ({}): keeping the run's, so the learning rate continues at {:.3e} \
+         from step {}{past}; pass --new-schedule to follow the recipe's (the rate would jump to {:.3e})",
+        describe(&recipe),
+        describe(&saved),
+        saved.at(step),
+        step + 1,
+        recipe.at(step)
+    );
+    (saved, Some(note))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -57,5 +96,25 @@ mod tests {
         let l = LrSchedule { style: DecayStyle::Linear, ..s };
         assert!((l.at(9) - 0.55).abs() < 1e-12);
         assert_eq!(LrSchedule { style: DecayStyle::Constant, ..s }.at(13), 1.0);
+    }
+
+    #[test]
+    fn a_resumed_run_keeps_its_schedule_unless_told() {
+        let run = LrSchedule { style: DecayStyle::Cosine, lr: 1.0, min_lr: 0.1, warmup_steps: 4, total_steps: 14 };
+        let longer = LrSchedule { total_steps: 40, ..run };
+        // the same schedule: nothing to say
+        assert_eq!(resume_schedule(Some(run), run, 9, false), (run, None));
+        // a longer max_steps keeps the run's curve: no jump at the resumed step
+        let (kept, note) = resume_schedule(Some(run), longer, 9, false);
+        assert_eq!(kept, run);
+        assert!((kept.at(9) - run.at(9)).abs() < 1e-15 && (kept.at(30) - 0.1).abs() < 1e-12);
+        let note = note.expect("a note");
+        assert!(note.contains("keeping the run's") && note.contains("--new-schedule") && note.contains("after step 14"), "{note}");
+        // told otherwise, the recipe's, saying where it jumps
+        let (new, note) = resume_schedule(Some(run), longer, 9, true);
+        assert_eq!(new, longer);
+        assert!(note.expect("a note").contains("at step 10"));
+        // an old checkpoint without a schedule: the recipe's
+        assert_eq!(resume_schedule(None, longer, 9, false), (longer, None));
     }
 }

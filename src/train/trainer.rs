@@ -486,6 +486,7 @@ where
             skipped_steps: self.skipped_steps,
             param_ids: ids,
             data: self.data_fingerprint.clone(),
+            schedule: Some(self.options.lr),
         };
         let file = |path: &Path, message: String| TrainError::CheckpointFile { path: path.to_path_buf(), message };
         if let Some(plan) = plan_of(self.model()) {

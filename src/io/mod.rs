@@ -8,6 +8,9 @@ use safetensors::tensor::{Dtype, SafeTensors};
 use crate::checkpoint::safetensors_io::{serialize, write_atomic, OwnedTensor};
 use crate::error::{CheckpointError, ModelError};
 
+mod output;
+pub use output::{check_output_dir, check_output_file, same_file, OutputPathError, OutputProblem};
+
 /// `input_ids` `[B, S]` and the `[B, S]` validity mask (all true when absent).
 #[derive(Debug, Clone)]
 pub struct TokenInputs {
@@ -109,6 +112,17 @@ impl TokenInputs {
             }
         };
         Ok(Self { ids, mask, batch, seq, reference_logits, images })
+    }
+}
+
+impl TokenInputs {
+    /// A note when `input_ids` hold `<|image|>` ids but no `pixel_values` came with them: HF's
+    /// forward then embeds them as ordinary tokens, and so does ours (every tool the same).
+    pub fn placeholder_note(&self, image_token_id: i64) -> Option<String> {
+        let n = self.ids.iter().filter(|&&t| t == image_token_id).count();
+        (self.images.is_none() && n > 0).then(|| {
+            format!("input_ids hold {n} <|image|> ids (image_token_id {image_token_id}) but no pixel_values: embedded as ordinary tokens, as HF's forward does")
+        })
     }
 }
 
