@@ -45,10 +45,11 @@ fn parse_size(s: &str) -> Result<usize> {
         .find_map(|(suf, m)| s.strip_suffix(suf).map(|n| (n.to_string(), *m)))
         .unwrap_or((s.clone(), 1.0));
     let v: f64 = num.trim().parse().with_context(|| format!("invalid size {s:?} (e.g. 5GB, 500MB)"))?;
-    if v <= 0.0 {
-        bail!("shard size must be positive");
+    let bytes = v * mul;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes <= usize::MAX as f64) {
+        bail!("--max-shard-size {s:?}: a shard holds at least 1 byte (e.g. 5GB, 500MB)");
     }
-    Ok((v * mul) as usize)
+    Ok(bytes as usize)
 }
 
 fn main() {
