@@ -977,7 +977,7 @@ mod mpi_engine {
             let mut a: Vec<String> = vec![
                 format!("--checkpoint.checkpoint_dir={}", dir.display()),
                 "--step_scheduler.max_steps=1".into(),
-                "--step_scheduler.global_batch_size=4".into(),
+                "--step_scheduler.global_batch_size=6".into(),
                 "--step_scheduler.local_batch_size=1".into(),
                 "--distributed.dp_size=2".into(),
             ];
