@@ -140,7 +140,7 @@ fn sampling(args: &Args) -> Result<SamplingConfig> {
 /// EOS ids must be token ids of the checkpoint's vocabulary.
 fn check_eos(eos: &[i64], vocab: usize, source: &str) -> Result<()> {
     if let Some(bad) = eos.iter().find(|&&t| t < 0 || t as u64 >= vocab as u64) {
-        bail!("{source}: EOS id {bad} is not a token id of this checkpoint (vocab_size {vocab}: ids 0..{})", vocab - 1);
+        bail!("{source}: EOS id {bad} is not a token id of this checkpoint (vocab_size {vocab}: ids 0..{})", vocab.saturating_sub(1));
     }
     Ok(())
 }

@@ -159,7 +159,7 @@ fn main() -> Result<()> {
         );
     }
     if earlier {
-        println!("--overwrite: training again into {}, replacing the run there", args.dir.display());
+        println!("--overwrite: training again into {}; its checkpoints and logs are written over", args.dir.display());
     }
     if recipe.model.dtype != Precision::F32 {
         println!("model.dtype {:?}: the Learner trains the module in its own precision; training in f32", recipe.model.dtype);

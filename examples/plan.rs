@@ -14,7 +14,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
-use glm5_burn::distributed::plan::{check_inputs, check_mesh, plan, smallest_fitting, Mesh, PlanInputs};
+use glm5_burn::distributed::plan::{check_inputs, check_mesh, largest_ep, plan, smallest_fitting, Mesh, PlanInputs};
 use glm5_burn::Glm5Config;
 
 #[derive(Parser)]
@@ -82,7 +82,17 @@ fn main() -> Result<()> {
     };
     let i = inputs(mesh);
     // the numbers first, so a bad --seq or byte size is named as such
-    check_inputs(&i).map_err(|e| anyhow!("{}", flag_names(&e)))?;
+    check_inputs(&i).map_err(|e| {
+        let flag = match e.field {
+            "seq" => "--seq",
+            "micro_batches" => "--micro-batches",
+            "param_bytes" => "--param-bytes",
+            "grad_bytes" => "--grad-bytes",
+            "optim_bytes" => "--optim-bytes",
+            other => other,
+        };
+        anyhow!("{flag} {}: {}", e.value, e.message)
+    })?;
     check_mesh(&config, mesh).map_err(|e| anyhow!("--mesh {}: {e}", a.mesh))?;
     let (m, comm) = plan(&config, &i).map_err(|e| anyhow!("--mesh {}: {e}", a.mesh))?;
     println!(
@@ -163,7 +173,7 @@ fn why_nothing_fits(config: &Glm5Config, inputs: &dyn Fn(Mesh) -> PlanInputs, cp
         .iter()
         .filter_map(|&cp| {
             let world = MAX_WORLD / cp * cp;
-            let ep = (1..=world).rev().find(|x| world % x == 0 && e % x == 0).unwrap_or(1);
+            let ep = largest_ep(world, e);
             let mesh = Mesh { dp: world / cp, ep, cp };
             plan(config, &inputs(mesh)).ok().map(|(m, _)| (mesh, m))
         })
@@ -184,13 +194,4 @@ fn why_nothing_fits(config: &Glm5Config, inputs: &dyn Fn(Mesh) -> PlanInputs, cp
         }
         None => format!("no mesh of at most {MAX_WORLD} ranks is valid for this config and --seq"),
     }
-}
-
-/// A plan-input error with the command-line flag names.
-fn flag_names(e: &str) -> String {
-    e.replacen("micro_batches", "--micro-batches", 1)
-        .replacen("param_bytes", "--param-bytes", 1)
-        .replacen("grad_bytes", "--grad-bytes", 1)
-        .replacen("optim_bytes", "--optim-bytes", 1)
-        .replacen("seq ", "--seq ", 1)
 }

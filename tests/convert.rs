@@ -206,12 +206,14 @@ fn companion_files_are_copied() {
     std::fs::copy(chat.join("chat_template.jinja"), src.join("chat_template.jinja")).unwrap();
     std::fs::write(src.join("generation_config.json"), br#"{"eos_token_id": [1]}"#).unwrap();
     std::fs::write(src.join(".lock"), b"").unwrap();
+    // another format's weights are not companions
+    std::fs::write(src.join("pytorch_model.bin"), b"weights").unwrap();
     let out = tmp.path().join("bf16");
     let report = convert(&src, &out, usize::MAX).unwrap();
     assert_eq!(report.copied, ["chat_template.jinja", "generation_config.json", "tokenizer.json"]);
     for f in &report.copied {
         assert_eq!(std::fs::read(src.join(f)).unwrap(), std::fs::read(out.join(f)).unwrap(), "{f}");
     }
-    assert!(!out.join(".lock").exists());
+    assert!(!out.join(".lock").exists() && !out.join("pytorch_model.bin").exists());
     assert_eq!(glm5_burn::generate::checkpoint_eos_ids(&out).unwrap(), [1]);
 }

@@ -49,15 +49,18 @@ pub struct ConvertReport {
     pub copied: Vec<String>,
 }
 
-/// Copy the regular files of `input`'s top level that are neither weights, their index nor
-/// `config.json` (rewritten) into `out`: what makes the output usable by `generate`/`logits`.
+/// Copy the regular files of `input`'s top level that are neither weights (safetensors or
+/// another format's), their index nor `config.json` (rewritten) into `out`: what makes the
+/// output usable by `generate`/`logits`.
 fn copy_companions(input: &Path, out: &Path) -> Result<Vec<String>, CheckpointError> {
     let io = |path: &Path, error: std::io::Error| CheckpointError::Io { path: path.to_path_buf(), error };
     let mut copied = Vec::new();
     for entry in std::fs::read_dir(input).map_err(|e| io(input, e))? {
         let entry = entry.map_err(|e| io(input, e))?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        let weights = name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name == "config.json";
+        let weights = [".safetensors", ".bin", ".pt", ".pth", ".gguf"].iter().any(|x| name.ends_with(x))
+            || name.ends_with(".index.json")
+            || name == "config.json";
         if weights || name.starts_with('.') || !entry.path().is_file() {
             continue;
         }

@@ -234,25 +234,44 @@ pub fn param_split(config: &Glm5Config, inputs: &PlanInputs) -> ParamSplit {
     s
 }
 
+/// A plan input out of range: the [`PlanInputs`] field, its value and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field} {value}: {message}")]
+pub struct PlanInputError {
+    /// The field of [`PlanInputs`] (`seq`, `micro_batches`, `param_bytes`, …).
+    pub field: &'static str,
+    /// Its value.
+    pub value: usize,
+    /// What is wrong.
+    pub message: String,
+}
+
 /// Errors of a plan's numbers: a pack of no tokens or fewer than one per CP rank, no
 /// micro-batches, a value held in zero bytes.
-pub fn check_inputs(inputs: &PlanInputs) -> Result<(), String> {
+pub fn check_inputs(inputs: &PlanInputs) -> Result<(), PlanInputError> {
+    let bad = |field, value, message: String| Err(PlanInputError { field, value, message });
     let cp = inputs.mesh.cp;
     if inputs.seq == 0 {
-        return Err("seq 0: a packed sequence holds at least one token".into());
+        return bad("seq", 0, "a packed sequence holds at least one token".into());
     }
     if inputs.seq % cp != 0 {
-        return Err(format!("seq {} does not split into cp {cp} equal shards (context parallelism needs a multiple of cp)", inputs.seq));
+        return bad("seq", inputs.seq, format!("does not split into cp {cp} equal shards (context parallelism needs a multiple of cp)"));
     }
     if inputs.micro_batches == 0 {
-        return Err("micro_batches 0: each rank runs at least one micro-batch per step".into());
+        return bad("micro_batches", 0, "each rank runs at least one micro-batch per step".into());
     }
-    for (name, v) in [("param_bytes", inputs.param_bytes), ("grad_bytes", inputs.grad_bytes), ("optim_bytes", inputs.optim_bytes)] {
+    for (field, v) in [("param_bytes", inputs.param_bytes), ("grad_bytes", inputs.grad_bytes), ("optim_bytes", inputs.optim_bytes)] {
         if v == 0 || v > 16 {
-            return Err(format!("{name} {v}: bytes per value are 1 to 16"));
+            return bad(field, v, "bytes per value are 1 to 16".into());
         }
     }
     Ok(())
+}
+
+/// The expert-parallel size a sweep gives a world of `world` ranks: the largest divisor of
+/// both the world and the expert count.
+pub fn largest_ep(world: usize, experts: usize) -> usize {
+    (1..=world).rev().find(|x| world % x == 0 && experts % x == 0).unwrap_or(1)
 }
 
 /// Errors of a plan: the mesh does not fit the config.
@@ -277,7 +296,7 @@ pub fn plan(config: &Glm5Config, inputs: &PlanInputs) -> Result<(RankMemory, Ste
 pub fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSplit) -> Result<(RankMemory, StepComm), String> {
     let mesh = inputs.mesh;
     check_mesh(config, mesh)?;
-    check_inputs(inputs)?;
+    check_inputs(inputs).map_err(|e| e.to_string())?;
     let c = &config.text_config;
     let w = mesh.world() as f64;
     let (p, g, o) = (inputs.param_bytes as f64, inputs.grad_bytes as f64, inputs.optim_bytes as f64);
@@ -380,7 +399,7 @@ pub fn smallest_fitting(config: &Glm5Config, base: &PlanInputs, limit_bytes: f64
     let mut out = Vec::new();
     for &cp in cps {
         for world in (cp..=max_world).step_by(cp) {
-            let ep = (1..=world).rev().find(|x| world % x == 0 && e % x == 0).unwrap_or(1);
+            let ep = largest_ep(world, e);
             let mesh = Mesh { dp: world / cp, ep, cp };
             let mut inputs = base.clone();
             inputs.mesh = mesh;
