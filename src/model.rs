@@ -17,11 +17,11 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
 use crate::config::Glm5Config;
-use crate::error::ModelError;
-use crate::generate::cache::DecodeCache;
 use crate::ops::backend::Glm5Backend;
+use crate::text::cache::DecodeCache;
 use crate::text::mlp::new_linear;
 use crate::text::model::{TextModel, TextOutput};
+use crate::text::ModelError;
 use crate::text::{ForwardOptions, TokenMask};
 use crate::vision::VisionModel;
 
@@ -62,7 +62,7 @@ pub struct CausalLmOutput<B: Backend> {
 impl<B: Backend> Glm5ForCausalLM<B> {
     /// Randomly initialised model (weights are replaced by a checkpoint load). Fails for a
     /// config the model cannot run (see [`crate::config::TextConfig::check_runnable`]).
-    pub fn try_new(config: &Glm5Config, device: &B::Device) -> Result<Self, crate::error::ConfigError> {
+    pub fn try_new(config: &Glm5Config, device: &B::Device) -> Result<Self, crate::config::ConfigError> {
         config.text_config.check_runnable()?;
         Ok(Self::build(config, device))
     }
@@ -73,7 +73,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     }
 
     /// With the vision tower; `vision_rms_eps` overrides `vision_config.rms_norm_eps`.
-    pub fn try_new_with_vision(config: &Glm5Config, vision_rms_eps: Option<f64>, device: &B::Device) -> Result<Self, crate::error::ConfigError> {
+    pub fn try_new_with_vision(config: &Glm5Config, vision_rms_eps: Option<f64>, device: &B::Device) -> Result<Self, crate::config::ConfigError> {
         let mut m = Self::try_new(config, device)?;
         m.visual = Some(VisionModel::new(&config.vision_config, vision_rms_eps, device));
         m.image_token_id = config.image_token_id;
@@ -286,7 +286,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
             Some(m) => TokenMask::new(m.to_vec(), batch, seq, &device),
             None => TokenMask::all(batch, seq, &device),
         };
-        let mut cache = DecodeCache::new(&self.language_model, batch, embeds.dtype(), &device);
+        let mut cache = self.language_model.empty_cache(batch, embeds.dtype(), &device);
         let hidden = self.language_model.forward_cached(embeds, &mask, &mut cache, opts);
         let d = hidden.dims()[2];
         Ok((self.head(hidden.slice([0..batch, seq - 1..seq, 0..d])), cache))
@@ -402,49 +402,6 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         if let (Some(_), Some(visual)) = (&self.language_model.shards, &self.visual) {
             drop(self.language_model.unit_after(visual, embeds, true));
         }
-    }
-
-    /// Shifted next-token cross-entropy (mean over labels ≠ −100). `labels` `[B, S]` host.
-    pub fn lm_loss(logits: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1>
-    where
-        B: crate::ops::backend::Glm5Backend,
-    {
-        let (sum, count) = Self::lm_loss_sum(logits, labels);
-        sum / count.max(1) as f64
-    }
-
-    /// The summed shifted cross-entropy and the number of label tokens it covers (to
-    /// normalise by the label tokens of a whole global batch).
-    pub fn lm_loss_sum(logits: Tensor<B, 3>, labels: &[i64]) -> (Tensor<B, 1>, usize)
-    where
-        B: crate::ops::backend::Glm5Backend,
-    {
-        let [b, s, _] = logits.dims();
-        Self::target_loss_sum(logits, &Self::shifted_targets(labels, b, s))
-    }
-
-    /// The next-token target of every position of a `[B, S]` label buffer: `labels[t + 1]`,
-    /// −100 at each row's last position.
-    pub fn shifted_targets(labels: &[i64], batch: usize, seq: usize) -> Vec<i64> {
-        (0..batch).flat_map(|b| (0..seq).map(move |t| if t + 1 < seq { labels[b * seq + t + 1] } else { -100 })).collect()
-    }
-
-    /// The summed cross-entropy of `logits` `[B, S, V]` against already shifted `targets`
-    /// `[B, S]` (−100 or out of the vocabulary: not a label) and the number of labels.
-    pub fn target_loss_sum(logits: Tensor<B, 3>, targets: &[i64]) -> (Tensor<B, 1>, usize)
-    where
-        B: crate::ops::backend::Glm5Backend,
-    {
-        let _t = crate::profile::scope("loss");
-        let [b, s, v] = logits.dims();
-        let targets = &targets[..b * s];
-        let count = targets.iter().filter(|&&l| l >= 0 && (l as usize) < v).count();
-        (crate::ops::backend::cross_entropy_sum(logits.cast(DType::F32).reshape([b * s, v]), targets), count)
-    }
-
-    /// Number of label tokens of a `[B, S]` label buffer after the shift.
-    pub fn count_labels(labels: &[i64], batch: usize, seq: usize, vocab: usize) -> usize {
-        (0..batch).flat_map(|b| (1..seq).map(move |t| labels[b * seq + t])).filter(|&l| l >= 0 && (l as usize) < vocab).count()
     }
 
     /// Load-balancing loss over the MoE layers' router logits (`[B·S, E]` each); `mask`

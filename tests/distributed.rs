@@ -1654,15 +1654,15 @@ mod mpi_engine {
         let lengths: Vec<usize> = docs.iter().map(|d| d.len()).collect();
         let mask = TokenMask::packed(&lengths, &device);
         let full = model.forward_multimodal(&ids, 1, s, Some(mask), Some((px(), &grid)), &opts, false).unwrap();
-        let (loss, count) = Glm5ForCausalLM::<AD>::lm_loss_sum(full.logits.clone(), &labels);
+        let (loss, count) = glm5_burn::loss::lm_loss_sum(full.logits.clone(), &labels);
         let want_loss = loss.clone().into_scalar() as f64;
         let grads = loss.backward();
         // this rank's shard
         let ctx = ContextShard::new(group.clone(), docs.clone(), s).unwrap();
         let shard = ctx.shard.clone();
         let out = model.forward_context(&ids, Some((px(), &grid)), ctx, &opts, false).unwrap();
-        let targets = Glm5ForCausalLM::<AD>::shifted_targets(&labels, 1, s);
-        let (my_loss, my_count) = Glm5ForCausalLM::<AD>::target_loss_sum(out.logits.clone(), &targets[shard.clone()]);
+        let targets = glm5_burn::loss::shifted_targets(&labels, 1, s);
+        let (my_loss, my_count) = glm5_burn::loss::target_loss_sum(out.logits.clone(), &targets[shard.clone()]);
         let mut sums = [my_loss.clone().into_scalar() as f64, my_count as f64];
         g.all_reduce(ReduceBuf::F64(&mut sums), ReduceOp::Sum).unwrap();
         let my_grads = my_loss.backward();

@@ -301,7 +301,7 @@ where
     let opts = ForwardOptions { attention: AttentionImpl::Sparse, sparse_block: 32, attn_path: path, linear_path: path, ..Default::default() };
     let out = loaded.model.forward(ids, Some(TokenMask::new(mask.clone(), b, s, &device)), &opts, false);
     let logits = host(out.logits.clone());
-    let lm = Glm5ForCausalLM::<B>::lm_loss(out.logits, &io.i64("labels"));
+    let lm = glm5_burn::loss::lm_loss(out.logits, &io.i64("labels"));
     let aux = loaded.model.aux_loss(&out.text.router_logits, &mask).unwrap();
     let grads = (lm + aux * loaded.model.router_aux_loss_coef).backward();
     let tmp = tempfile::tempdir().unwrap();

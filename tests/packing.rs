@@ -83,7 +83,7 @@ fn packed_conversations_with_images_equal_separate_runs() {
         let opts = ForwardOptions { attention, ..Default::default() };
         let out = forward_micro(&model, &packed, &opts, &device).unwrap();
         let all = host(out.logits.clone());
-        let (packed_sum, packed_count) = Glm5ForCausalLM::<B>::lm_loss_sum(out.logits, &packed.labels);
+        let (packed_sum, packed_count) = glm5_burn::loss::lm_loss_sum(out.logits, &packed.labels);
         let packed_sum: f32 = packed_sum.into_scalar();
         let images = packed.images.as_ref().unwrap();
         let (mut start, mut patch) = (0, 0);
@@ -123,7 +123,7 @@ fn packed_conversations_with_images_equal_separate_runs() {
             let floor = max_abs_diff(&logits, &host(forward_micro(&model, &twice, &opts, &device).unwrap().logits)[..l * vocab], vocab, &keep);
             println!("{attention:?}: conversation {k} ({l} tokens): packed vs alone max|Δ| {d:.2e}, batch-shape floor {floor:.2e}, scale {scale:.2}");
             assert!(d <= (1e-5 * scale).max(2.0 * floor), "{attention:?}: conversation {k}: max|Δ| {d:e} (scale {scale}, floor {floor:e})");
-            let (s, c) = Glm5ForCausalLM::<B>::lm_loss_sum(o.logits, &alone.labels);
+            let (s, c) = glm5_burn::loss::lm_loss_sum(o.logits, &alone.labels);
             sum += s.into_scalar() as f64;
             count += c;
             start += l;

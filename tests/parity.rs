@@ -198,7 +198,7 @@ fn loss_and_aux_loss_match_reference() {
     use glm5_burn::Glm5ForCausalLM;
     for case in CASES.iter().filter(|c| **c != "bf16_release_like") {
         let (io, loaded, out, mask) = forward_fixture(case, burn::tensor::DType::F32, &ForwardOptions::default(), false);
-        let lm = Glm5ForCausalLM::<B>::lm_loss(out.logits, &io.i64("labels"));
+        let lm = glm5_burn::loss::lm_loss(out.logits, &io.i64("labels"));
         let aux = loaded.model.aux_loss(&out.text.router_logits, &mask).expect("MoE layers present");
         let aux_v = aux.clone().into_scalar();
         let total = (lm + aux * loaded.model.router_aux_loss_coef).into_scalar();

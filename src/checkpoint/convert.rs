@@ -15,7 +15,7 @@ use serde_json::Value;
 
 use super::safetensors_io::SafetensorsFiles;
 use super::writer::{index_json, plan_shards, write_safetensors, PlannedTensor, Staging};
-use crate::error::CheckpointError;
+use crate::checkpoint::CheckpointError;
 
 /// Conversion settings.
 #[derive(Debug, Clone)]
@@ -85,7 +85,7 @@ pub fn convert_checkpoint(
     let cfg_path = input.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| CheckpointError::Io { path: cfg_path.clone(), error: e })?;
     let mut config: Value =
-        serde_json::from_str(&text).map_err(|e| crate::error::ConfigError::Json { path: cfg_path.display().to_string(), source: e })?;
+        serde_json::from_str(&text).map_err(|e| crate::config::ConfigError::Json { path: cfg_path.display().to_string(), source: e })?;
     let mut files = SafetensorsFiles::open_dir(input)?;
     files.set_fp8_block_from_config(&config)?;
     files.fp8_round_bf16 = opts.dtype == Dtype::BF16; // F32 output keeps the exact products

@@ -8,6 +8,7 @@
 
 pub mod convert;
 pub mod dtype;
+mod error;
 pub mod fp8;
 pub mod hf_map;
 pub mod inventory;
@@ -27,9 +28,9 @@ use safetensors::tensor::Dtype;
 use serde_json::Value;
 
 use crate::config::Glm5Config;
-use crate::error::CheckpointError;
 use crate::model::Glm5ForCausalLM;
 use dtype::decode_f32;
+pub use error::CheckpointError;
 use hf_map::{resolve, Resolved, Transform};
 use safetensors_io::{serialize, write_atomic, OwnedTensor, SafetensorsFiles};
 
@@ -91,10 +92,10 @@ pub fn read_config(dir: &Path) -> Result<(Glm5Config, Value), CheckpointError> {
         return Err(CheckpointError::StepDirectory { dir: dir.to_path_buf(), model: dir.join("model") });
     }
     let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::Io { path: path.clone(), error: e })?;
-    let json: Value = serde_json::from_str(&text).map_err(|e| crate::error::ConfigError::Json { path: path.display().to_string(), source: e })?;
+    let json: Value = serde_json::from_str(&text).map_err(|e| crate::config::ConfigError::Json { path: path.display().to_string(), source: e })?;
     let config = Glm5Config::from_hf_value(&json).map_err(|e| match e {
-        crate::error::ConfigError::Invalid { field, message } => {
-            crate::error::ConfigError::Invalid { field: format!("{}: {field}", path.display()), message }
+        crate::config::ConfigError::Invalid { field, message } => {
+            crate::config::ConfigError::Invalid { field: format!("{}: {field}", path.display()), message }
         }
         other => other,
     })?;

@@ -14,7 +14,7 @@ use safetensors::tensor::{Dtype, SafeTensors};
 use serde_json::Value;
 
 use super::dtype::decode_f32;
-use crate::error::CheckpointError;
+use crate::checkpoint::CheckpointError;
 
 /// Where a tensor lives.
 #[derive(Debug, Clone)]
@@ -161,7 +161,7 @@ impl SafetensorsFiles {
         if let Some(b) = config.get("quantization_config").and_then(|q| q.get("weight_block_size")) {
             let v: Vec<usize> = b.as_array().map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect()).unwrap_or_default();
             if v.len() != 2 || v.contains(&0) {
-                return Err(crate::error::ConfigError::invalid(
+                return Err(crate::config::ConfigError::invalid(
                     "quantization_config.weight_block_size",
                     format!("must be two positive integers, got {b}"),
                 )

@@ -16,8 +16,8 @@ use super::hf_map::{resolve_hf, Transform};
 use super::inventory::{inventory, Part};
 use super::safetensors_io::SafetensorsFiles;
 use super::to_module_layout;
+use crate::checkpoint::CheckpointError;
 use crate::config::Glm5Config;
-use crate::error::CheckpointError;
 
 /// The routed experts rank `rank` of an expert-parallel group of `size` owns: the contiguous
 /// block `[rank·E/size, (rank+1)·E/size)`.

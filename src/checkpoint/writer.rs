@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::Dtype;
 use serde_json::{json, Value};
 
-use crate::error::CheckpointError;
+use crate::checkpoint::CheckpointError;
 
 /// A tensor to be written.
 #[derive(Debug, Clone)]

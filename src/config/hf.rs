@@ -16,7 +16,7 @@ use serde::{Deserialize, Deserializer};
 use serde_json::{Map, Value};
 
 use super::{Activation, Glm5Config, IndexerType, LayerType, MlpType, TextConfig, VisionConfig};
-use crate::error::ConfigError;
+use crate::config::ConfigError;
 
 /// A key whose `null` means something other than its absence (`linear_lower_bound: null`
 /// selects the softplus gate; `pad_token_id: null` means no padding token).

@@ -17,10 +17,11 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::error::ConfigError;
-
+mod error;
 mod hf;
 mod validate;
+
+pub use error::ConfigError;
 
 /// Token mixer of a decoder layer (`layer_types[i]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

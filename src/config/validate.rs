@@ -2,7 +2,7 @@
 //! reference plus the shape checks our modules rely on, each error naming its field path.
 
 use super::{IndexerType, LayerType, MlpType, TextConfig, VisionConfig};
-use crate::error::ConfigError;
+use crate::config::ConfigError;
 
 impl TextConfig {
     /// `validate_architecture` of the reference plus the shape checks our modules rely on.

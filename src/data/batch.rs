@@ -1,8 +1,6 @@
 //! The batch types the data pipeline produces and the training step consumes: token rows with
 //! labels, padding, packed document boundaries and the images of their placeholders.
 
-use crate::model::Glm5ForCausalLM;
-
 /// The images of a micro-batch, in placeholder order.
 #[derive(Debug, Clone)]
 pub struct Images {
@@ -41,6 +39,6 @@ impl MicroBatch {
 
     /// Label tokens after the shift (what the loss is normalised by).
     pub fn label_tokens(&self, vocab: usize) -> usize {
-        Glm5ForCausalLM::<burn_flex::Flex>::count_labels(&self.labels, self.batch, self.seq, vocab)
+        crate::loss::count_labels(&self.labels, self.batch, self.seq, vocab)
     }
 }

@@ -18,10 +18,10 @@
 use burn::tensor::{DType, Tensor};
 
 use super::sampling::{SamplingConfig, SamplingError, TokenSampler};
-use crate::error::ModelError;
 use crate::model::Glm5ForCausalLM;
 use crate::ops::backend::Glm5Backend;
 use crate::text::ForwardOptions;
+use crate::text::ModelError;
 
 /// When to stop and how to fill ended rows.
 #[derive(Debug, Clone)]

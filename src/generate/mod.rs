@@ -4,13 +4,12 @@
 //! KDA conv windows and recurrent states, DSA latents and indexer pools); stop strings
 //! ([`stop`]) and answer accuracy for validation ([`eval`]).
 
-pub mod cache;
 pub mod decode;
 pub mod eval;
 pub mod sampling;
 pub mod stop;
 
-pub use cache::{CacheBytes, DecodeCache, DsaCache, IndexerCache, KdaCache, LayerCache};
+pub use crate::text::cache::{CacheBytes, DecodeCache, DsaCache, IndexerCache, KdaCache, LayerCache};
 pub use decode::{
     checkpoint_eos_ids, config_eos_ids, generate, generate_with, GenerateError, GenerateOptions, Generated, NoStoppingCriteria, Prompt,
     StoppingCriteria,

@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::{Dtype, SafeTensors};
 
 use crate::checkpoint::safetensors_io::{serialize, write_atomic, OwnedTensor};
-use crate::error::{CheckpointError, ModelError};
+use crate::checkpoint::CheckpointError;
+use crate::text::ModelError;
 
 mod output;
 pub use output::{check_output_dir, check_output_file, same_file, OutputPathError, OutputProblem};

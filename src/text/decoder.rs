@@ -18,8 +18,8 @@ use super::moe::Moe;
 use super::norm::RmsNorm;
 use super::{ForwardOptions, TokenMask};
 use crate::config::{IndexerType, LayerType, MlpType, TextConfig};
-use crate::generate::cache::LayerCache;
 use crate::profile;
+use crate::text::cache::LayerCache;
 
 /// Token mixer of a layer.
 #[allow(clippy::large_enum_variant)] // one per layer; boxing would hide the module tree from Burn

@@ -22,10 +22,10 @@ use super::mlp::new_linear;
 use super::norm::LayerNorm;
 use super::TokenMask;
 use crate::config::TextConfig;
-use crate::generate::cache::IndexerCache;
 use crate::ops::backend::Glm5Backend;
 use crate::ops::kpool::{pool_layouts, reference_compress, reference_scores, reference_select, KpoolSelect};
 use crate::ops::PathKind;
+use crate::text::cache::IndexerCache;
 
 /// The KPool indexer of a full DSA layer (HF `Glm5NextTextIndexer`): scores pooled keys per query and selects `index_topk` tokens; detached (no gradient).
 #[derive(Module, Debug)]

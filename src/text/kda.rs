@@ -29,9 +29,9 @@ use super::{ForwardOptions, KdaImpl, PathKind, TokenMask};
 use crate::config::{Activation, TextConfig};
 use crate::distributed::context::{conv_halo, kda_context, Chain, ShardDocs};
 use crate::distributed::{CollectiveBackend, DistError, Group};
-use crate::generate::cache::KdaCache;
 use crate::ops::backend::{causal_conv1d, kda_forget_gate, linear, Glm5Backend};
 use crate::ops::kda::{kda_chunked, kda_recurrent, KdaInputs};
+use crate::text::cache::KdaCache;
 
 /// Causal depthwise conv taps (`weight` `[C, W]`; tap `W−1` multiplies the current token).
 #[derive(Module, Debug)]
@@ -95,6 +95,15 @@ pub struct KdaAttention<B: Backend> {
 }
 
 impl<B: Backend> KdaAttention<B> {
+    /// The cache before the first token: zero conv windows (the causal conv's left padding)
+    /// and a zero fp32 state.
+    pub fn empty_cache(&self, batch: usize, dtype: DType, device: &B::Device) -> KdaCache<B> {
+        let (h, d) = (self.num_heads, self.head_dim);
+        let (p, taps) = (h * d, self.q_conv1d.weight.dims()[1]);
+        let window = || Tensor::zeros([batch, taps.saturating_sub(1), p], (device, dtype));
+        KdaCache { conv: [window(), window(), window()], state: Tensor::zeros([batch, h, d, d], (device, DType::F32)) }
+    }
+
     /// Random init with the shapes of `c` (load real weights with `checkpoint`).
     pub fn new(c: &TextConfig, device: &B::Device) -> Self {
         let (d, h, hd, w) = (c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim);

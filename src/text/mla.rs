@@ -26,10 +26,10 @@ use crate::config::TextConfig;
 use crate::distributed::collective::all_gather_rows;
 use crate::distributed::context::Chain;
 use crate::distributed::{CollectiveBackend, DistError, Group};
-use crate::generate::cache::DsaCache;
 use crate::ops::backend::{linear, Glm5Backend};
 use crate::ops::sparse_attn::{dense_masked, sparse_absorbed};
 use crate::ops::OpImpl;
+use crate::text::cache::DsaCache;
 
 /// A DSA layer's output: `[B, S, D]`, the index rows used, the indexer's boundary margin.
 pub type MlaOutput<B> = (Tensor<B, 3>, Vec<i64>, Option<f32>);

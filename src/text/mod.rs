@@ -4,7 +4,9 @@
 //! …) so the name table in `checkpoint::hf_map` is mostly the identity.
 
 pub mod activation;
+pub mod cache;
 pub mod decoder;
+mod error;
 pub mod indexer;
 pub mod kda;
 pub mod mhc;
@@ -17,6 +19,7 @@ pub mod norm;
 use burn::tensor::{backend::Backend, Tensor, TensorData};
 
 pub use crate::ops::PathKind;
+pub use error::ModelError;
 
 /// Which attention form the DSA layers use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,14 +13,14 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig};
-use burn::tensor::{backend::Backend, Int, Tensor};
+use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
 use super::decoder::{DecoderLayer, Mixer};
 use super::norm::RmsNorm;
 use super::{ForwardOptions, TokenMask};
 use crate::config::TextConfig;
 use crate::distributed::{CollectiveBackend, ShardPlan};
-use crate::generate::cache::DecodeCache;
+use crate::text::cache::{DecodeCache, LayerCache};
 
 /// The text decoder (`model.language_model`): embedding, mHC-wrapped decoder layers, final norm.
 #[derive(Module, Debug)]
@@ -58,6 +58,20 @@ pub struct TextOutput<B: Backend> {
 }
 
 impl<B: Backend> TextModel<B> {
+    /// Empty decoding caches for `batch` rows, computing in `dtype` (the KDA windows take the
+    /// projections' dtype; the recurrent state is fp32).
+    pub fn empty_cache(&self, batch: usize, dtype: DType, device: &B::Device) -> DecodeCache<B> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| match &layer.self_attn {
+                Mixer::Kda(kda) => LayerCache::Kda(kda.empty_cache(batch, dtype, device)),
+                Mixer::Mla(_) => LayerCache::Dsa(None),
+            })
+            .collect();
+        DecodeCache::new(layers, batch)
+    }
+
     /// Random init with the shapes of `c`.
     pub fn new(c: &TextConfig, device: &B::Device) -> Self {
         Self {

@@ -35,11 +35,11 @@ use serde_json::{json, Value};
 use super::adamw::FusedAdamW;
 use super::data_parallel::{expert_parallel_of, expert_param_ids, plan_of};
 use crate::checkpoint::safetensors_io::{serialize, write_atomic, OwnedTensor, SafetensorsFiles};
+use crate::checkpoint::CheckpointError;
 use crate::checkpoint::{checkpoint_tensors, config_kernel_shapes};
 use crate::distributed::fsdp::{shard_range, shard_rows};
 use crate::distributed::typed::{all_gather, all_gather_v};
 use crate::distributed::{DistError, P2p, ShardPlan};
-use crate::error::CheckpointError;
 use crate::model::Glm5ForCausalLM;
 use crate::ops::backend::Glm5Backend;
 

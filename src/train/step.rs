@@ -15,9 +15,9 @@ use burn::tensor::{ElementConversion, Tensor, TensorData};
 
 use super::clip::{clip_global_norm, global_norm};
 use crate::data::batch::MicroBatch;
-use crate::error::ModelError;
 use crate::model::{CausalLmOutput, Glm5ForCausalLM};
 use crate::ops::backend::Glm5Backend;
+use crate::text::ModelError;
 use crate::text::{ForwardOptions, TokenMask};
 
 /// What a micro-batch must satisfy before it reaches the model: a [`TrainError::Batch`]
@@ -68,7 +68,7 @@ pub enum TrainError {
         /// The checkpoint's model directory.
         dir: std::path::PathBuf,
         /// The checkpoint error.
-        source: crate::error::CheckpointError,
+        source: crate::checkpoint::CheckpointError,
     },
     /// The checkpoint directory itself (lock, staging, rename, state file).
     #[error(transparent)]
@@ -209,7 +209,7 @@ pub fn forward_micro_context<B: Glm5Backend>(
     };
     let grid = m.images.as_ref().map(|i| i.grid_thw.as_slice()).unwrap_or(&[]);
     let out = model.forward_context(&ids, images.map(|p| (p, grid)), ctx.clone(), opts, false)?;
-    let targets = Glm5ForCausalLM::<B>::shifted_targets(&labels, 1, seq)[shard.clone()].to_vec();
+    let targets = crate::loss::shifted_targets(&labels, 1, seq)[shard.clone()].to_vec();
     let valid = shard.map(|t| t < m.seq).collect();
     Ok((out, targets, valid, ctx))
 }
@@ -239,9 +239,9 @@ pub fn micro_loss_sum_context<B: Glm5Backend>(
     let (sum, count) = match cp {
         Some(g) => {
             let (out, targets, _, _) = forward_micro_context(model, m, g, opts, device)?;
-            Glm5ForCausalLM::<B>::target_loss_sum(out.logits, &targets)
+            crate::loss::target_loss_sum(out.logits, &targets)
         }
-        None => Glm5ForCausalLM::<B>::lm_loss_sum(forward_micro(model, m, opts, device)?.logits, &m.labels),
+        None => crate::loss::lm_loss_sum(forward_micro(model, m, opts, device)?.logits, &m.labels),
     };
     Ok((sum.into_scalar().elem::<f64>(), count))
 }
@@ -331,12 +331,12 @@ pub fn accumulate_context<B: AutodiffBackend + Glm5Backend>(
         let (out, sum, valid, shard) = match cp {
             Some(g) => {
                 let (out, targets, valid, shard) = forward_micro_context(model, m, g, opts, device)?;
-                let (sum, _) = Glm5ForCausalLM::<B>::target_loss_sum(out.logits.clone(), &targets);
+                let (sum, _) = crate::loss::target_loss_sum(out.logits.clone(), &targets);
                 (out, sum, valid, Some(shard))
             }
             None => {
                 let out = forward_micro(model, m, opts, device)?;
-                let (sum, _) = Glm5ForCausalLM::<B>::lm_loss_sum(out.logits.clone(), &m.labels);
+                let (sum, _) = crate::loss::lm_loss_sum(out.logits.clone(), &m.labels);
                 (out, sum, m.mask.clone().unwrap_or_else(|| vec![true; m.batch * m.seq]), None)
             }
         };

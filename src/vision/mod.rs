@@ -23,10 +23,10 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{backend::Backend, Tensor};
 
 use crate::config::{Activation, VisionConfig};
-use crate::error::ModelError;
 use crate::ops::backend::{block_attention, linear};
 use crate::text::mlp::{clamped_swiglu, new_linear, Mlp};
 use crate::text::norm::{LayerNorm, RmsNorm};
+use crate::text::ModelError;
 
 /// A convolution whose kernel equals its stride, applied as a matmul over flattened patches.
 /// `weight` `[C_in·k…, C_out]` (checkpoint `[C_out, C_in, k…]`), `bias` `[C_out]`.

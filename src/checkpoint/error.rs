@@ -1,48 +1,13 @@
-//! Typed errors of the library. Every variant names the file, tensor, key or field at fault.
+//! Errors of loading and saving checkpoints: each names the file, tensor or key at fault.
 
 use std::path::PathBuf;
-
-/// Errors raised while reading or validating a configuration.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config file {path}: {error}")]
-    Io {
-        /// The config file.
-        path: PathBuf,
-        /// The OS error.
-        error: std::io::Error,
-    },
-    /// The file is not valid JSON.
-    #[error("config {path}: invalid JSON: {source}")]
-    Json {
-        /// Where the text came from (a path, or a caller's label).
-        path: String,
-        /// The parser's error, with line and column.
-        source: serde_json::Error,
-    },
-    /// A field is missing, mistyped or out of range; `field` is its path (`text_config.layer_types[3]`).
-    #[error("config field `{field}`: {message}")]
-    Invalid {
-        /// The field's path.
-        field: String,
-        /// What is wrong with it.
-        message: String,
-    },
-}
-
-impl ConfigError {
-    pub(crate) fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
-        ConfigError::Invalid { field: field.into(), message: message.into() }
-    }
-}
 
 /// Errors raised while loading or saving a checkpoint.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     /// The checkpoint's `config.json` is invalid.
     #[error(transparent)]
-    Config(#[from] ConfigError),
+    Config(#[from] crate::config::ConfigError),
     /// A checkpoint file could not be read or written.
     #[error("{path}: {error}")]
     Io {
@@ -220,41 +185,4 @@ pub enum CheckpointError {
     /// A broken invariant of this library, not of the input: please report it.
     #[error("internal error (a bug in glm5-burn; please report it): {0}")]
     Internal(String),
-}
-
-/// Errors raised by the model forward for inputs the caller supplied.
-#[derive(Debug, thiserror::Error)]
-pub enum ModelError {
-    /// An input tensor or argument is inconsistent (shapes, ids, images).
-    #[error("input `{name}`: {message}")]
-    Input {
-        /// The input's name.
-        name: String,
-        /// What is wrong with it.
-        message: String,
-    },
-}
-
-/// Any error of the library: each module's error converts into it (`?` in code that spans
-/// modules), and the module errors stay available for callers that match on one kind.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// A configuration error.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// A checkpoint error.
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    /// A model input error.
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    /// A data pipeline error.
-    #[error(transparent)]
-    Data(#[from] crate::data::loader::DataError),
-    /// A training error.
-    #[error(transparent)]
-    Train(#[from] crate::train::step::TrainError),
-    /// A distributed-layer error.
-    #[error(transparent)]
-    Distributed(#[from] crate::distributed::DistError),
 }

@@ -14,10 +14,7 @@
 //! the same step. Pools complete while decoding: a step recomputes only the pools its tokens
 //! fall into ([`crate::text::indexer::Indexer::forward_cached`]).
 
-use burn::tensor::{backend::Backend, DType, Tensor};
-
-use crate::text::decoder::Mixer;
-use crate::text::model::TextModel;
+use burn::tensor::{backend::Backend, Tensor};
 
 /// Cache of a KDA (`linear_attention`) layer.
 #[derive(Debug, Clone)]
@@ -71,22 +68,9 @@ pub struct DecodeCache<B: Backend> {
 }
 
 impl<B: Backend> DecodeCache<B> {
-    /// Empty caches for `batch` rows of `model`, computing in `dtype` (the KDA windows take
-    /// the projections' dtype; the recurrent state is fp32).
-    pub fn new(model: &TextModel<B>, batch: usize, dtype: DType, device: &B::Device) -> Self {
-        let layers = model
-            .layers
-            .iter()
-            .map(|layer| match &layer.self_attn {
-                Mixer::Kda(kda) => {
-                    let (h, d) = (kda.num_heads, kda.head_dim);
-                    let (p, taps) = (h * d, kda.q_conv1d.weight.dims()[1]);
-                    let window = || Tensor::zeros([batch, taps.saturating_sub(1), p], (device, dtype));
-                    LayerCache::Kda(KdaCache { conv: [window(), window(), window()], state: Tensor::zeros([batch, h, d, d], (device, DType::F32)) })
-                }
-                Mixer::Mla(_) => LayerCache::Dsa(None),
-            })
-            .collect();
+    /// Empty caches for `layers` (one per decoder layer, from
+    /// [`TextModel::empty_cache`](crate::text::model::TextModel::empty_cache)) and `batch` rows.
+    pub fn new(layers: Vec<LayerCache<B>>, batch: usize) -> Self {
         Self { layers, batch, rows: vec![Vec::new(); batch] }
     }
 
