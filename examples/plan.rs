@@ -1,5 +1,5 @@
 //! Per-rank memory and per-step communication of a training run at real scale, on paper
-//! (`distributed::plan`), checked against published figures of the same recipe.
+//! (`glm5_burn::plan`), checked against published figures of the same recipe.
 //!
 //! ```text
 //! cargo run --release --example plan -- [--config configs/glm5_3_flash.json] [--mesh dp=36,ep=72,cp=2]
@@ -14,7 +14,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
-use glm5_burn::distributed::plan::{check_inputs, check_mesh, largest_ep, plan, smallest_fitting, Mesh, PlanInputs};
+use glm5_burn::plan::{check_inputs, check_mesh, largest_ep, plan, smallest_fitting, Mesh, PlanInputs};
 use glm5_burn::Glm5Config;
 
 #[derive(Parser)]
@@ -123,7 +123,7 @@ fn main() -> Result<()> {
     }
     println!("| all | | {:.2} |", comm.total() / GIB);
     let c = &config.text_config;
-    let f = glm5_burn::distributed::plan::dedup_factor(mesh.ep, c.n_routed_experts, c.num_experts_per_tok);
+    let f = glm5_burn::plan::dedup_factor(mesh.ep, c.n_routed_experts, c.num_experts_per_tok);
     println!(
         "\nEP dispatch sends one row per (token, expert); sending each token once per destination rank (DeepEP) \
          would move {:.0} % of that at ep {} (uniform routing).",

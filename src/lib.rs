@@ -22,6 +22,7 @@ pub mod io;
 pub mod loss;
 pub mod model;
 pub mod ops;
+pub mod plan;
 pub mod profile;
 pub mod text;
 pub mod train;

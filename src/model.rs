@@ -185,7 +185,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
 
     /// This rank's shard of a packed row under context parallelism: `ids` is the whole row
     /// (`[1, S]`, every rank of `context.group` passes the same row and images), `context` the
-    /// shard ([`crate::distributed::context::ContextShard`], one per forward). Every rank
+    /// shard ([`crate::text::context::ContextShard`], one per forward). Every rank
     /// embeds the whole row — the vision tower runs on every rank, so an image whose
     /// placeholders cross a shard edge is never split — and keeps its shard's rows, which run
     /// through the decoder with the KDA and DSA exchanges. Returns the shard's logits
@@ -195,7 +195,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         &self,
         ids: &[i64],
         images: Option<(Tensor<B, 2>, &[[usize; 3]])>,
-        context: crate::distributed::context::ContextShard<B>,
+        context: crate::text::context::ContextShard<B>,
         opts: &ForwardOptions,
         record: bool,
     ) -> Result<CausalLmOutput<B>, ModelError>
@@ -420,7 +420,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         &self,
         router_logits: &[Tensor<B, 2>],
         mask: &[bool],
-        context: &crate::distributed::context::ContextShard<B>,
+        context: &crate::text::context::ContextShard<B>,
     ) -> Result<Option<Tensor<B, 1>>, crate::distributed::DistError>
     where
         B: crate::distributed::CollectiveBackend,

@@ -1370,7 +1370,7 @@ mod mpi_engine {
     /// Context parallelism of KDA against the whole row in one process: a packed row of 48
     /// tokens with documents of 5, 25, 1 and 17 tokens (on 2, 3 and 4 ranks the 25-token one
     /// crosses one or two shard edges, shards start inside and at document starts) split over
-    /// the ranks. (1) The recurrence alone (`distributed::context::kda_context`, the state
+    /// the ranks. (1) The recurrence alone (`text::context::kda_context`, the state
     /// handed over): outputs and the gradients of q, k, v, g, β of this shard's rows; (2) the
     /// KDA layer (`KdaAttention::forward_context`: conv halo and state): outputs, input
     /// gradients and every parameter's gradient (summed over the ranks) — each within 1e-5 of
@@ -1380,10 +1380,10 @@ mod mpi_engine {
         use burn::module::{Module, ModuleVisitor, Param, ParamId};
         use burn::tensor::backend::{AutodiffBackend, Backend};
         use burn::tensor::{Tensor, TensorData};
-        use glm5_burn::distributed::context::{kda_context, Chain, ShardDocs};
         use glm5_burn::distributed::Group;
         use glm5_burn::ops::kda::{kda_chunked, KdaInputs};
         use glm5_burn::ops::PathKind;
+        use glm5_burn::text::context::{kda_context, Chain, ShardDocs};
         use glm5_burn::text::kda::KdaAttention;
         use glm5_burn::text::{ForwardOptions, KdaImpl, TokenMask};
         type AD = Autodiff<Flex>;
@@ -1525,9 +1525,9 @@ mod mpi_engine {
         use burn::module::{Module, ModuleVisitor, Param, ParamId};
         use burn::tensor::backend::{AutodiffBackend, Backend};
         use burn::tensor::{Tensor, TensorData};
-        use glm5_burn::distributed::context::{Chain, ShardDocs};
         use glm5_burn::distributed::Group;
         use glm5_burn::ops::PathKind;
+        use glm5_burn::text::context::{Chain, ShardDocs};
         use glm5_burn::text::mla::MlaAttention;
         use glm5_burn::text::{AttentionImpl, ForwardOptions};
         type AD = Autodiff<Flex>;
@@ -1622,8 +1622,8 @@ mod mpi_engine {
         use burn::module::{Module, ModuleVisitor, Param, ParamId};
         use burn::tensor::backend::{AutodiffBackend, Backend};
         use burn::tensor::{Int, Tensor, TensorData};
-        use glm5_burn::distributed::context::ContextShard;
         use glm5_burn::distributed::Group;
+        use glm5_burn::text::context::ContextShard;
         use glm5_burn::text::{AttentionImpl, ForwardOptions, KdaImpl, TokenMask};
         use glm5_burn::Glm5ForCausalLM;
         type AD = Autodiff<Flex>;

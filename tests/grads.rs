@@ -12,7 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor};
 use common::*;
 use glm5_burn::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
-use glm5_burn::{ForwardOptions, Glm5ForCausalLM, TokenMask};
+use glm5_burn::{ForwardOptions, TokenMask};
 
 type A = Autodiff<Flex>;
 

@@ -14,9 +14,10 @@
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::Tensor;
+use glm5_burn::ops::backend::ScanInputs;
 use glm5_burn::ops::backend::{kda_chunk_scan, Glm5Backend};
 use glm5_burn::ops::kda::{kda_chunked, kda_chunked_op, kda_recurrent, KdaInputs};
-use glm5_burn::ops::kda_scan::{self, ScanInputs};
+use glm5_burn::ops::kda_scan;
 use glm5_burn::PathKind;
 
 mod common;

@@ -195,7 +195,6 @@ fn per_position_kl(reference: &[f32], ours: &[f32], vocab: usize, keep: &[bool])
 /// reference's `loss` and `aux_loss` (`labels` given, `output_router_logits=True`).
 #[test]
 fn loss_and_aux_loss_match_reference() {
-    use glm5_burn::Glm5ForCausalLM;
     for case in CASES.iter().filter(|c| **c != "bf16_release_like") {
         let (io, loaded, out, mask) = forward_fixture(case, burn::tensor::DType::F32, &ForwardOptions::default(), false);
         let lm = glm5_burn::loss::lm_loss(out.logits, &io.i64("labels"));

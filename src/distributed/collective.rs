@@ -35,13 +35,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
-use super::fsdp::{ParamGather, Regather};
-use super::group::{check_counts, ProcessGroup, ReduceBuf, ReduceOp};
+use super::error::DistError;
+use super::group::{check_counts, Group, ReduceBuf, ReduceOp};
+use super::regather::{ParamGather, Regather};
 use super::typed;
-use super::DistError;
-
-/// A shared handle to a group: the collectives' backward keeps one.
-pub type Group = Arc<dyn ProcessGroup>;
 
 /// Collectives on float primitives, along dim 0 (module docs).
 pub trait CollectiveBackend: Backend {

@@ -8,7 +8,12 @@
 //! of the wrong length or a buffer of the wrong size is a [`DistError`], never undefined
 //! behaviour inside MPI.
 
-use super::DistError;
+use std::sync::Arc;
+
+use super::error::DistError;
+
+/// A shared handle to a group: the collectives' backward keeps one.
+pub type Group = Arc<dyn ProcessGroup>;
 
 /// Element-wise reduction of [`ProcessGroup::all_reduce`] and [`ProcessGroup::reduce_scatter_v`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,7 +12,6 @@
 //! * [`CheckedGroup`] (`checked.rs`): a debug wrapper checking that every rank issues the same
 //!   collectives.
 //! * [`fsdp`]: parameter sharding over a group (FSDP), gathered per unit.
-//! * [`context`]: context parallelism of packed rows (KDA state and short-conv hand-overs).
 //! * [`typed`]: element-typed helpers over the byte-level collectives.
 //!
 //! The design (why MPI and NCCL, not Burn's `burn-collective`; the communication patterns of
@@ -21,8 +20,8 @@
 
 pub mod checked;
 pub mod collective;
-pub mod context;
 pub mod decorator;
+mod error;
 pub mod fsdp;
 pub mod group;
 pub mod local;
@@ -30,72 +29,19 @@ pub mod local;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
-pub mod plan;
+mod node;
+pub mod regather;
 pub mod typed;
 
 pub use checked::CheckedGroup;
-pub use collective::{CollectiveBackend, Group};
+pub use collective::CollectiveBackend;
 pub use decorator::Distributed;
+pub use error::DistError;
 pub use fsdp::ShardPlan;
-pub use group::{P2p, ProcessGroup, ReduceBuf, ReduceOp};
+pub use group::{Group, P2p, ProcessGroup, ReduceBuf, ReduceOp};
 pub use local::LocalGroup;
 #[cfg(feature = "mpi")]
 pub use mpi::MpiGroup;
 #[cfg(feature = "nccl")]
 pub use nccl::NcclGroup;
-
-/// The device of backend `B` for this process: the default device's kind, numbered by
-/// [`local_rank`] (modulo the devices present) where the backend has several, so the ranks of a
-/// node spread over its GPUs; the default device elsewhere (CPU backends).
-pub fn local_device<B: burn::tensor::backend::Backend>() -> B::Device {
-    use burn::tensor::backend::{Device, DeviceId, DeviceOps};
-    let default = B::Device::default();
-    let id = default.id();
-    let n = B::device_count(id.type_id);
-    if n <= 1 {
-        return default;
-    }
-    B::Device::from_id(DeviceId { type_id: id.type_id, index_id: (local_rank() % n) as u16 })
-}
-
-/// This process's rank among the processes of its node, from the launcher's environment
-/// (OpenMPI `OMPI_COMM_WORLD_LOCAL_RANK`, MPICH/Hydra `MPI_LOCALRANKID`, Slurm `SLURM_LOCALID`,
-/// torchrun `LOCAL_RANK`); 0 when none is set. A process with several GPUs uses the one of its
-/// local rank.
-pub fn local_rank() -> usize {
-    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"]
-        .iter()
-        .find_map(|k| std::env::var(k).ok().and_then(|v| v.parse().ok()))
-        .unwrap_or(0)
-}
-
-/// Errors of the distributed layer, naming the collective or engine at fault.
-#[derive(Debug, thiserror::Error)]
-pub enum DistError {
-    /// Counts or buffer sizes that do not fit the group or each other.
-    #[error("{op}: {message}")]
-    Counts {
-        /// The collective.
-        op: &'static str,
-        /// What does not fit.
-        message: String,
-    },
-    /// A rank outside the group.
-    #[error("{op}: rank {rank} is outside the group of {size}")]
-    Rank {
-        /// The collective.
-        op: &'static str,
-        /// The rank named.
-        rank: usize,
-        /// The group's size.
-        size: usize,
-    },
-    /// The engine could not be started or refused the call.
-    #[error("{engine}: {message}")]
-    Engine {
-        /// `mpi`, `nccl`.
-        engine: &'static str,
-        /// What failed.
-        message: String,
-    },
-}
+pub use node::{local_device, local_rank};

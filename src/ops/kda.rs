@@ -30,9 +30,10 @@
 
 use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 
+use super::backend::ScanInputs;
 use super::backend::{kda_chunk_scan, kda_pair_sums, Glm5Backend};
 use super::kda_pairs as reference;
-use super::kda_scan::ScanInputs;
+use super::kda_scan::last_in_chunk;
 use super::OpImpl;
 use super::PathKind;
 
@@ -96,16 +97,6 @@ fn prepare<B: Backend>(x: KdaInputs<B>, l2: impl Fn(Tensor<B, 4>, f64) -> Tensor
         None => Tensor::zeros([b, h, dk, dv], (&device, DType::F32)),
     };
     Prepared { q, k, v: f(v), g: f(g), beta: beta.cast(DType::F32).swap_dims(1, 2), state }
-}
-
-/// `Γ_C`, the last row of every chunk: `[x, C, d]` → `[x, 1, d]`, as a fresh tensor. (Taken
-/// with `select`, and turned into a column with `reshape` rather than `swap_dims`: burn-cubecl
-/// 0.21 reads a reshaped `swap_dims` view of a row slice wrongly once there are several heads
-/// — measured on Vulkan: decays off by 100 %, garbage KDA outputs — while Flex is exact.)
-pub(crate) fn last_in_chunk<B: Backend>(gam: &Tensor<B, 3>) -> Tensor<B, 3> {
-    let c = gam.dims()[1];
-    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![c as i64 - 1], [1]), &gam.device());
-    gam.clone().select(1, idx)
 }
 
 /// Pads prepared inputs to whole chunks with inert tokens (k = v = q = 0, β = 0, g = 0: no

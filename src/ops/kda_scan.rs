@@ -28,10 +28,9 @@
 //! [`Glm5Backend::kda_unit_lower_solve`]: CubeCL backends run forward / back substitution and
 //! never form `T`; the default body forms it by the product form and multiplies.
 
-use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
-use super::backend::Glm5Backend;
-use super::kda::last_in_chunk;
+use super::backend::{Glm5Backend, ScanInputs};
 
 /// `[n, n]` 0/1 mask with `f(r, s)`.
 fn mask<B: Backend>(n: usize, f: impl Fn(usize, usize) -> bool, device: &B::Device) -> Tensor<B, 3> {
@@ -186,33 +185,14 @@ fn keep_mask<B: Backend>(bh: usize, n: usize, c: usize, resets: &[usize], device
     Some(Tensor::<B, 1>::from_data(TensorData::new(all, [bh * n]), device).reshape([bh * n, 1, 1]))
 }
 
-/// The inputs of a KDA scan — prepared as in [`crate::ops::kda`]: fp32, normalised and
-/// scaled `q`/`k` — and, with the same fields, their gradients. Generic over how they are
-/// held, so one struct serves the model's layout (`T = Tensor<B, 4>` `[B, T, H, d]`,
-/// `Tb = Tensor<B, 3>`, `h0` `[B, H, dk, dv]`), the heads-major reference of this file
-/// (`Tensor<B, 3>` `[BH, T, d]`, `Tensor<B, 2>`, `h0` `[BH, dk, dv]`) and backend primitives
-/// in [`Glm5Backend::kda_chunk_scan`] (`FloatTensor<B>` for all six).
-#[derive(Debug, Clone)]
-pub struct ScanInputs<T, Tb = T> {
-    /// Queries `[…, dk]`.
-    pub q: T,
-    /// Keys `[…, dk]`.
-    pub k: T,
-    /// Values `[…, dv]`.
-    pub v: T,
-    /// Per-channel log decays `[…, dk]` (≤ 0).
-    pub g: T,
-    /// Write strengths `β`, one per token and head.
-    pub beta: Tb,
-    /// The state before the first token, `[…, dk, dv]`.
-    pub h0: T,
-}
-
-impl<T, Tb> ScanInputs<T, Tb> {
-    /// Converts every field: `f` for the five tensors of type `T`, `fb` for `β`.
-    pub fn map<U, Ub>(self, mut f: impl FnMut(T) -> U, fb: impl FnOnce(Tb) -> Ub) -> ScanInputs<U, Ub> {
-        ScanInputs { q: f(self.q), k: f(self.k), v: f(self.v), g: f(self.g), beta: fb(self.beta), h0: f(self.h0) }
-    }
+/// `Γ_C`, the last row of every chunk: `[x, C, d]` → `[x, 1, d]`, as a fresh tensor. (Taken
+/// with `select`, and turned into a column with `reshape` rather than `swap_dims`: burn-cubecl
+/// 0.21 reads a reshaped `swap_dims` view of a row slice wrongly once there are several heads
+/// — measured on Vulkan: decays off by 100 %, garbage KDA outputs — while Flex is exact.)
+pub(crate) fn last_in_chunk<B: Backend>(gam: &Tensor<B, 3>) -> Tensor<B, 3> {
+    let c = gam.dims()[1];
+    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![c as i64 - 1], [1]), &gam.device());
+    gam.clone().select(1, idx)
 }
 
 /// Forward (module docs) on heads-major inputs: `(O [BH, T, dv], S_n [BH, dk, dv], saved)`.

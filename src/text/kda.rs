@@ -27,11 +27,11 @@ use super::mlp::new_linear;
 use super::norm::GatedRmsNorm;
 use super::{ForwardOptions, KdaImpl, PathKind, TokenMask};
 use crate::config::{Activation, TextConfig};
-use crate::distributed::context::{conv_halo, kda_context, Chain, ShardDocs};
 use crate::distributed::{CollectiveBackend, DistError, Group};
 use crate::ops::backend::{causal_conv1d, kda_forget_gate, linear, Glm5Backend};
 use crate::ops::kda::{kda_chunked, kda_recurrent, KdaInputs};
 use crate::text::cache::KdaCache;
+use crate::text::context::{conv_halo, kda_context, Chain, ShardDocs};
 
 /// Causal depthwise conv taps (`weight` `[C, W]`; tap `W−1` multiplies the current token).
 #[derive(Module, Debug)]
@@ -243,7 +243,7 @@ impl<B: Backend> KdaAttention<B> {
     }
 
     /// [`Self::forward`] on this rank's shard of a packed row under context parallelism
-    /// ([`crate::distributed::context`]): `u` `[1, T, D]` holds the shard's tokens, `docs` its
+    /// ([`crate::text::context`]): `u` `[1, T, D]` holds the shard's tokens, `docs` its
     /// document pieces. When the first piece continues the previous shard's document, its short
     /// convs read that shard's last `W − 1` inputs and its scan starts from the state the
     /// earlier shards hand over; the other pieces start from zero. Runs the chunked form (the

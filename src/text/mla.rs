@@ -16,7 +16,7 @@
 
 use burn::module::Module;
 use burn::nn::Linear;
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::{backend::Backend, Bool, Int, Tensor, TensorData};
 
 use super::indexer::Indexer;
 use super::mlp::new_linear;
@@ -24,12 +24,13 @@ use super::norm::RmsNorm;
 use super::{AttentionImpl, ForwardOptions, PathKind, TokenMask};
 use crate::config::TextConfig;
 use crate::distributed::collective::all_gather_rows;
-use crate::distributed::context::Chain;
 use crate::distributed::{CollectiveBackend, DistError, Group};
+use crate::ops::backend::sparse_latent_attention;
 use crate::ops::backend::{linear, Glm5Backend};
-use crate::ops::sparse_attn::{dense_masked, sparse_absorbed};
+use crate::ops::sparse_attn::{dense_masked, masked_softmax};
 use crate::ops::OpImpl;
 use crate::text::cache::DsaCache;
+use crate::text::context::Chain;
 
 /// A DSA layer's output: `[B, S, D]`, the index rows used, the indexer's boundary margin.
 pub type MlaOutput<B> = (Tensor<B, 3>, Vec<i64>, Option<f32>);
@@ -123,7 +124,7 @@ impl<B: Backend> MlaAttention<B> {
     }
 
     /// [`Self::forward_documents`] on this rank's shard of a packed row under context
-    /// parallelism ([`crate::distributed::context`]): `x` `[1, T, D]` holds the row's tokens
+    /// parallelism ([`crate::text::context`]): `x` `[1, T, D]` holds the row's tokens
     /// `shard` (global rows), `docs` are the row's documents (global). The latent is
     /// all-gathered over `group` with its global positions (backward reduce-scatters its
     /// gradient to the owner); a full layer's indexer runs over the gathered row, document by
@@ -303,4 +304,84 @@ impl<B: Backend> MlaAttention<B> {
         };
         (linear(&self.o_proj, o.reshape([b, s, h * dv])), indices, margin, latent)
     }
+}
+
+/// Absorbed-latent sparse form, processed in blocks of `block` queries: `q` `[B, S, H, dq]`,
+/// the normalised latent `[B, M, R]` of the `M` positions the indices point into (`M = S` in
+/// a forward; the cached context in a decode step, whose queries are its last `S`), `w_ukv` = `kv_b_proj`'s weight per head
+/// `[H, dq + dv, R]` (`W_UK` rows first, then `W_UV`), `indices` `[B, S, W]` row-major
+/// (−1 = none) → `[B, S, H, dv]`. With `path = Op` on a backend that has one, each block's
+/// attention is the backend op
+/// [`crate::ops::backend::Glm5Backend::sparse_latent_attention`] (CubeCL kernel, hand-written
+/// backward); otherwise tensor ops (gather, masked softmax) under ordinary autodiff.
+pub(crate) fn sparse_absorbed<B: Glm5Backend>(
+    q: Tensor<B, 4>,
+    latent: Tensor<B, 3>,
+    w_ukv: Tensor<B, 3>,
+    indices: &[i64],
+    scale: f64,
+    block: usize,
+    path: PathKind,
+) -> Tensor<B, 4> {
+    let kernel = path.use_op::<B>("sparse attention", B::sparse_attention_impl());
+    let [b, s, h, dq] = q.dims();
+    let [_, m, r] = latent.dims();
+    let dv = w_ukv.dims()[1] - dq;
+    let width = indices.len() / (b * s).max(1);
+    assert_eq!(indices.len(), b * s * width, "sparse attention: {} indices for {b}×{s} queries", indices.len());
+    let w_uk = w_ukv.clone().slice([0..h, 0..dq, 0..r]);
+    let w_uv = w_ukv.slice([0..h, dq..dq + dv, 0..r]);
+    let device = q.device();
+    let block = block.max(1);
+    // q̃ = W_UKᵀ q per head: [H, B·S, dq] @ [H, dq, R] -> [H, B·S, R]
+    let q_lat = q.reshape([b * s, h, dq]).swap_dims(0, 1).matmul(w_uk);
+    let q_lat = q_lat.swap_dims(0, 1).reshape([b, s, h, r]);
+    let lat_flat = latent.reshape([b * m, r]);
+    let mut outs = Vec::new();
+    for lo in (0..s).step_by(block) {
+        let hi = (lo + block).min(s);
+        let n = hi - lo;
+        let qb = q_lat.clone().slice([0..b, lo..hi, 0..h, 0..r]).reshape([b * n, h, r]);
+        if kernel {
+            // rows of the flat latent, −1 kept for "none"
+            let mut rows = Vec::with_capacity(b * n * width);
+            for bi in 0..b {
+                for t in lo..hi {
+                    for &i in &indices[(bi * s + t) * width..(bi * s + t + 1) * width] {
+                        rows.push(if i >= 0 && (i as usize) < m { (bi * m) as i64 + i } else { -1 });
+                    }
+                }
+            }
+            let rows = Tensor::<B, 2, Int>::from_data(TensorData::new(rows, [b * n, width]), &device);
+            let (o_lat, _lse) = sparse_latent_attention(qb, lat_flat.clone(), rows, scale as f32);
+            let o = o_lat.swap_dims(0, 1).matmul(w_uv.clone().swap_dims(1, 2)); // [H, B·n, dv]
+            outs.push(o.swap_dims(0, 1).reshape([b, n, h, dv]));
+            continue;
+        }
+        // flat gather positions and validity for this block: [B, n, W]
+        let mut pos = Vec::with_capacity(b * n * width);
+        let mut valid = Vec::with_capacity(b * n * width);
+        for bi in 0..b {
+            for t in lo..hi {
+                for &i in &indices[(bi * s + t) * width..(bi * s + t + 1) * width] {
+                    let ok = i >= 0 && (i as usize) < m;
+                    valid.push(ok);
+                    pos.push(if ok { (bi * m) as i64 + i } else { (bi * m) as i64 });
+                }
+            }
+        }
+        let pos = Tensor::<B, 1, Int>::from_data(TensorData::new(pos, [b * n * width]), &device);
+        let valid = Tensor::<B, 3, Bool>::from_data(TensorData::new(valid, [b * n, 1, width]), &device);
+        let kv = lat_flat.clone().select(0, pos).reshape([b * n, width, r]); // [B·n, W, R]
+                                                                             // (K q̃ᵀ)ᵀ rather than q̃ Kᵀ: the gathered rows then reach both matmuls untransposed, so
+                                                                             // their two gradients add as contiguous tensors (the transposed form's strided gradient
+                                                                             // add of every [B·n, W, R] block was ~5 % of Flex's train step at 2048 tokens)
+        let scores = kv.clone().matmul(qb.swap_dims(1, 2)).swap_dims(1, 2) * scale; // [B·n, H, W]
+        let p = masked_softmax(scores, valid.expand([b * n, h, width])).cast(kv.dtype());
+        let o_lat = p.matmul(kv); // [B·n, H, R]
+                                  // o = W_UV õ per head: [H, B·n, R] @ [H, R, dv]
+        let o = o_lat.swap_dims(0, 1).matmul(w_uv.clone().swap_dims(1, 2)); // [H, B·n, dv]
+        outs.push(o.swap_dims(0, 1).reshape([b, n, h, dv]));
+    }
+    Tensor::cat(outs, 1)
 }

@@ -5,6 +5,7 @@
 
 pub mod activation;
 pub mod cache;
+pub mod context;
 pub mod decoder;
 mod error;
 pub mod indexer;
@@ -90,8 +91,8 @@ pub struct TokenMask<B: Backend> {
     pub documents: Option<Vec<std::ops::Range<usize>>>,
     /// Context parallelism: this `B = 1` batch is one rank's shard of a packed row
     /// (`documents` then holds the shard's document pieces); KDA and DSA layers exchange
-    /// with the other shards ([`crate::distributed::context`]).
-    pub context: Option<crate::distributed::context::ContextShard<B>>,
+    /// with the other shards ([`crate::text::context`]).
+    pub context: Option<crate::text::context::ContextShard<B>>,
 }
 
 impl<B: Backend> TokenMask<B> {

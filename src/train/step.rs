@@ -149,7 +149,7 @@ pub fn forward_micro<B: Glm5Backend>(
 
 /// A context-parallel shard's output, next-token targets, token validity and the shard (whose
 /// chain orders the forward's collectives).
-pub type ShardOutput<B> = (CausalLmOutput<B>, Vec<i64>, Vec<bool>, crate::distributed::context::ContextShard<B>);
+pub type ShardOutput<B> = (CausalLmOutput<B>, Vec<i64>, Vec<bool>, crate::text::context::ContextShard<B>);
 
 /// Under context parallelism: this rank's shard of one packed micro-batch (`B = 1`; every
 /// rank of `group` passes the same micro-batch), run through
@@ -195,7 +195,7 @@ pub fn forward_micro_context<B: Glm5Backend>(
         docs.push(at..at + l);
         at += l;
     }
-    let ctx = crate::distributed::context::ContextShard::new(group.clone(), docs, seq)?;
+    let ctx = crate::text::context::ContextShard::new(group.clone(), docs, seq)?;
     let shard = ctx.shard.clone();
     let images = match &m.images {
         None => None,

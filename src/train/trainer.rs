@@ -100,7 +100,7 @@ pub struct TrainOptions {
     /// Context parallelism: each packed micro-batch split into contiguous shards over groups
     /// of this many consecutive ranks of the data-parallel group (`distributed.cp_size`; 1:
     /// off). The ranks of a group pass the same micro-batches; KDA and DSA exchange across the
-    /// shards ([`crate::distributed::context`]); gradients are summed over the whole group.
+    /// shards ([`crate::text::context`]); gradients are summed over the whole group.
     pub context_parallel: usize,
 }
 

@@ -23,12 +23,13 @@ use burn::tensor::quantization::{QuantScheme, QuantizationParametersPrimitive};
 use burn::tensor::Device;
 use burn::tensor::{BoolDType, DType, Distribution, FloatDType, IndexingUpdateOp, IntDType, Scalar, Shape, Slice, TensorData, TensorPrimitive};
 
-use super::collective::{CollectiveBackend, Group};
-use super::fsdp::ParamGather;
+use super::collective::CollectiveBackend;
+use super::group::Group;
+use super::regather::ParamGather;
 use super::DistError;
 use crate::ops::adamw::AdamWScalars;
 use crate::ops::backend::Glm5Backend;
-use crate::ops::kda_scan::ScanInputs;
+use crate::ops::backend::ScanInputs;
 use crate::ops::kpool::KpoolSelect;
 use crate::ops::OpImpl;
 

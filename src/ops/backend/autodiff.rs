@@ -16,7 +16,7 @@ use burn::tensor::Tensor;
 use super::prim::*;
 use super::Glm5Backend;
 use crate::ops::adamw::AdamWScalars;
-use crate::ops::kda_scan::ScanInputs;
+use crate::ops::backend::ScanInputs;
 use crate::ops::kpool::KpoolSelect;
 use crate::ops::OpImpl;
 

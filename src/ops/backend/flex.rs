@@ -8,7 +8,7 @@ use burn::tensor::{DType, Int, Tensor};
 use super::prim::*;
 use super::Glm5Backend;
 use crate::ops::adamw::{self, AdamWScalars};
-use crate::ops::kda_scan::ScanInputs;
+use crate::ops::backend::ScanInputs;
 use crate::ops::OpImpl;
 use crate::ops::{conv, hc_streams, kda_gate, kda_host, kda_pairs, rms, sinkhorn, sparse_attn, swiglu};
 use crate::ops::{cross_entropy, linear};

@@ -67,7 +67,6 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Tensor, TensorPrimitive};
 
 use super::adamw::{self, AdamWScalars};
-use super::kda_scan::ScanInputs;
 use super::kpool::{self, KpoolSelect};
 use super::OpImpl;
 use super::{block_attn, conv, hc_streams, kda_gate, kda_pairs, kda_scan, rms, sinkhorn, sparse_attn, swiglu};
@@ -79,6 +78,35 @@ mod autodiff;
 mod cube;
 mod flex;
 pub(crate) mod prim;
+
+/// The inputs of a KDA scan — prepared as in [`crate::ops::kda`]: fp32, normalised and
+/// scaled `q`/`k` — and, with the same fields, their gradients. Generic over how they are
+/// held, so one struct serves the model's layout (`T = Tensor<B, 4>` `[B, T, H, d]`,
+/// `Tb = Tensor<B, 3>`, `h0` `[B, H, dk, dv]`), the heads-major reference of this file
+/// (`Tensor<B, 3>` `[BH, T, d]`, `Tensor<B, 2>`, `h0` `[BH, dk, dv]`) and backend primitives
+/// in [`Glm5Backend::kda_chunk_scan`] (`FloatTensor<B>` for all six).
+#[derive(Debug, Clone)]
+pub struct ScanInputs<T, Tb = T> {
+    /// Queries `[…, dk]`.
+    pub q: T,
+    /// Keys `[…, dk]`.
+    pub k: T,
+    /// Values `[…, dv]`.
+    pub v: T,
+    /// Per-channel log decays `[…, dk]` (≤ 0).
+    pub g: T,
+    /// Write strengths `β`, one per token and head.
+    pub beta: Tb,
+    /// The state before the first token, `[…, dk, dv]`.
+    pub h0: T,
+}
+
+impl<T, Tb> ScanInputs<T, Tb> {
+    /// Converts every field: `f` for the five tensors of type `T`, `fb` for `β`.
+    pub fn map<U, Ub>(self, mut f: impl FnMut(T) -> U, fb: impl FnOnce(Tb) -> Ub) -> ScanInputs<U, Ub> {
+        ScanInputs { q: f(self.q), k: f(self.k), v: f(self.v), g: f(self.g), beta: fb(self.beta), h0: f(self.h0) }
+    }
+}
 
 /// The library's backend requirements: Burn's `Backend` plus the model's custom ops, and the
 /// collectives a sharded model gathers its parameters with.

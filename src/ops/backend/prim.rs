@@ -5,7 +5,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use crate::ops::kda_scan::ScanInputs;
+use crate::ops::backend::ScanInputs;
 
 pub(crate) fn f4<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 4> {
     Tensor::from_primitive(TensorPrimitive::Float(t))

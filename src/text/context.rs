@@ -31,8 +31,8 @@ use std::ops::Range;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 
-use super::collective::{all_gather_rows, shift_rows, CollectiveBackend, Group};
-use super::{typed, DistError};
+use crate::distributed::collective::{all_gather_rows, shift_rows, CollectiveBackend};
+use crate::distributed::{typed, DistError, Group};
 use crate::ops::backend::Glm5Backend;
 use crate::ops::kda::{kda_chunked, KdaInputs};
 use crate::ops::PathKind;

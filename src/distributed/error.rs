@@ -1,0 +1,32 @@
+//! Errors of the distributed layer.
+
+/// Errors of the distributed layer, naming the collective or engine at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    /// Counts or buffer sizes that do not fit the group or each other.
+    #[error("{op}: {message}")]
+    Counts {
+        /// The collective.
+        op: &'static str,
+        /// What does not fit.
+        message: String,
+    },
+    /// A rank outside the group.
+    #[error("{op}: rank {rank} is outside the group of {size}")]
+    Rank {
+        /// The collective.
+        op: &'static str,
+        /// The rank named.
+        rank: usize,
+        /// The group's size.
+        size: usize,
+    },
+    /// The engine could not be started or refused the call.
+    #[error("{engine}: {message}")]
+    Engine {
+        /// `mpi`, `nccl`.
+        engine: &'static str,
+        /// What failed.
+        message: String,
+    },
+}
