@@ -29,7 +29,7 @@ use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::Tensor;
 use clap::{Parser, ValueEnum};
 use glm5_burn::config::Glm5Config;
 use glm5_burn::data::batch::MicroBatch;
@@ -37,8 +37,8 @@ use glm5_burn::data::loader::SplitMix64;
 use glm5_burn::text::AttentionImpl;
 use glm5_burn::train::recipe::{DecayStyle, FreezeConfig, NonFinitePolicy, Precision};
 use glm5_burn::train::schedule::LrSchedule;
-use glm5_burn::train::trainer::{TrainOptions, Trainer};
-use glm5_burn::{profile, ForwardOptions, Glm5Backend, Glm5ForCausalLM};
+use glm5_burn::train::trainer::{OptimizerSettings, ParallelLayout, TrainOptions, Trainer};
+use glm5_burn::{profile, ForwardOptions, Glm5Backend, Glm5ForCausalLM, ModelInput, Outputs};
 use serde_json::json;
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
@@ -186,8 +186,7 @@ fn main() -> Result<()> {
         Flex::seed(&device, 0);
         let model = Glm5ForCausalLM::<Flex>::try_new(&config, &device)?;
         let times = timed(&a, "forward", || {
-            let t = Tensor::<Flex, 2, Int>::from_data(TensorData::new(ids.clone(), [a.batch, a.seq]), &device);
-            let out = model.forward(t, None, &opts, false);
+            let out = model.forward(ModelInput::new(ids.clone(), a.batch, a.seq), &opts, Outputs::default())?;
             let _: f32 = out.logits.sum().into_scalar();
             Ok(())
         })?;
@@ -199,7 +198,7 @@ fn main() -> Result<()> {
         Flex::seed(&device, 0);
         let model = Glm5ForCausalLM::<Flex>::try_new(&config, &device)?;
         let t0 = Instant::now();
-        let (logits, mut cache) = model.prefill(&ids, a.batch, a.seq, None, None, &opts)?;
+        let (logits, mut cache) = model.prefill(ModelInput::new(ids.clone(), a.batch, a.seq), &opts)?;
         let greedy = |logits: Tensor<Flex, 3>| -> Vec<i64> {
             let [b, t, v] = logits.dims();
             logits.slice([0..b, t - 1..t, 0..v]).argmax(2).reshape([b]).into_data().convert::<i64>().into_vec().expect("ids")
@@ -245,22 +244,20 @@ where
     A::seed(&device, 0);
     let model = Glm5ForCausalLM::<A>::try_new(config, &device)?;
     let options = TrainOptions {
-        lr: LrSchedule { style: DecayStyle::Constant, lr: 1e-4, min_lr: 0.0, warmup_steps: 0, total_steps: a.warmup + a.steps },
-        betas: [0.9, 0.999],
-        eps: 1e-8,
-        weight_decay: 0.01,
-        max_grad_norm: None,
+        optimizer: OptimizerSettings {
+            lr: LrSchedule { style: DecayStyle::Constant, lr: 1e-4, min_lr: 0.0, warmup_steps: 0, total_steps: a.warmup + a.steps },
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.01,
+            max_grad_norm: None,
+        },
         aux_loss_coef: 0.0,
         router_bias_update_rate: 0.0,
         precision: Precision::F32,
         on_nonfinite: NonFinitePolicy::Abort,
         freeze: FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false },
         forward: opts,
-        data_parallel: None,
-        shard_parameters: true,
-        reshard_after_forward: true,
-        expert_parallel: 1,
-        context_parallel: 1,
+        parallel: ParallelLayout::default(),
     };
     let mut options = options;
     let mut micro = MicroBatch::text(ids.to_vec(), ids.to_vec(), a.batch, a.seq, None);
@@ -268,11 +265,11 @@ where
         if a.batch != 1 {
             bail!("--cp {} splits one row: use --batch 1", a.cp);
         }
-        options.data_parallel = Some(context_group(a.cp)?);
-        options.context_parallel = a.cp;
+        options.parallel.data_parallel = Some(context_group(a.cp)?);
+        options.parallel.context_parallel = a.cp;
         micro.documents = Some(vec![a.seq]);
     }
-    let mut trainer = Trainer::<A>::try_new(model, options, &device)?;
+    let mut trainer = Trainer::<A>::try_new(model, options)?;
     let micro = [micro];
     timed(a, "train-step", || trainer.step(&micro).map(|_| ()).map_err(anyhow::Error::from))
 }

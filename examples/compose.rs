@@ -16,7 +16,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
-use glm5_burn::{ForwardOptions, Glm5Backend, Glm5Config, Glm5ForCausalLM, TokenMask};
+use glm5_burn::{ForwardOptions, Glm5Backend, Glm5Config, Glm5ForCausalLM, ModelInput, Outputs};
 
 /// A user's module: our model as its backbone, their head on top.
 #[derive(Module, Debug)]
@@ -27,15 +27,13 @@ struct Classifier<B: Backend> {
 
 impl<B: Glm5Backend> Classifier<B> {
     /// Token ids `[B, S]` → class logits `[B, 2]`.
-    fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 2> {
-        let [b, s] = ids.dims();
-        let lm = &self.backbone.language_model;
-        let hidden = lm.forward_embeds(lm.embed(ids.clone()), &TokenMask::all(b, s, &ids.device()), &ForwardOptions::default(), false).hidden;
+    fn forward(&self, ids: ModelInput<B>) -> Tensor<B, 2> {
+        let hidden = self.backbone.hidden_states(ids, &ForwardOptions::default(), Outputs::default()).expect("ids in the vocabulary").hidden;
         self.head.forward(hidden.mean_dim(1).squeeze_dim::<2>(1))
     }
 }
 
-fn batch<B: Backend>(step: usize, device: &B::Device) -> (Tensor<B, 2, Int>, Tensor<B, 1, Int>) {
+fn batch<B: Backend>(step: usize, device: &B::Device) -> (ModelInput<B>, Tensor<B, 1, Int>) {
     let (b, s) = (8, 12);
     let mut ids = Vec::with_capacity(b * s);
     let mut labels = Vec::with_capacity(b);
@@ -45,7 +43,7 @@ fn batch<B: Backend>(step: usize, device: &B::Device) -> (Tensor<B, 2, Int>, Ten
         ids.extend(tokens.iter().enumerate().map(|(t, &x)| if positive && (t + row + step) % 3 == 0 { 7 } else { x }));
         labels.push(positive as i64);
     }
-    (Tensor::from_data(TensorData::new(ids, [b, s]), device), Tensor::from_data(TensorData::new(labels, [b]), device))
+    (ModelInput::new(ids, b, s), Tensor::from_data(TensorData::new(labels, [b]), device))
 }
 
 fn main() {

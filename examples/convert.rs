@@ -12,8 +12,8 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use glm5_burn::checkpoint::convert::{convert_checkpoint, ConvertOptions};
 use glm5_burn::checkpoint::inventory::{inventory, ParamCounts, Part};
-use glm5_burn::checkpoint::read_config;
 use glm5_burn::checkpoint::safetensors_io::SafetensorsFiles;
+use glm5_burn::checkpoint::{read_config, CheckpointConfig};
 use glm5_burn::config::{IndexerType, LayerType, MlpType};
 use indicatif::{ProgressBar, ProgressStyle};
 use safetensors::tensor::Dtype;
@@ -100,13 +100,8 @@ fn billions(n: u64) -> String {
 
 fn inspect(path: &Path) -> Result<()> {
     // a checkpoint directory, or a bare config.json
-    let (config, json) = if path.is_file() {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
-        (glm5_burn::Glm5Config::from_hf_value(&json).with_context(|| path.display().to_string())?, json)
-    } else {
-        read_config(path)?
-    };
+    let checkpoint = if path.is_file() { CheckpointConfig::read_file(path)? } else { read_config(path)? };
+    let (config, json) = (&checkpoint.resolved, &checkpoint.json);
     let dir = if path.is_file() { path.parent().unwrap_or(Path::new(".")) } else { path };
     let c = &config.text_config;
     let n = c.num_hidden_layers;
@@ -156,7 +151,7 @@ fn inspect(path: &Path) -> Result<()> {
     if let Some(q) = json.get("quantization_config") {
         println!("  quantization_config: {q}");
     }
-    let p = ParamCounts::of(&config);
+    let p = ParamCounts::of(config);
     println!("  parameters: trunk {}, MTP {}, vision {}, total {}", billions(p.trunk), billions(p.mtp), billions(p.vision), billions(p.total()));
     println!("  active per token: trunk {}, with vision {}", billions(p.trunk_active), billions(p.trunk_active + p.vision));
     println!(
@@ -171,7 +166,7 @@ fn inspect(path: &Path) -> Result<()> {
         return Ok(());
     }
     let mut files = SafetensorsFiles::open_dir(dir)?;
-    files.set_fp8_block_from_config(&json)?;
+    files.set_fp8_block_from_config(json)?;
     let mut by_dtype: BTreeMap<String, (usize, u64)> = BTreeMap::new();
     for e in files.tensors.values() {
         let s = by_dtype.entry(format!("{:?}", e.dtype)).or_default();
@@ -190,7 +185,7 @@ fn inspect(path: &Path) -> Result<()> {
     if files.fp8_scales.len() > 5 {
         println!("    ... and {} more", files.fp8_scales.len() - 5);
     }
-    let expected = inventory(&config, true, true);
+    let expected = inventory(config, true, true);
     let missing = |part: Part| expected.iter().filter(|e| e.part == part && !files.tensors.contains_key(&e.name)).count();
     let known: std::collections::HashSet<&str> = expected.iter().map(|e| e.name.as_str()).collect();
     let extra = files.tensors.keys().filter(|k| !known.contains(k.as_str()) && !files.is_scale(k)).count();

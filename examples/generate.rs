@@ -16,10 +16,10 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::DType;
 use clap::{Parser, ValueEnum};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
-use glm5_burn::generate::{checkpoint_eos_ids, generate, generate_with, GenerateOptions, Prompt, SamplingConfig, StopStrings};
+use glm5_burn::generate::{checkpoint_eos_ids, generate, generate_with, GenerateOptions, SamplingConfig, StopStrings};
 use glm5_burn::io::{check_output_file, write_sequences, TokenInputs};
 use glm5_burn::{ForwardOptions, Glm5Backend};
 
@@ -168,7 +168,7 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
     let dtype = if matches!(args.dtype, Precision::Bf16) { DType::BF16 } else { DType::F32 };
     let sampling = sampling(args)?;
     // everything the arguments can be checked against before a weight is read
-    let (config, _) = glm5_burn::checkpoint::read_config(&args.checkpoint)?;
+    let config = glm5_burn::checkpoint::read_config(&args.checkpoint)?.resolved;
     let vocab = config.text_config.vocab_size;
     let eos = if args.eos.is_empty() {
         let eos = checkpoint_eos_ids(&args.checkpoint)?;
@@ -194,7 +194,7 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
     };
     let load = LoadOptions { vision: inputs.images.is_some(), ..LoadOptions::with_dtype(dtype) };
     let loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
-    let text = &loaded.config.text_config;
+    let text = &loaded.config.resolved.text_config;
     let opts = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         sampling,
@@ -202,10 +202,7 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
         pad_token_id: text.pad_token_id.unwrap_or(0),
         max_positions: text.max_position_embeddings,
     };
-    let pixels = inputs.images.as_ref().map(|im| {
-        (Tensor::<B, 2>::from_data(TensorData::new(im.pixel_values.clone(), [im.n_patches, im.patch_dim]), device), im.grid_thw.as_slice())
-    });
-    let prompt = Prompt { ids: &inputs.ids, batch: inputs.batch, seq: inputs.seq, mask: Some(&inputs.mask), images: pixels };
+    let prompt = inputs.input();
     let start = std::time::Instant::now();
     let out = match &tokenizer {
         Some(tok) if !args.stop.is_empty() => {
@@ -232,13 +229,13 @@ fn answer<B: Glm5Backend>(args: &Args, question: &str, dtype: DType, eos: Vec<i6
     let p = glm5_burn::data::user_prompt(&chat, &ImageProcessor::default(), &images, question)?;
     let loaded = load_causal_lm::<B>(&args.checkpoint, device, &LoadOptions { vision: !images.is_empty(), ..LoadOptions::with_dtype(dtype) })?;
     let image_id = chat.tokenizer.token_to_id("<|image|>").map(|x| x as i64);
-    if !images.is_empty() && image_id != Some(loaded.config.image_token_id) {
-        bail!("the tokenizer's <|image|> id {image_id:?} differs from the checkpoint's image_token_id {}", loaded.config.image_token_id);
+    if !images.is_empty() && image_id != Some(loaded.config.resolved.image_token_id) {
+        bail!("the tokenizer's <|image|> id {image_id:?} differs from the checkpoint's image_token_id {}", loaded.config.resolved.image_token_id);
     }
     // the chat format's turn end stops an answer too
     let mut eos = eos;
     eos.extend(["<|user|>", "<|endoftext|>"].iter().filter_map(|t| chat.tokenizer.token_to_id(t)).map(|x| x as i64));
-    let text = &loaded.config.text_config;
+    let text = &loaded.config.resolved.text_config;
     let opts = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         sampling,
@@ -246,10 +243,7 @@ fn answer<B: Glm5Backend>(args: &Args, question: &str, dtype: DType, eos: Vec<i6
         pad_token_id: text.pad_token_id.unwrap_or(0),
         max_positions: text.max_position_embeddings,
     };
-    let n = p.pixel_values.len() / p.patch_dim.max(1);
-    let pixels = (!images.is_empty())
-        .then(|| (Tensor::<B, 2>::from_data(TensorData::new(p.pixel_values.clone(), [n, p.patch_dim]), device), p.grid_thw.as_slice()));
-    let prompt = Prompt { ids: &p.ids, batch: 1, seq: p.ids.len(), mask: None, images: pixels };
+    let prompt = p.input();
     let mut answer: Vec<u32> = Vec::new();
     let mut shown = 0;
     let mut stdout = std::io::stdout();

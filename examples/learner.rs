@@ -28,7 +28,6 @@ use burn::train::renderer::{
 use burn::train::{Learner, SupervisedTraining};
 use clap::{CommandFactory, FromArgMatches, Parser};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
-use glm5_burn::config::Glm5Config;
 use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::image_processor::ImageProcessor;
@@ -37,7 +36,7 @@ use glm5_burn::train::adamw::FusedAdamW;
 use glm5_burn::train::learner::{LmItem, LmLoader, ScheduleLr};
 use glm5_burn::train::params::{freeze, trainable_counts};
 use glm5_burn::train::recipe::{split_overrides, Precision, Recipe};
-use glm5_burn::train::step::micro_loss_sum;
+use glm5_burn::train::step::{micro_loss_sum, LossSum};
 use glm5_burn::train::trainer::TrainOptions;
 use glm5_burn::Glm5ForCausalLM;
 
@@ -167,15 +166,12 @@ fn main() -> Result<()> {
     let device = Default::default();
     B::seed(&device, recipe.rng.seed);
 
-    let (config, _) = match (&recipe.model.checkpoint, &recipe.model.config) {
+    let config = match (&recipe.model.checkpoint, &recipe.model.config) {
         (Some(dir), _) => glm5_burn::checkpoint::read_config(dir)?,
-        (None, Some(path)) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("model.config: {}", path.display()))?;
-            let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("model.config: {}", path.display()))?;
-            (Glm5Config::from_hf_value(&json).with_context(|| format!("model.config: {}", path.display()))?, json)
-        }
+        (None, Some(path)) => glm5_burn::checkpoint::CheckpointConfig::read_file(path).context("model.config")?,
         (None, None) => bail!("the recipe names neither model.checkpoint nor model.config"),
-    };
+    }
+    .resolved;
     let tok_dir = recipe.model.tokenizer.clone().or_else(|| recipe.model.checkpoint.clone()).context("model.tokenizer")?;
     let chat = ChatFormat::from_dir(&tok_dir)?;
     let packing = PackingOptions {
@@ -222,13 +218,13 @@ fn main() -> Result<()> {
         s.max_steps
     );
     let optim = FusedAdamW {
-        beta_1: options.betas[0] as f32,
-        beta_2: options.betas[1] as f32,
-        epsilon: options.eps as f32,
-        weight_decay: options.weight_decay as f32,
+        beta_1: options.optimizer.betas[0] as f32,
+        beta_2: options.optimizer.betas[1] as f32,
+        epsilon: options.optimizer.eps as f32,
+        weight_decay: options.optimizer.weight_decay as f32,
     }
     .init::<B, Glm5ForCausalLM<B>>();
-    let lr = ScheduleLr { schedule: options.lr, accumulation: accum, items: 0 };
+    let lr = ScheduleLr { schedule: options.optimizer.lr, accumulation: accum, items: 0 };
     let learner = Learner::new(model, optim, lr);
 
     let training = SupervisedTraining::new(&args.dir, Arc::new(LmLoader::new(train_items)), Arc::new(LmLoader::new(val_items)))
@@ -248,7 +244,7 @@ fn main() -> Result<()> {
     if !val_batches.is_empty() {
         let (mut sum, mut count) = (0.0, 0);
         for m in &val_batches {
-            let (s, c) = micro_loss_sum(&result.model, m, &options.forward, &device)?;
+            let LossSum { sum: s, label_tokens: c } = micro_loss_sum(&result.model, m, &options.forward, None)?;
             sum += s;
             count += c;
         }

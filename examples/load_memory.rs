@@ -115,7 +115,7 @@ fn main() -> Result<()> {
     let dtype = if args.dtype == "f32" { DType::F32 } else { DType::BF16 };
 
     // checkpoint geometry
-    let (config, _) = glm5_burn::checkpoint::read_config(&dir)?;
+    let config = glm5_burn::checkpoint::read_config(&dir)?.resolved;
     let files = glm5_burn::checkpoint::safetensors_io::SafetensorsFiles::open_dir(&dir)?;
     let ckpt_bytes: u64 = files.tensors.values().map(|e| (e.bytes.end - e.bytes.start) as u64).sum();
     let largest = files.tensors.values().map(|e| e.bytes.end - e.bytes.start).max().unwrap_or(0) as u64;

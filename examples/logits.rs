@@ -14,11 +14,11 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use burn::backend::Flex;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::DType;
 use clap::{Parser, ValueEnum};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::io::{check_output_file, write_logits, TokenInputs};
-use glm5_burn::{AttentionImpl, ForwardOptions, Glm5Backend, TokenMask};
+use glm5_burn::{AttentionImpl, ForwardOptions, Glm5Backend, Outputs};
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Precision {
@@ -112,7 +112,7 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
     let (input, output) = (args.input.clone().expect("clap requires it"), args.output.clone().expect("clap requires it"));
     check_output_file("--output", &output, &[("--input", &input), ("--checkpoint", &args.checkpoint)])?;
     let inputs = TokenInputs::read(&input)?;
-    if let Some(note) = glm5_burn::checkpoint::read_config(&args.checkpoint).ok().and_then(|(c, _)| inputs.placeholder_note(c.image_token_id)) {
+    if let Some(note) = glm5_burn::checkpoint::read_config(&args.checkpoint).ok().and_then(|c| inputs.placeholder_note(c.resolved.image_token_id)) {
         eprintln!("note: {note}");
     }
     let (b, s) = (inputs.batch, inputs.seq);
@@ -131,13 +131,8 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
         },
         ..Default::default()
     };
-    let mask = TokenMask::new(inputs.mask.clone(), b, s, device);
-    let pixels = inputs.images.as_ref().map(|im| {
-        let t = Tensor::<B, 2>::from_data(TensorData::new(im.pixel_values.clone(), [im.n_patches, im.patch_dim]), device);
-        (t, im.grid_thw.as_slice())
-    });
     let start = std::time::Instant::now();
-    let out = loaded.model.forward_multimodal(&inputs.ids, b, s, Some(mask), pixels, &opts, false).with_context(|| format!("{}", input.display()))?;
+    let out = loaded.model.forward(inputs.input(), &opts, Outputs::default()).with_context(|| format!("{}", input.display()))?;
     let logits: Vec<f32> = out.logits.cast(DType::F32).into_data().convert::<f32>().into_vec().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let v = logits.len() / (b * s);
     eprintln!("forward [{b}, {s}] -> [{b}, {s}, {v}] in {:.2?}", start.elapsed());
@@ -179,22 +174,23 @@ fn run_prompt<B: Glm5Backend>(args: &Args, prompt: &str, device: &B::Device) -> 
     let load = LoadOptions { vision: !images.is_empty(), ..LoadOptions::with_dtype(dtype) };
     let loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
     let image_id = chat.tokenizer.token_to_id("<|image|>").map(|x| x as i64);
-    if !images.is_empty() && image_id != Some(loaded.config.image_token_id) {
-        anyhow::bail!("the tokenizer's <|image|> id {:?} differs from the checkpoint's image_token_id {}", image_id, loaded.config.image_token_id);
+    if !images.is_empty() && image_id != Some(loaded.config.resolved.image_token_id) {
+        anyhow::bail!(
+            "the tokenizer's <|image|> id {:?} differs from the checkpoint's image_token_id {}",
+            image_id,
+            loaded.config.resolved.image_token_id
+        );
     }
-    let n = p.pixel_values.len() / p.patch_dim;
-    let pixels = (!images.is_empty())
-        .then(|| (Tensor::<B, 2>::from_data(TensorData::new(p.pixel_values.clone(), [n, p.patch_dim]), device), p.grid_thw.as_slice()));
     let s = p.ids.len();
-    let out = loaded.model.forward_multimodal(&p.ids, 1, s, None, pixels, &ForwardOptions::default(), false)?;
-    let v = loaded.config.text_config.vocab_size;
+    let out = loaded.model.forward(p.input(), &ForwardOptions::default(), Outputs::default())?;
+    let v = loaded.config.resolved.text_config.vocab_size;
     let last: Vec<f32> =
         out.logits.slice([0..1, s - 1..s, 0..v]).cast(DType::F32).into_data().convert::<f32>().into_vec().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let m = last.iter().fold(f32::MIN, |a, &b| a.max(b));
     let z: f32 = last.iter().map(|x| (x - m).exp()).sum();
     let mut order: Vec<usize> = (0..v).collect();
     order.sort_by(|a, b| last[*b].total_cmp(&last[*a]));
-    println!("{s} prompt tokens ({} images, grids {:?}); next token:", images.len(), p.grid_thw);
+    println!("{s} prompt tokens ({} images, grids {:?}); next token:", images.len(), p.images.grid_thw);
     for &i in order.iter().take(args.top) {
         let text = chat.tokenizer.decode(&[i as u32], false).unwrap_or_default();
         println!("  {i:>7}  p={:.4}  {text:?}", (last[i] - m).exp() / z);

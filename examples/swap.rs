@@ -17,12 +17,12 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Tensor};
 use clap::Parser;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::io::TokenInputs;
 use glm5_burn::ops::PathKind;
-use glm5_burn::{ForwardOptions, Glm5Backend, TokenMask};
+use glm5_burn::{ForwardOptions, Glm5Backend, Outputs};
 use serde_json::json;
 
 /// Compare one checkpoint's forward under two backend/dtype/path choices.
@@ -82,17 +82,14 @@ fn host<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> R
 }
 
 fn run<B: Glm5Backend>(args: &Args, spec: &Spec, inputs: &TokenInputs, device: &B::Device) -> Result<Run> {
-    let (b, s) = (inputs.batch, inputs.seq);
+    let (_b, _s) = (inputs.batch, inputs.seq);
     let load = LoadOptions { vision: inputs.images.is_some(), ..LoadOptions::with_dtype(spec.dtype) };
     let loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
-    let opts = ForwardOptions { attn_path: spec.path, linear_path: spec.path, ..Default::default() };
-    let mask = TokenMask::new(inputs.mask.clone(), b, s, device);
-    let pixels = inputs.images.as_ref().map(|im| {
-        let t = Tensor::<B, 2>::from_data(TensorData::new(im.pixel_values.clone(), [im.n_patches, im.patch_dim]), device);
-        (t, im.grid_thw.as_slice())
-    });
-    let out =
-        loaded.model.forward_multimodal(&inputs.ids, b, s, Some(mask), pixels, &opts, true).with_context(|| args.input.display().to_string())?;
+    let opts = ForwardOptions { attn_path: spec.path, kda_path: spec.path, ..Default::default() };
+    let out = loaded
+        .model
+        .forward(inputs.input(), &opts, Outputs { layer_streams: true, index_rows: false })
+        .with_context(|| args.input.display().to_string())?;
     Ok(Run { streams: out.text.layer_streams.into_iter().map(host).collect::<Result<_>>()?, logits: host(out.logits)? })
 }
 
@@ -129,7 +126,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let (spec_a, spec_b) = (parse_spec(&args.a).context("--a")?, parse_spec(&args.b).context("--b")?);
     let inputs = TokenInputs::read(&args.input)?;
-    if let Some(note) = glm5_burn::checkpoint::read_config(&args.checkpoint).ok().and_then(|(c, _)| inputs.placeholder_note(c.image_token_id)) {
+    if let Some(note) = glm5_burn::checkpoint::read_config(&args.checkpoint).ok().and_then(|c| inputs.placeholder_note(c.resolved.image_token_id)) {
         eprintln!("note: {note}");
     }
     let a = dispatch(&args, &spec_a, &inputs).with_context(|| format!("run A ({})", args.a))?;

@@ -17,6 +17,7 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
 use crate::config::Glm5Config;
+use crate::input::{ModelInput, Outputs};
 use crate::ops::backend::Glm5Backend;
 use crate::text::cache::DecodeCache;
 use crate::text::mlp::new_linear;
@@ -142,96 +143,72 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         logits
     }
 
-    /// Forward over token ids `[B, S]` with an optional `[B, S]` validity mask.
-    pub fn forward(&self, input_ids: Tensor<B, 2, Int>, mask: Option<TokenMask<B>>, opts: &ForwardOptions, record: bool) -> CausalLmOutput<B>
+    /// Logits `[B, S, V]` of `input` (or of this rank's shard of its row under context
+    /// parallelism), with what `outputs` asks for in [`CausalLmOutput::text`].
+    pub fn forward(&self, input: ModelInput<B>, opts: &ForwardOptions, outputs: Outputs) -> Result<CausalLmOutput<B>, ModelError>
     where
         B: Glm5Backend,
     {
-        let [b, s] = input_ids.dims();
-        let device = input_ids.device();
-        let mask = mask.unwrap_or_else(|| TokenMask::all(b, s, &device));
-        let t = crate::profile::scope("embedding");
-        let embeds = self.language_model.embed(input_ids);
-        drop(t);
-        self.gather_unused_vision(&embeds);
-        let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
-        CausalLmOutput { logits: self.head(text.hidden.clone()), text }
-    }
-
-    /// Forward with images: the `<|image|>` placeholders of `ids` (row-major order) receive
-    /// the vision tower's merged features of `pixel_values` `[N_patches, 1176]` /
-    /// `grid_thw`. Placeholders inside `<|begin_of_video|> … <|end_of_video|>` are video,
-    /// which is rejected; a placeholder/feature count mismatch is an error.
-    #[allow(clippy::too_many_arguments)] // the reference's forward arguments, kept flat
-    pub fn forward_multimodal(
-        &self,
-        ids: &[i64],
-        batch: usize,
-        seq: usize,
-        mask: Option<TokenMask<B>>,
-        images: Option<(Tensor<B, 2>, &[[usize; 3]])>,
-        opts: &ForwardOptions,
-        record: bool,
-    ) -> Result<CausalLmOutput<B>, ModelError>
-    where
-        B: Glm5Backend,
-    {
-        let embeds = self.embed_multimodal(ids, batch, seq, images)?;
-        let device = embeds.device();
-        let mask = mask.unwrap_or_else(|| TokenMask::all(batch, seq, &device));
-        let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
+        let text = self.decode(input, opts, outputs)?;
         Ok(CausalLmOutput { logits: self.head(text.hidden.clone()), text })
     }
 
-    /// This rank's shard of a packed row under context parallelism: `ids` is the whole row
-    /// (`[1, S]`, every rank of `context.group` passes the same row and images), `context` the
-    /// shard ([`crate::text::context::ContextShard`], one per forward). Every rank
-    /// embeds the whole row — the vision tower runs on every rank, so an image whose
-    /// placeholders cross a shard edge is never split — and keeps its shard's rows, which run
-    /// through the decoder with the KDA and DSA exchanges. Returns the shard's logits
-    /// `[1, T, V]` (T = S / cp); the loss of a shard takes [`Self::shifted_targets`] of the whole
-    /// row's labels, so no label is lost at a shard edge.
-    pub fn forward_context(
-        &self,
-        ids: &[i64],
-        images: Option<(Tensor<B, 2>, &[[usize; 3]])>,
-        context: crate::text::context::ContextShard<B>,
-        opts: &ForwardOptions,
-        record: bool,
-    ) -> Result<CausalLmOutput<B>, ModelError>
+    /// The decoder's output without the LM head (final-norm hidden states `[B, S, D]`, router
+    /// logits, what `outputs` asks for): the input of a user's own head.
+    pub fn hidden_states(&self, input: ModelInput<B>, opts: &ForwardOptions, outputs: Outputs) -> Result<TextOutput<B>, ModelError>
     where
         B: Glm5Backend,
     {
-        let s = ids.len();
+        let text = self.decode(input, opts, outputs)?;
+        if let Some(plan) = &self.language_model.shards {
+            plan.end();
+        }
+        Ok(text)
+    }
+
+    /// Embedding and decoder. Images go to the `<|image|>` placeholders of `ids` (row-major
+    /// order); placeholders inside `<|begin_of_video|> … <|end_of_video|>` are video, which is
+    /// rejected; a placeholder/feature count mismatch is an error. Under context parallelism
+    /// every rank embeds the whole row — the vision tower runs on every rank, so an image whose
+    /// placeholders cross a shard edge is never split — and keeps its shard's rows, which run
+    /// through the decoder with the KDA and DSA exchanges; the loss of a shard takes
+    /// [`crate::loss::shifted_targets`] of the whole row's labels, so no label is lost at a
+    /// shard edge.
+    fn decode(&self, input: ModelInput<B>, opts: &ForwardOptions, outputs: Outputs) -> Result<TextOutput<B>, ModelError>
+    where
+        B: Glm5Backend,
+    {
+        input.check()?;
+        let embeds = self.embed_input(&input)?;
+        let Some(context) = input.context.clone() else {
+            let mask = input.token_mask(&embeds.device());
+            return Ok(self.language_model.forward_embeds(embeds, &mask, opts, outputs));
+        };
+        let s = input.seq;
         let (shard, cp) = (context.shard.clone(), context.group.size());
         let keep = self.conv_window();
-        if s != shard.len() * cp || shard.len() < keep {
+        if input.batch != 1 || s != shard.len() * cp || shard.len() < keep {
             return Err(ModelError::Input {
                 name: "input_ids".into(),
                 message: format!(
-                    "{s} ids for a context-parallel shard of {} tokens over {cp} ranks (the whole row, each shard at least the short conv's {keep} earlier inputs)",
+                    "[{}, {s}] ids for a context-parallel shard of {} tokens over {cp} ranks (one whole row, each shard at least the short conv's {keep} earlier inputs)",
+                    input.batch,
                     shard.len()
                 ),
             });
         }
-        let embeds = match images {
-            Some(_) => self.embed_multimodal(ids, 1, s, images)?,
-            // text only: ids are embedded as they are, as in `forward`
-            None => {
-                self.check_ids(ids)?;
-                let device = self.language_model.embed_tokens.weight.device();
-                let embeds = self.language_model.embed(Tensor::from_data(TensorData::new(ids.to_vec(), [1, s]), &device));
-                self.gather_unused_vision(&embeds);
-                embeds
-            }
-        };
+        if input.mask.is_some() || input.documents.as_ref().is_some_and(|_| input.document_ranges() != context.row_documents) {
+            return Err(ModelError::Input {
+                name: "documents".into(),
+                message: "a context-parallel row takes its documents from its shard (ContextShard::new) and has no padding mask".into(),
+            });
+        }
         let d = embeds.dims()[2];
         let embeds = embeds.slice([0..1, shard.clone(), 0..d]);
         let mut mask = TokenMask::all(1, shard.len(), &embeds.device());
         mask.documents = Some(context.docs.docs.clone());
         mask.context = Some(context);
-        let text = self.language_model.forward_embeds(embeds, &mask, opts, record);
-        Ok(CausalLmOutput { logits: self.head(text.hidden.clone()), text })
+        Ok(self.language_model.forward_embeds(embeds, &mask, opts, outputs))
     }
 
     /// The earlier inputs a KDA layer's short conv reads (`W − 1`; 0 without KDA layers): a
@@ -247,21 +224,12 @@ impl<B: Backend> Glm5ForCausalLM<B> {
             .unwrap_or(0)
     }
 
-    /// Prefill for decoding: runs the prompt (`ids` `[B, S]` row-major, `mask` its validity —
-    /// left padding as HF batches prompts —, images for its `<|image|>` placeholders) through
-    /// the model, filling fresh per-layer caches. Returns the logits of each row's last
-    /// position `[B, 1, V]` and the caches for [`Self::decode_step`]. Without images every id
-    /// is embedded as a token. Runs on an unsharded model.
-    #[allow(clippy::too_many_arguments)] // forward_multimodal's arguments
-    pub fn prefill(
-        &self,
-        ids: &[i64],
-        batch: usize,
-        seq: usize,
-        mask: Option<&[bool]>,
-        images: Option<(Tensor<B, 2>, &[[usize; 3]])>,
-        opts: &ForwardOptions,
-    ) -> Result<(Tensor<B, 3>, DecodeCache<B>), ModelError>
+    /// Prefill for decoding: runs the prompt (`input`: its ids, the validity mask — left
+    /// padding as HF batches prompts —, images for its `<|image|>` placeholders; no packed
+    /// documents or context shard) through the model, filling fresh per-layer caches. Returns
+    /// the logits of each row's last position `[B, 1, V]` and the caches for
+    /// [`Self::decode_step`]. Runs on an unsharded model.
+    pub fn prefill(&self, input: ModelInput<B>, opts: &ForwardOptions) -> Result<(Tensor<B, 3>, DecodeCache<B>), ModelError>
     where
         B: Glm5Backend,
     {
@@ -269,23 +237,14 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         if self.language_model.shards.is_some() {
             return Err(err("model", "decoding runs on an unsharded model (this one is sharded over a data-parallel group)".into()));
         }
-        if batch == 0 || seq == 0 || ids.len() != batch * seq {
-            return Err(err("input_ids", format!("{} ids for shape [{batch}, {seq}] (at least one token per row)", ids.len())));
+        if input.documents.is_some() || input.context.is_some() {
+            return Err(err("input", "a prompt to decode is a batch of rows, not a packed row or a context-parallel shard".into()));
         }
-        let embeds = match images {
-            Some(_) => self.embed_multimodal(ids, batch, seq, images)?,
-            None => {
-                self.check_ids(ids)?;
-                let device = self.language_model.embed_tokens.weight.device();
-                self.language_model.embed(Tensor::from_data(TensorData::new(ids.to_vec(), [batch, seq]), &device))
-            }
-        };
+        input.check()?;
+        let (batch, seq) = (input.batch, input.seq);
+        let embeds = self.embed_input(&input)?;
         let device = embeds.device();
-        let mask = match mask {
-            Some(m) if m.len() != batch * seq => return Err(err("attention_mask", format!("{} entries for shape [{batch}, {seq}]", m.len()))),
-            Some(m) => TokenMask::new(m.to_vec(), batch, seq, &device),
-            None => TokenMask::all(batch, seq, &device),
-        };
+        let mask = input.token_mask(&device);
         let mut cache = self.language_model.empty_cache(batch, embeds.dtype(), &device);
         let hidden = self.language_model.forward_cached(embeds, &mask, &mut cache, opts);
         let d = hidden.dims()[2];
@@ -315,24 +274,26 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         Ok(self.head(hidden))
     }
 
-    /// Input embeddings `[B, S, D]` of `ids` with the vision tower's features at the
-    /// `<|image|>` placeholders (see [`Self::forward_multimodal`]).
-    fn embed_multimodal(
-        &self,
-        ids: &[i64],
-        batch: usize,
-        seq: usize,
-        images: Option<(Tensor<B, 2>, &[[usize; 3]])>,
-    ) -> Result<Tensor<B, 3>, ModelError>
+    /// Input embeddings `[B, S, D]` of the ids with the vision tower's features at the
+    /// `<|image|>` placeholders (see [`Self::decode`]).
+    fn embed_input(&self, input: &ModelInput<B>) -> Result<Tensor<B, 3>, ModelError>
     where
         B: Glm5Backend,
     {
+        let (ids, batch, seq) = (&input.ids[..], input.batch, input.seq);
         self.check_ids(ids)?;
         let err = |name: &str, message: String| ModelError::Input { name: name.into(), message };
-        if ids.len() != batch * seq {
-            return Err(err("input_ids", format!("{} ids for shape [{batch}, {seq}]", ids.len())));
-        }
         let device = self.language_model.embed_tokens.weight.device();
+        let ids_t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.to_vec(), [batch, seq]), &device);
+        let t = crate::profile::scope("embedding");
+        let embeds = self.language_model.embed(ids_t);
+        drop(t);
+        // HF's `Glm5NextModel.forward` looks for placeholders only when `pixel_values` are
+        // given: without them an `<|image|>` id is embedded as the token it is
+        let Some(images) = &input.images else {
+            self.gather_unused_vision(&embeds);
+            return Ok(embeds);
+        };
         // placeholder positions, and whether any sits inside a video span
         let mut image_pos = Vec::new();
         for b in 0..batch {
@@ -354,41 +315,29 @@ impl<B: Backend> Glm5ForCausalLM<B> {
                 }
             }
         }
-        let ids_t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.to_vec(), [batch, seq]), &device);
-        let mut embeds = self.language_model.embed(ids_t);
-        if images.is_none() {
-            self.gather_unused_vision(&embeds);
+        let visual = self.visual.as_ref().ok_or_else(|| err("pixel_values", "this model was loaded without its vision tower".into()))?;
+        visual.check_inputs(images.n_patches(), images.patch_dim, &images.grid_thw)?;
+        let pixels = images.to_tensor(&device)?;
+        if let Some(plan) = &self.language_model.shards {
+            plan.mark_vision_used();
         }
-        match images {
-            // HF's `Glm5NextModel.forward` looks for placeholders only when `pixel_values` are
-            // given: without them an `<|image|>` id is embedded as the token it is
-            None => {}
-            Some((pixels, grid)) => {
-                let visual = self.visual.as_ref().ok_or_else(|| err("pixel_values", "this model was loaded without its vision tower".into()))?;
-                let [n, pd] = pixels.dims();
-                visual.check_inputs(n, pd, grid)?;
-                if let Some(plan) = &self.language_model.shards {
-                    plan.mark_vision_used();
-                }
-                let feats = self.language_model.unit_after(visual, &embeds, true).forward(pixels, grid);
-                let [nf, fd] = feats.dims();
-                let d = embeds.dims()[2];
-                if nf != image_pos.len() {
-                    return Err(err(
-                        "input_ids",
-                        format!("Image features and image tokens do not match: {} <|image|> placeholders, {nf} image features", image_pos.len()),
-                    ));
-                }
-                if fd != d {
-                    return Err(err("pixel_values", format!("vision out_hidden_size {fd} differs from the text hidden size {d}")));
-                }
-                let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(image_pos, [nf]), &device);
-                let flat = embeds.reshape([batch * seq, d]);
-                let current = flat.clone().select(0, idx.clone());
-                let feats = feats.cast(flat.dtype());
-                embeds = flat.select_assign(0, idx, feats - current, burn::tensor::IndexingUpdateOp::Add).reshape([batch, seq, d]);
-            }
+        let feats = self.language_model.unit_after(visual, &embeds, true).forward(pixels, &images.grid_thw);
+        let [nf, fd] = feats.dims();
+        let d = embeds.dims()[2];
+        if nf != image_pos.len() {
+            return Err(err(
+                "input_ids",
+                format!("Image features and image tokens do not match: {} <|image|> placeholders, {nf} image features", image_pos.len()),
+            ));
         }
+        if fd != d {
+            return Err(err("pixel_values", format!("vision out_hidden_size {fd} differs from the text hidden size {d}")));
+        }
+        let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(image_pos, [nf]), &device);
+        let flat = embeds.reshape([batch * seq, d]);
+        let current = flat.clone().select(0, idx.clone());
+        let feats = feats.cast(flat.dtype());
+        let embeds = flat.select_assign(0, idx, feats - current, burn::tensor::IndexingUpdateOp::Add).reshape([batch, seq, d]);
         Ok(embeds)
     }
 

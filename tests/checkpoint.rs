@@ -6,10 +6,11 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use burn::tensor::{DType, Int, Tensor};
+use burn::tensor::DType;
 use common::*;
 use glm5_burn::checkpoint::safetensors_io::{serialize, OwnedTensor};
 use glm5_burn::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
+use glm5_burn::Outputs;
 use glm5_burn::{CheckpointError, ForwardOptions};
 use safetensors::tensor::Dtype;
 
@@ -39,8 +40,7 @@ fn logits(dir: &Path, opts: &LoadOptions) -> Vec<f32> {
     let device = Default::default();
     let m = load_causal_lm::<B>(dir, &device, opts).unwrap();
     let io = Io::open(&fixtures().join("base_k4").join("io.safetensors"));
-    let ids: Tensor<B, 2, Int> = io.int("input_ids", &device);
-    host(m.model.forward(ids, None, &ForwardOptions::default(), false).logits.cast(DType::F32))
+    host(m.model.forward(io.ids(), &ForwardOptions::default(), Outputs::default()).unwrap().logits.cast(DType::F32))
 }
 
 #[test]
@@ -49,7 +49,7 @@ fn load_save_round_trip_is_byte_identical() {
         let src = fixtures().join(case);
         let loaded = load_causal_lm::<B>(&src, &Default::default(), &LoadOptions::default()).unwrap();
         let out = tempfile::tempdir().unwrap();
-        save_causal_lm(&loaded.model, &loaded.config_json, out.path()).unwrap();
+        save_causal_lm(&loaded.model, &loaded.config, out.path()).unwrap();
         let a = read_all(&src.join("model.safetensors"));
         let b = read_all(&out.path().join("model.safetensors"));
         assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{case}: tensor names");
@@ -74,12 +74,12 @@ fn f16_source_loads_exactly() {
     });
     let loaded = load_causal_lm::<B>(dir.path(), &Default::default(), &LoadOptions::default()).unwrap();
     let out = tempfile::tempdir().unwrap();
-    save_causal_lm(&loaded.model, &loaded.config_json, out.path()).unwrap();
+    save_causal_lm(&loaded.model, &loaded.config, out.path()).unwrap();
     let a = read_all(&dir.path().join("model.safetensors"));
     let b = read_all(&out.path().join("model.safetensors"));
     for (k, ta) in &a {
-        let va = glm5_burn::checkpoint::decode(ta.dtype, &ta.data).unwrap();
-        let vb = glm5_burn::checkpoint::decode(b[k].dtype, &b[k].data).unwrap();
+        let va = glm5_burn::checkpoint::dtype::decode_f32(ta.dtype, &ta.data).unwrap();
+        let vb = glm5_burn::checkpoint::dtype::decode_f32(b[k].dtype, &b[k].data).unwrap();
         assert_eq!(va, vb, "{k}: F16 values must load exactly into F32");
     }
 }
@@ -96,15 +96,20 @@ fn bf16_checkpoint_round_trips_in_bf16() {
     let cfg = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
     let loaded = load_causal_lm::<B>(dir.path(), &Default::default(), &LoadOptions::with_dtype(DType::BF16)).unwrap();
     let out = tempfile::tempdir().unwrap();
-    save_causal_lm(&loaded.model, &serde_json::from_str(&cfg).unwrap(), out.path()).unwrap();
+    save_causal_lm(
+        &loaded.model,
+        &glm5_burn::checkpoint::CheckpointConfig::from_json(serde_json::from_str(&cfg).unwrap(), "config.json").unwrap(),
+        out.path(),
+    )
+    .unwrap();
     let a = read_all(&dir.path().join("model.safetensors"));
     let b = read_all(&out.path().join("model.safetensors"));
     for (k, ta) in &a {
         let tb = &b[k];
         // fp32-kept tensors (A_log, dt_bias, conv taps, router bias, mHC base/scale) come back
         // as F32 holding exactly the BF16 values
-        let va = glm5_burn::checkpoint::decode(ta.dtype, &ta.data).unwrap();
-        let vb = glm5_burn::checkpoint::decode(tb.dtype, &tb.data).unwrap();
+        let va = glm5_burn::checkpoint::dtype::decode_f32(ta.dtype, &ta.data).unwrap();
+        let vb = glm5_burn::checkpoint::dtype::decode_f32(tb.dtype, &tb.data).unwrap();
         assert_eq!(va, vb, "{k}");
         if tb.dtype == Dtype::BF16 {
             assert!(ta.data == tb.data, "{k}");

@@ -19,12 +19,10 @@ fn convert(input: &Path, output: &Path, max: usize) -> Result<glm5_burn::checkpo
 }
 
 fn logits(dir: &Path) -> Vec<f32> {
-    use burn::tensor::{Int, Tensor};
     let device = Default::default();
     let m = load_causal_lm::<B>(dir, &device, &LoadOptions::default()).unwrap();
     let io = Io::open(&fixtures().join("fp8_oracle.safetensors"));
-    let ids: Tensor<B, 2, Int> = io.int("input_ids", &device);
-    host(m.model.forward(ids, None, &glm5_burn::ForwardOptions::default(), false).logits)
+    host(m.model.forward(io.ids(), &glm5_burn::ForwardOptions::default(), glm5_burn::Outputs::default()).unwrap().logits)
 }
 
 #[test]

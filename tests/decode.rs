@@ -10,12 +10,13 @@
 mod common;
 
 use burn::backend::Flex;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::Tensor;
 use common::*;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions, LoadedModel};
 use glm5_burn::config::LayerType;
-use glm5_burn::text::{AttentionImpl, KdaImpl, TokenMask};
+use glm5_burn::text::{AttentionImpl, KdaImpl};
 use glm5_burn::ForwardOptions;
+use glm5_burn::{ModelInput, Outputs};
 
 type B = Flex;
 
@@ -40,13 +41,8 @@ fn decode_logits(model: &LoadedModel<B>, io: &Io, case: &Case, opts: &ForwardOpt
     let p = s - case.decoded;
     let prompt: Vec<i64> = ids.chunks(s).flat_map(|r| r[..p].to_vec()).collect();
     let prompt_mask: Vec<bool> = mask.chunks(s).flat_map(|r| r[..p].to_vec()).collect();
-    let device = Default::default();
-    let images = io.has("pixel_values").then(|| {
-        let grid: Vec<[usize; 3]> = io.i64("image_grid_thw").chunks(3).map(|g| [g[0] as usize, g[1] as usize, g[2] as usize]).collect();
-        (io.tensor::<2>("pixel_values", &device), grid)
-    });
-    let (first, mut cache) =
-        model.model.prefill(&prompt, b, p, Some(&prompt_mask), images.as_ref().map(|(px, g)| (px.clone(), g.as_slice())), opts).expect("prefill");
+    let input = ModelInput::new(prompt, b, p).with_mask(prompt_mask).with_images(io.images());
+    let (first, mut cache) = model.model.prefill(input, opts).expect("prefill");
     let v = first.dims()[2];
     // per row: logits of positions p−1 .. s−1
     let mut rows: Vec<Vec<f32>> = host3(first).chunks(v).map(|r| r.to_vec()).collect();
@@ -81,15 +77,8 @@ fn check(case: &Case, opts: ForwardOptions, label: &str) {
     let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
     let (decoded, v) = decode_logits(&model, &io, case, &opts);
     // the whole-sequence forward on the same options
-    let full = if io.has("pixel_values") {
-        let grid: Vec<[usize; 3]> = io.i64("image_grid_thw").chunks(3).map(|g| [g[0] as usize, g[1] as usize, g[2] as usize]).collect();
-        let px = io.tensor::<2>("pixel_values", &device);
-        let m = TokenMask::new(mask.clone(), b, s, &device);
-        model.model.forward_multimodal(&ids, b, s, Some(m), Some((px, &grid)), &opts, false).unwrap().logits
-    } else {
-        let t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.clone(), [b, s]), &device);
-        model.model.forward(t, Some(TokenMask::new(mask.clone(), b, s, &device)), &opts, false).logits
-    };
+    let input = ModelInput::new(ids.clone(), b, s).with_mask(mask.clone()).with_images(io.images());
+    let full = model.model.forward(input, &opts, Outputs::default()).unwrap().logits;
     let from = s - case.decoded - 1;
     let full = tail(&host3(full), b, s, v, from);
     let hf = tail(&io.f32("logits"), b, s, v, from);
@@ -156,9 +145,9 @@ fn cache_grows_by_latent_and_indexer_rows_only() {
     let dir = fixtures().join("base_k4");
     let device = Default::default();
     let model = load_causal_lm::<B>(&dir, &device, &LoadOptions::default()).unwrap();
-    let c = &model.config.text_config;
+    let c = &model.config.resolved.text_config;
     let opts = ForwardOptions::default();
-    let (_, mut cache) = model.model.prefill(&[1, 2, 3, 4, 5], 1, 5, None, None, &opts).unwrap();
+    let (_, mut cache) = model.model.prefill(ModelInput::row(vec![1, 2, 3, 4, 5]), &opts).unwrap();
     let before = cache.bytes();
     model.model.decode_step(&[6], &mut cache, &opts).unwrap();
     let after = cache.bytes();

@@ -290,7 +290,7 @@ mod mpi_engine {
         use burn::tensor::Tensor;
         use glm5_burn::data::batch::MicroBatch;
         use glm5_burn::train::data_parallel::{all_reduce_grads, sum_f64};
-        use glm5_burn::train::step::{accumulate, accumulate_share, GlobalBatch};
+        use glm5_burn::train::step::{accumulate, GlobalBatch, StepContext};
         use glm5_burn::{Glm5Config, Glm5ForCausalLM};
         type AD = Autodiff<burn::backend::Flex>;
 
@@ -320,10 +320,10 @@ mod mpi_engine {
             })
             .collect();
         let opts = glm5_burn::ForwardOptions::default();
-        let reference = accumulate(&model, &micro, 0.01, &opts, &device, false).unwrap();
+        let reference = accumulate(&model, &micro, &StepContext::local(&micro, model.vocab_size, 0.01, opts)).unwrap();
         let global = GlobalBatch::local(&micro, model.vocab_size);
         let mine: Vec<MicroBatch> = micro.iter().enumerate().filter(|(i, _)| i % n == r).map(|(_, m)| m.clone()).collect();
-        let share = accumulate_share(&model, &mine, global, 0.01, &opts, &device, false).unwrap();
+        let share = accumulate(&model, &mine, &StepContext { global, ..StepContext::local(&mine, model.vocab_size, 0.01, opts) }).unwrap();
         let mut grads = share.grads;
         all_reduce_grads::<AD, _>(&model, &mut grads, g).unwrap();
         let loss = sum_f64(g, share.loss).unwrap();
@@ -426,9 +426,9 @@ mod mpi_engine {
         options.freeze.freeze_vision_tower = false;
         // the aux-loss-free router bias update, from the expert loads of the whole global batch
         options.router_bias_update_rate = 1e-3;
-        let mut one = Trainer::new(model.clone(), options.clone(), &device);
-        options.data_parallel = Some(group.clone());
-        let mut dp = Trainer::new(model.clone(), options, &device);
+        let mut one = Trainer::new(model.clone(), options.clone());
+        options.parallel.data_parallel = Some(group.clone());
+        let mut dp = Trainer::new(model.clone(), options);
         let mut worst = 0f64;
         for step in 1..=20 {
             let micro: Vec<MicroBatch> = (0..per_step).map(|i| batch(step, i)).collect();
@@ -496,19 +496,24 @@ mod mpi_engine {
         use glm5_burn::distributed::typed::all_gather;
         use glm5_burn::distributed::{CheckedGroup, Group};
         use glm5_burn::train::data_parallel::{plan_of, shard_model, sum_f64};
-        use glm5_burn::train::step::{accumulate, accumulate_share, GlobalBatch};
+        use glm5_burn::train::step::{accumulate, GlobalBatch, StepContext};
         use glm5_burn::Glm5ForCausalLM;
 
         let device = Default::default();
         B::seed(&device, 11);
         let model = Glm5ForCausalLM::<B>::try_new_with_vision(config, None, &device).unwrap();
         let opts = glm5_burn::ForwardOptions::default();
-        let reference = accumulate(&model, micro, 0.01, &opts, &device, false).unwrap();
+        let reference = accumulate(&model, micro, &StepContext::local(micro, model.vocab_size, 0.01, opts)).unwrap();
         let counting = std::sync::Arc::new(CheckedGroup::new(g.split(0, g.rank()).unwrap()));
         let sharded = shard_model(model.clone(), counting.clone() as Group, reshard);
         let plan = plan_of(&sharded).unwrap().clone();
         let before = counting.issued();
-        let share = accumulate_share(&sharded, mine, GlobalBatch::local(micro, model.vocab_size), 0.01, &opts, &device, false).unwrap();
+        let share = accumulate(
+            &sharded,
+            mine,
+            &StepContext { global: GlobalBatch::local(micro, model.vocab_size), ..StepContext::local(mine, model.vocab_size, 0.01, opts) },
+        )
+        .unwrap();
         let issued = (counting.issued() - before) as usize;
         assert_eq!(plan.regather().pending(), 0, "re-gathered parameters left over after backward");
         let used = plan.regather().used() as usize;
@@ -602,8 +607,8 @@ mod mpi_engine {
         let recipe = Recipe::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &[]).unwrap();
         let mut options = TrainOptions::from_recipe(&recipe);
         options.freeze.freeze_embeddings = false;
-        options.data_parallel = Some(checked.clone() as Group);
-        let mut trainer = Trainer::new(model, options, &device);
+        options.parallel.data_parallel = Some(checked.clone() as Group);
+        let mut trainer = Trainer::new(model, options);
         let v = config.text_config.vocab_size as i64;
         for step in 0..2 {
             // each rank its own lengths: different graphs, the same collectives
@@ -1149,7 +1154,7 @@ mod mpi_engine {
     /// prompt; the logits equal the whole model's on that prompt.
     fn ep_model(g: std::sync::Arc<MpiGroup>) {
         use burn::backend::Flex;
-        use burn::tensor::{Int, Tensor, TensorData};
+
         use glm5_burn::checkpoint::select::ExpertShard;
         use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
         use glm5_burn::distributed::Group;
@@ -1163,18 +1168,20 @@ mod mpi_engine {
         let full = load_causal_lm::<Flex>(&dir, &device, &LoadOptions::default()).unwrap();
         let opts = LoadOptions { experts: Some(ExpertShard { rank: r, size: n }), ..LoadOptions::default() };
         let mut part = load_causal_lm::<Flex>(&dir, &device, &opts).unwrap();
-        let ep = std::sync::Arc::new(ExpertParallel::new(group, full.config.text_config.n_routed_experts).unwrap());
+        let ep = std::sync::Arc::new(ExpertParallel::new(group, full.config.resolved.text_config.n_routed_experts).unwrap());
         for layer in part.model.language_model.layers.iter_mut() {
             if let Ffn::Moe(moe) = &mut layer.mlp {
                 moe.experts.parallel = Some(ep.clone());
             }
         }
-        let v = full.config.text_config.vocab_size as i64;
+        let v = full.config.resolved.text_config.vocab_size as i64;
         let s = 20 + 3 * r;
         let ids: Vec<i64> = (0..s).map(|t| ((t * 31 + r * 17 + 1) as i64) % v).collect();
-        let t = || Tensor::<Flex, 2, Int>::from_data(TensorData::new(ids.clone(), [1, s]), &device);
-        let want = full.model.forward(t(), None, &ForwardOptions::default(), false).logits.into_data().into_vec::<f32>().unwrap();
-        let got = part.model.forward(t(), None, &ForwardOptions::default(), false).logits.into_data().into_vec::<f32>().unwrap();
+        let t = || glm5_burn::ModelInput::<Flex>::row(ids.clone());
+        let run = |m: &glm5_burn::Glm5ForCausalLM<Flex>| {
+            m.forward(t(), &ForwardOptions::default(), glm5_burn::Outputs::default()).unwrap().logits.into_data().into_vec::<f32>().unwrap()
+        };
+        let (want, got) = (run(&full.model), run(&part.model));
         let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
         let rel = want.iter().zip(&got).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
         assert!(rel <= 1e-5, "rank {r} of {n}: logits max|Δ|/max|ref| {rel:e}");
@@ -1251,9 +1258,9 @@ mod mpi_engine {
         options.aux_loss_coef = 1e-2;
         options.router_bias_update_rate = 1e-3;
         let mut ep_options = options.clone();
-        ep_options.data_parallel = Some(group.clone());
-        ep_options.expert_parallel = p;
-        ep_options.shard_parameters = shard;
+        ep_options.parallel.data_parallel = Some(group.clone());
+        ep_options.parallel.expert_parallel = p;
+        ep_options.parallel.shard_parameters = shard;
         let (first, local) = (r % p * (e / p), e / p);
 
         // values of every parameter (or its gradient) by module path
@@ -1290,10 +1297,10 @@ mod mpi_engine {
         };
 
         // (1) gradients of one global batch, unsharded dense parameters
-        let mut one = Trainer::new(model.clone(), options.clone(), &device);
+        let mut one = Trainer::new(model.clone(), options.clone());
         let mut grad_options = ep_options.clone();
-        grad_options.shard_parameters = false;
-        let mut ept = Trainer::try_new(model.clone(), grad_options, &device).unwrap();
+        grad_options.parallel.shard_parameters = false;
+        let mut ept = Trainer::try_new(model.clone(), grad_options).unwrap();
         let (micro, mine) = global(0);
         let (ga, la) = one.gradients(&micro).unwrap();
         let (gb, lb) = ept.gradients(&mine).unwrap();
@@ -1326,8 +1333,8 @@ mod mpi_engine {
         drop((one, ept));
 
         // (2) 20 optimizer steps
-        let mut one = Trainer::new(model.clone(), options, &device);
-        let mut ept = Trainer::try_new(model.clone(), ep_options, &device).unwrap();
+        let mut one = Trainer::new(model.clone(), options);
+        let mut ept = Trainer::try_new(model.clone(), ep_options).unwrap();
         // sharded: each rank's experts split again over the n/p ranks holding them
         let held: usize = by_path(ept.model(), None).iter().filter(|(k, _)| expert_paths.contains(*k)).map(|(_, x)| x.len()).sum();
         assert_eq!(held, if shard { whole / n } else { whole / p }, "rank {r}: expert elements held while training");
@@ -1479,7 +1486,7 @@ mod mpi_engine {
             // (2) the layer
             let layer = KdaAttention::<AD>::new(tc, &device);
             glm5_burn::train::params::materialize(&layer);
-            let opts = ForwardOptions { linear_path: path, kda: KdaImpl::Chunked(16), ..ForwardOptions::default() };
+            let opts = ForwardOptions { kda_path: path, kda: KdaImpl::Chunked(16), ..ForwardOptions::default() };
             let u_host = noise(s * d, 3);
             let w_host = noise(s * d, 4);
             let t3 = |v: Vec<f32>, len: usize| Tensor::<AD, 3>::from_data(TensorData::new(v, [1, len, d]), &device);
@@ -1621,10 +1628,10 @@ mod mpi_engine {
         use burn::backend::{Autodiff, Flex};
         use burn::module::{Module, ModuleVisitor, Param, ParamId};
         use burn::tensor::backend::{AutodiffBackend, Backend};
-        use burn::tensor::{Int, Tensor, TensorData};
+        use burn::tensor::{Int, Tensor};
         use glm5_burn::distributed::Group;
         use glm5_burn::text::context::ContextShard;
-        use glm5_burn::text::{AttentionImpl, ForwardOptions, KdaImpl, TokenMask};
+        use glm5_burn::text::{AttentionImpl, ForwardOptions, KdaImpl};
         use glm5_burn::Glm5ForCausalLM;
         type AD = Autodiff<Flex>;
         let _ = std::marker::PhantomData::<Tensor<AD, 2, Int>>;
@@ -1647,20 +1654,20 @@ mod mpi_engine {
         let patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size * vc.patch_size;
         let grid = [[1, m, 2 * m]];
         let pixels: Vec<f32> = (0..2 * m * m * patch_dim).map(|k| ((k * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
-        let px = || Tensor::<AD, 2>::from_data(TensorData::new(pixels.clone(), [2 * m * m, patch_dim]), &device);
+        let images = glm5_burn::Images { pixel_values: pixels, patch_dim, grid_thw: grid.to_vec() };
         let opts = ForwardOptions { attention: AttentionImpl::Sparse, kda: KdaImpl::Chunked(16), ..ForwardOptions::default() };
 
         // the unsplit row
         let lengths: Vec<usize> = docs.iter().map(|d| d.len()).collect();
-        let mask = TokenMask::packed(&lengths, &device);
-        let full = model.forward_multimodal(&ids, 1, s, Some(mask), Some((px(), &grid)), &opts, false).unwrap();
+        let row = glm5_burn::ModelInput::<AD>::row(ids.clone()).with_images(Some(images));
+        let full = model.forward(row.clone().with_documents(lengths), &opts, glm5_burn::Outputs::default()).unwrap();
         let (loss, count) = glm5_burn::loss::lm_loss_sum(full.logits.clone(), &labels);
         let want_loss = loss.clone().into_scalar() as f64;
         let grads = loss.backward();
         // this rank's shard
         let ctx = ContextShard::new(group.clone(), docs.clone(), s).unwrap();
         let shard = ctx.shard.clone();
-        let out = model.forward_context(&ids, Some((px(), &grid)), ctx, &opts, false).unwrap();
+        let out = model.forward(row.with_context(ctx), &opts, glm5_burn::Outputs::default()).unwrap();
         let targets = glm5_burn::loss::shifted_targets(&labels, 1, s);
         let (my_loss, my_count) = glm5_burn::loss::target_loss_sum(out.logits.clone(), &targets[shard.clone()]);
         let mut sums = [my_loss.clone().into_scalar() as f64, my_count as f64];
@@ -1751,11 +1758,11 @@ mod mpi_engine {
         options.router_bias_update_rate = 1e-3;
         options.aux_loss_coef = if aux { 1e-2 } else { 0.0 };
         options.forward = ForwardOptions { attention: AttentionImpl::Sparse, kda: KdaImpl::Chunked(16), ..options.forward };
-        let mut one = Trainer::new(model.clone(), options.clone(), &device);
-        options.data_parallel = Some(group.clone());
-        options.context_parallel = cp;
-        options.expert_parallel = ep;
-        let mut cpt = Trainer::try_new(model.clone(), options, &device).unwrap();
+        let mut one = Trainer::new(model.clone(), options.clone());
+        options.parallel.data_parallel = Some(group.clone());
+        options.parallel.context_parallel = cp;
+        options.parallel.expert_parallel = ep;
+        let mut cpt = Trainer::try_new(model.clone(), options).unwrap();
         let per_step = 2 * dp;
         let mut worst = 0f64;
         for step in 1..=20 {
@@ -1926,7 +1933,7 @@ fn distributed_flex_trains_bit_for_bit_like_flex() {
     use glm5_burn::distributed::Distributed;
     use glm5_burn::train::recipe::{DecayStyle, FreezeConfig, NonFinitePolicy, Precision};
     use glm5_burn::train::schedule::LrSchedule;
-    use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
+    use glm5_burn::train::trainer::{OptimizerSettings, ParallelLayout, StepOutcome, TrainOptions, Trainer};
     use glm5_burn::{ForwardOptions, Glm5Backend, Glm5Config, Glm5ForCausalLM};
 
     fn run<B: AutodiffBackend + Glm5Backend>() -> (Vec<(u64, u64)>, Vec<u32>)
@@ -1938,24 +1945,22 @@ fn distributed_flex_trains_bit_for_bit_like_flex() {
         let config = Glm5Config::tiny();
         let model = Glm5ForCausalLM::<B>::try_new(&config, &device).unwrap();
         let options = TrainOptions {
-            lr: LrSchedule { style: DecayStyle::Constant, lr: 1e-3, min_lr: 0.0, warmup_steps: 0, total_steps: 3 },
-            betas: [0.9, 0.999],
-            eps: 1e-8,
-            weight_decay: 0.01,
-            max_grad_norm: Some(1.0),
+            optimizer: OptimizerSettings {
+                lr: LrSchedule { style: DecayStyle::Constant, lr: 1e-3, min_lr: 0.0, warmup_steps: 0, total_steps: 3 },
+                betas: [0.9, 0.999],
+                eps: 1e-8,
+                weight_decay: 0.01,
+                max_grad_norm: Some(1.0),
+            },
             aux_loss_coef: 0.01,
             router_bias_update_rate: 0.0,
             precision: Precision::F32,
             on_nonfinite: NonFinitePolicy::Abort,
             freeze: FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false },
             forward: ForwardOptions::default(),
-            data_parallel: None,
-            shard_parameters: true,
-            reshard_after_forward: true,
-            expert_parallel: 1,
-            context_parallel: 1,
+            parallel: ParallelLayout::default(),
         };
-        let mut trainer = Trainer::<B>::new(model, options, &device);
+        let mut trainer = Trainer::<B>::new(model, options);
         let v = config.text_config.vocab_size as i64;
         let micro: Vec<MicroBatch> = (0..2)
             .map(|i| {
@@ -1969,11 +1974,8 @@ fn distributed_flex_trains_bit_for_bit_like_flex() {
             trace.push((m.loss.to_bits(), m.grad_norm.to_bits()));
         }
         let inner = trainer.model().valid();
-        let ids = burn::tensor::Tensor::<B::InnerBackend, 2, burn::tensor::Int>::from_data(
-            burn::tensor::TensorData::new(micro[0].ids.clone(), [1, 40]),
-            &device,
-        );
-        let logits = inner.forward(ids, None, &ForwardOptions::default(), false).logits;
+        let ids = glm5_burn::ModelInput::<B::InnerBackend>::new(micro[0].ids.clone(), 1, 40);
+        let logits = inner.forward(ids, &ForwardOptions::default(), glm5_burn::Outputs::default()).unwrap().logits;
         (trace, logits.into_data().convert::<f32>().into_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect())
     }
 

@@ -3,7 +3,6 @@
 
 mod common;
 
-use burn::tensor::{Tensor, TensorData};
 use common::*;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
 use glm5_burn::data::chat::ChatFormat;
@@ -21,10 +20,8 @@ fn image_and_prompt_to_logits_matches_reference() {
     assert_eq!(p.ids, io.i64("input_ids"), "token ids");
     let device = Default::default();
     let loaded = load_causal_lm::<B>(&dir.join("model"), &device, &LoadOptions { vision: true, ..LoadOptions::default() }).unwrap();
-    let n = p.pixel_values.len() / p.patch_dim;
-    let pixels = Tensor::<B, 2>::from_data(TensorData::new(p.pixel_values.clone(), [n, p.patch_dim]), &device);
-    let out = loaded.model.forward_multimodal(&p.ids, 1, p.ids.len(), None, Some((pixels, &p.grid_thw)), &ForwardOptions::default(), false).unwrap();
-    let vocab = loaded.config.text_config.vocab_size;
+    let out = loaded.model.forward(p.input(), &ForwardOptions::default(), glm5_burn::Outputs::default()).unwrap();
+    let vocab = loaded.config.resolved.text_config.vocab_size;
     let st = logit_stats(&io.f32("logits"), &host(out.logits), vocab, &vec![true; p.ids.len()]);
     println!("e2e: mean KL {:.2e}, max|Δ| {:.2e}, top-1 {}", st.mean_kl, st.max_abs, st.top1);
     assert!(st.mean_kl <= 1e-10 && st.max_abs <= 1e-4 && st.top1 == 1.0, "{st:?}");

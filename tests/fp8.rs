@@ -8,12 +8,12 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use burn::tensor::{Int, Tensor};
 use common::*;
 use glm5_burn::checkpoint::fp8::E4M3_TABLE;
 use glm5_burn::checkpoint::safetensors_io::{serialize, OwnedTensor, SafetensorsFiles};
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
-use glm5_burn::{ForwardOptions, TokenMask};
+use glm5_burn::ForwardOptions;
+use glm5_burn::Outputs;
 use safetensors::tensor::Dtype;
 
 fn oracle() -> Io {
@@ -63,11 +63,9 @@ fn dequantisation_is_bit_exact_with_the_oracle() {
 fn fp8_checkpoint_logits_match_reference_on_dequantised_weights() {
     let device = Default::default();
     let io = oracle();
-    let ids: Tensor<B, 2, Int> = io.int("input_ids", &device);
-    let [b, s] = ids.dims();
-    let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
+    let mask = io.mask();
     let loaded = load_causal_lm::<B>(&fixtures().join("fp8_f32_scales"), &device, &LoadOptions::default()).unwrap();
-    let out = loaded.model.forward(ids, Some(TokenMask::new(mask.clone(), b, s, &device)), &ForwardOptions::default(), false);
+    let out = loaded.model.forward(io.ids().with_mask(mask.clone()), &ForwardOptions::default(), Outputs::default()).unwrap();
     let st = logit_stats(&io.f32("logits"), &host(out.logits), 128, &mask);
     println!("fp8: mean KL {:.2e}, max|Δ| {:.2e}, top-1 {}", st.mean_kl, st.max_abs, st.top1);
     assert!(st.mean_kl <= 1e-10 && st.max_abs <= 1e-4 && st.top1 == 1.0, "{st:?}");

@@ -8,11 +8,10 @@
 mod common;
 
 use burn::backend::Flex;
-use burn::tensor::Tensor;
 use common::*;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
-use glm5_burn::generate::{generate, generate_with, GenerateOptions, Prompt, SamplingConfig, StopStrings, StoppingCriteria};
-use glm5_burn::ForwardOptions;
+use glm5_burn::generate::{generate, generate_with, GenerateOptions, SamplingConfig, StopStrings, StoppingCriteria};
+use glm5_burn::{ForwardOptions, Images, ModelInput};
 
 fn hf_case(name: &str) {
     let dir = fixtures().join(name);
@@ -24,21 +23,15 @@ fn hf_case(name: &str) {
     let want = io.i64("sequences");
     let device = Default::default();
     let loaded = load_causal_lm::<Flex>(&dir, &device, &LoadOptions { vision: io.has("pixel_values"), ..LoadOptions::default() }).unwrap();
-    let grid: Vec<[usize; 3]> = if io.has("image_grid_thw") {
-        io.i64("image_grid_thw").chunks(3).map(|g| [g[0] as usize, g[1] as usize, g[2] as usize]).collect()
-    } else {
-        Vec::new()
-    };
-    let images = io.has("pixel_values").then(|| (io.tensor::<2>("pixel_values", &device), grid.as_slice()));
     let opts = GenerateOptions {
         max_new_tokens: io.i64("max_new_tokens")[0] as usize,
         sampling: SamplingConfig::default(),
         eos_token_ids: io.i64("eos_token_id"),
         pad_token_id: io.i64("pad_token_id")[0],
-        max_positions: loaded.config.text_config.max_position_embeddings,
+        max_positions: loaded.config.resolved.text_config.max_position_embeddings,
     };
     let mut streamed: Vec<Vec<i64>> = Vec::new();
-    let prompt = Prompt { ids: &ids, batch: b, seq: s, mask: Some(&mask), images };
+    let prompt = ModelInput::new(ids, b, s).with_mask(mask).with_images(io.images());
     let out = generate(&loaded.model, prompt, &opts, &ForwardOptions::default(), |t| streamed.push(t.to_vec())).unwrap();
     let len = want.len() / b;
     assert_eq!(out.new_tokens, len - s, "{name}: tokens generated");
@@ -74,8 +67,8 @@ fn bad_inputs_are_errors_naming_them() {
     let device = Default::default();
     let loaded = load_causal_lm::<Flex>(&dir, &device, &LoadOptions::default()).unwrap();
     let opts = GenerateOptions { max_new_tokens: 2, sampling: SamplingConfig::default(), eos_token_ids: vec![], pad_token_id: 0, max_positions: 16 };
-    let run = |ids: &[i64], seq: usize, opts: &GenerateOptions, images: Option<(Tensor<Flex, 2>, &[[usize; 3]])>| {
-        let prompt = Prompt { ids, batch: 1, seq, mask: None, images };
+    let run = |ids: &[i64], seq: usize, opts: &GenerateOptions, images: Option<Images>| {
+        let prompt = ModelInput::new(ids.to_vec(), 1, seq).with_images(images);
         generate(&loaded.model, prompt, opts, &ForwardOptions::default(), |_| {}).unwrap_err().to_string()
     };
     assert!(run(&[], 0, &opts, None).contains("empty prompt"));
@@ -84,8 +77,7 @@ fn bad_inputs_are_errors_naming_them() {
     assert!(run(&[1, 2], 2, &zero, None).contains("max_new_tokens is 0"));
     let hot = GenerateOptions { sampling: SamplingConfig { do_sample: true, temperature: -1.0, ..SamplingConfig::default() }, ..opts.clone() };
     assert!(run(&[1, 2], 2, &hot, None).contains("temperature"));
-    let pixels = Tensor::<Flex, 2>::zeros([4, 1176], &device);
-    let e = run(&[1, 2], 2, &opts, Some((pixels, &[[1, 2, 2]])));
+    let e = run(&[1, 2], 2, &opts, Some(Images { pixel_values: vec![0.0; 4 * 1176], patch_dim: 1176, grid_thw: vec![[1, 2, 2]] }));
     assert!(e.contains("pixel_values") || e.contains("image"), "{e}");
 }
 
@@ -115,7 +107,7 @@ fn stopping_rule_ends_rows_like_an_eos_id() {
         max_positions: 1 << 20,
     };
     let mut rule = OnToken(eos, 0);
-    let prompt = Prompt { ids: &ids, batch: b, seq: s, mask: Some(&mask), images: None };
+    let prompt = ModelInput::new(ids, b, s).with_mask(mask);
     let out = generate_with(&loaded.model, prompt, &opts, &ForwardOptions::default(), &mut rule, |_| {}).unwrap();
     assert_eq!(out.sequences, want);
     assert_eq!(out.ended, [true, false]);

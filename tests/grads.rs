@@ -9,10 +9,11 @@ mod common;
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::Tensor;
 use common::*;
 use glm5_burn::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
-use glm5_burn::{ForwardOptions, TokenMask};
+use glm5_burn::ForwardOptions;
+use glm5_burn::Outputs;
 
 type A = Autodiff<Flex>;
 
@@ -43,17 +44,15 @@ fn gradients_match_reference() {
         let device = Default::default();
         let loaded = load_causal_lm::<A>(&dir, &device, &LoadOptions::default()).unwrap();
         let io = Io::open(&dir.join("io.safetensors"));
-        let ids: Tensor<A, 2, Int> = Tensor::from_data(burn::tensor::TensorData::new(io.i64("input_ids"), io.shape("input_ids")), &device);
-        let [b, s] = ids.dims();
-        let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
-        let out = loaded.model.forward(ids, Some(TokenMask::new(mask.clone(), b, s, &device)), &ForwardOptions::default(), false);
+        let mask = io.mask();
+        let out = loaded.model.forward(io.ids().with_mask(mask.clone()), &ForwardOptions::default(), Outputs::default()).unwrap();
         let lm = glm5_burn::loss::lm_loss(out.logits, &io.i64("labels"));
         let aux = loaded.model.aux_loss(&out.text.router_logits, &mask).unwrap();
         let loss = lm + aux * loaded.model.router_aux_loss_coef;
         let grads = loss.backward();
         let grad_model = loaded.model.clone().map(&mut ToGrads { grads: &grads });
         let tmp = tempfile::tempdir().unwrap();
-        save_causal_lm(&grad_model, &loaded.config_json, tmp.path()).unwrap();
+        save_causal_lm(&grad_model, &loaded.config, tmp.path()).unwrap();
         let ours = read_all(&tmp.path().join("model.safetensors"));
         let theirs = read_all(&dir.join("grads.safetensors"));
         let (mut worst, mut worst_name) = (0f32, String::new());

@@ -15,7 +15,7 @@ fn inventory_matches_save_pretrained() {
         let path = entry.unwrap().path();
         let Some(case) = path.file_name().unwrap().to_str().unwrap().strip_suffix(".published.json") else { continue };
         let published: BTreeMap<String, Vec<usize>> = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        let (config, _) = read_config(&common::fixtures().join(case)).unwrap();
+        let config = read_config(&common::fixtures().join(case)).unwrap().resolved;
         let ours: BTreeMap<String, Vec<usize>> = inventory(&config, false, true).into_iter().map(|e| (e.name, e.shape)).collect();
         let missing: Vec<_> = published.keys().filter(|k| !ours.contains_key(*k)).collect();
         let extra: Vec<_> = ours.keys().filter(|k| !published.contains_key(*k)).collect();

@@ -295,17 +295,15 @@ where
     let device = Default::default();
     let loaded = load_causal_lm::<B>(&dir, &device, &LoadOptions::default()).unwrap();
     let io = common::Io::open(&dir.join("io.safetensors"));
-    let ids: Tensor<B, 2, Int> = Tensor::from_data(TensorData::new(io.i64("input_ids"), io.shape("input_ids")), &device);
-    let [b, s] = ids.dims();
-    let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
-    let opts = ForwardOptions { attention: AttentionImpl::Sparse, sparse_block: 32, attn_path: path, linear_path: path, ..Default::default() };
-    let out = loaded.model.forward(ids, Some(TokenMask::new(mask.clone(), b, s, &device)), &opts, false);
+    let mask = io.mask();
+    let opts = ForwardOptions { attention: AttentionImpl::Sparse, sparse_block: 32, attn_path: path, kda_path: path, ..Default::default() };
+    let out = loaded.model.forward(io.ids().with_mask(mask.clone()), &opts, glm5_burn::Outputs::default()).unwrap();
     let logits = host(out.logits.clone());
     let lm = glm5_burn::loss::lm_loss(out.logits, &io.i64("labels"));
     let aux = loaded.model.aux_loss(&out.text.router_logits, &mask).unwrap();
     let grads = (lm + aux * loaded.model.router_aux_loss_coef).backward();
     let tmp = tempfile::tempdir().unwrap();
-    save_causal_lm(&loaded.model.clone().map(&mut ToGrads::<B> { grads: &grads }), &loaded.config_json, tmp.path()).unwrap();
+    save_causal_lm(&loaded.model.clone().map(&mut ToGrads::<B> { grads: &grads }), &loaded.config, tmp.path()).unwrap();
     let vocab = logits.len() / (b * s);
     (logits, common::read_all(&tmp.path().join("model.safetensors")), mask, vocab)
 }

@@ -18,7 +18,7 @@ use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::train::learner::{LmItem, ScheduleLr};
 use glm5_burn::train::recipe::DecayStyle;
 use glm5_burn::train::schedule::LrSchedule;
-use glm5_burn::train::step::accumulate;
+use glm5_burn::train::step::{accumulate, StepContext};
 use glm5_burn::{ForwardOptions, Glm5Config, Glm5ForCausalLM};
 
 type B = Autodiff<Flex>;
@@ -39,7 +39,7 @@ fn learner_items_accumulate_the_trainer_step_gradients() {
         })
         .collect();
     let aux = 0.01;
-    let reference = accumulate(&model, &micro, aux, &ForwardOptions::default(), &device, false).unwrap();
+    let reference = accumulate(&model, &micro, &StepContext::local(&micro, model.vocab_size, aux, ForwardOptions::default())).unwrap();
     let items = LmItem::from_global_batches(vec![micro], config.text_config.vocab_size, aux, &ForwardOptions::default());
     let mut acc = GradientsAccumulator::<Glm5ForCausalLM<B>>::new();
     for item in items {

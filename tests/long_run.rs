@@ -39,7 +39,8 @@ use glm5_burn::data::loader::{PackedDataset, PackingOptions};
 use glm5_burn::data::DatasetFormat;
 use glm5_burn::train::adamw::FusedAdamW;
 use glm5_burn::train::recipe::{FreezeConfig, Precision, Recipe};
-use glm5_burn::train::step::{micro_loss_sum, train_step};
+use glm5_burn::train::step::{micro_loss_sum, train_step, StepSettings};
+use glm5_burn::train::trainer::DataPosition;
 use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
 use glm5_burn::Glm5ForCausalLM;
 
@@ -84,7 +85,7 @@ fn setup(precision: Precision, freeze: bool) -> Setup {
     let recipe = Recipe::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &[]).unwrap();
     let mut options = TrainOptions::from_recipe(&recipe);
     options.precision = precision;
-    options.lr.total_steps = WARMUP + MEASURED;
+    options.optimizer.lr.total_steps = WARMUP + MEASURED;
     if !freeze {
         options.freeze = FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false };
     }
@@ -200,8 +201,7 @@ fn assert_flat(what: &str, mut step: impl FnMut(usize) -> f64) {
 fn trainer_run(precision: Precision, freeze: bool) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = setup(precision, freeze);
-    let device = Default::default();
-    let mut trainer = Trainer::<A>::new(model(&s.config), s.options, &device);
+    let mut trainer = Trainer::<A>::new(model(&s.config), s.options);
     let what = format!("Trainer::step {precision:?}{}", if freeze { ", frozen embeddings and vision" } else { ", all trainable" });
     assert_flat(&what, |i| {
         let secs = timed(|| {
@@ -213,7 +213,7 @@ fn trainer_run(precision: Precision, freeze: bool) {
         if i % 5 == 4 {
             assert!(trainer.evaluate(&s.val).unwrap().0.is_finite());
             let inference = trainer.model().valid();
-            let (loss, _) = micro_loss_sum(&inference, &s.val[0], &trainer.options.forward, &device).unwrap();
+            let loss = micro_loss_sum(&inference, &s.val[0], &trainer.options.forward, None).unwrap().sum;
             assert!(loss.is_finite());
         }
         secs
@@ -239,12 +239,16 @@ fn trainer_bf16_steps_stay_flat() {
 fn train_step_stays_flat() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = setup(Precision::F32, false);
-    let device = Default::default();
     let mut optim = FusedAdamW { beta_1: 0.9, beta_2: 0.999, epsilon: 1e-8, weight_decay: 0.01 }.init();
     let mut model = Some(model(&s.config));
     assert_flat("train_step f32", |i| {
         timed(|| {
-            let (m, metrics) = train_step(model.take().unwrap(), &mut optim, &s.micro, 1e-3, Some(1.0), 0.0, &s.options.forward, &device);
+            let (m, metrics) = train_step(
+                model.take().unwrap(),
+                &mut optim,
+                &s.micro,
+                &StepSettings { lr: 1e-3, max_grad_norm: Some(1.0), aux_coef: 0.0, forward: s.options.forward },
+            );
             model = Some(m);
             assert!(metrics.unwrap_or_else(|e| panic!("step {i}: {e}")).loss.is_finite());
         })
@@ -258,9 +262,9 @@ fn save_and_resume_cycles_stay_flat() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = setup(Precision::F32, true);
     let device = Default::default();
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(bundle().join("config.json")).unwrap()).unwrap();
+    let json = glm5_burn::checkpoint::read_config(&bundle()).unwrap();
     let root = tempfile::tempdir().unwrap();
-    let mut trainer = Some(Trainer::<A>::new(model(&s.config), s.options.clone(), &device));
+    let mut trainer = Some(Trainer::<A>::new(model(&s.config), s.options.clone()));
     // the optimizer step alone is timed, as in the other tests: what a leaking save or resume
     // would slow is the steps after it (the indexer's leak slowed the step itself), while the
     // save's own time is the disk's (fsync every step here, ±40 % on this machine)
@@ -275,7 +279,7 @@ fn save_and_resume_cycles_stay_flat() {
         let t0 = Instant::now();
         let StepOutcome::Applied(_) = t.step(&s.micro).unwrap() else { panic!("step {i}: non-finite") };
         let seconds = t0.elapsed().as_secs_f64();
-        t.save_checkpoint(root.path(), 2, &json, &[], (0, i), 1).unwrap();
+        t.save_checkpoint(root.path(), 2, &json, &[], DataPosition { epoch: 0, cursor: i, seed: 1 }).unwrap();
         if i % 5 != 4 {
             trainer = Some(t);
         }
@@ -292,13 +296,12 @@ fn save_and_resume_cycles_stay_flat() {
 fn forward_only_on_the_inner_backend_stays_flat() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = setup(Precision::F32, true);
-    let device = Default::default();
     let m = model(&s.config).valid();
     // four forwards per measured step: one takes ~16 ms, too short to time reliably
     assert_flat("forward-only on the inner backend (4 forwards per step)", |_| {
         timed(|| {
             for _ in 0..4 {
-                let (loss, _) = micro_loss_sum(&m, &s.val[0], &s.options.forward, &device).unwrap();
+                let loss = micro_loss_sum(&m, &s.val[0], &s.options.forward, None).unwrap().sum;
                 assert!(loss.is_finite());
             }
         })

@@ -4,10 +4,10 @@
 
 mod common;
 
-use burn::tensor::{Int, Tensor, TensorData};
 use common::*;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
-use glm5_burn::{AttentionImpl, ForwardOptions, TokenMask};
+use glm5_burn::{AttentionImpl, ForwardOptions};
+use glm5_burn::{ModelInput, Outputs};
 
 #[test]
 fn packed_documents_equal_separate_runs() {
@@ -15,7 +15,7 @@ fn packed_documents_equal_separate_runs() {
     for case in ["base_k4", "shared_pair", "kpool16"] {
         let dir = fixtures().join(case);
         let m = load_causal_lm::<B>(&dir, &device, &LoadOptions::default()).unwrap();
-        let vocab = m.config.text_config.vocab_size;
+        let vocab = m.config.resolved.text_config.vocab_size;
         let ids = Io::open(&dir.join("io.safetensors")).i64("input_ids");
         // an empty document (as `cu_seqlens` with a repeated offset) among them
         let lengths = [69usize, 5, 0, 1, 55];
@@ -23,16 +23,16 @@ fn packed_documents_equal_separate_runs() {
         for attention in [AttentionImpl::Dense, AttentionImpl::Sparse] {
             let opts = ForwardOptions { attention, ..Default::default() };
             let s: usize = lengths.iter().sum();
-            let t = Tensor::<B, 2, Int>::from_data(TensorData::new(packed_ids.clone(), [1, s]), &device);
-            let packed = host(m.model.forward(t.clone(), Some(TokenMask::packed(&lengths, &device)), &opts, false).logits);
+            let row = ModelInput::<B>::row(packed_ids.clone());
+            let packed = host(m.model.forward(row.clone().with_documents(lengths.to_vec()), &opts, Outputs::default()).unwrap().logits);
             // without the boundaries the later documents see the earlier ones: the check bites
-            let unbounded = host(m.model.forward(t, None, &opts, false).logits);
+            let unbounded = host(m.model.forward(row, &opts, Outputs::default()).unwrap().logits);
             let tail = lengths[0] * vocab..;
             assert!(max_abs_diff(&packed[tail.clone()], &unbounded[tail], vocab, &vec![true; s - lengths[0]]) > 1e-2);
             let mut start = 0;
             for &l in lengths.iter().filter(|&&l| l > 0) {
-                let doc = Tensor::<B, 2, Int>::from_data(TensorData::new(packed_ids[start..start + l].to_vec(), [1, l]), &device);
-                let alone = host(m.model.forward(doc, None, &opts, false).logits);
+                let doc = ModelInput::<B>::row(packed_ids[start..start + l].to_vec());
+                let alone = host(m.model.forward(doc, &opts, Outputs::default()).unwrap().logits);
                 let part = &packed[start * vocab..(start + l) * vocab];
                 let keep = vec![true; l];
                 let d = max_abs_diff(&alone, part, vocab, &keep);
@@ -81,7 +81,7 @@ fn packed_conversations_with_images_equal_separate_runs() {
     let vocab = config.text_config.vocab_size;
     for attention in [AttentionImpl::Dense, AttentionImpl::Sparse] {
         let opts = ForwardOptions { attention, ..Default::default() };
-        let out = forward_micro(&model, &packed, &opts, &device).unwrap();
+        let out = forward_micro(&model, &packed, &opts, None).unwrap().output;
         let all = host(out.logits.clone());
         let (packed_sum, packed_count) = glm5_burn::loss::lm_loss_sum(out.logits, &packed.labels);
         let packed_sum: f32 = packed_sum.into_scalar();
@@ -104,7 +104,7 @@ fn packed_conversations_with_images_equal_separate_runs() {
                     grid_thw: vec![g],
                 }),
             };
-            let o = forward_micro(&model, &alone, &opts, &device).unwrap();
+            let o = forward_micro(&model, &alone, &opts, None).unwrap().output;
             let logits = host(o.logits.clone());
             let keep = vec![true; l];
             let d = max_abs_diff(&logits, &all[start * vocab..(start + l) * vocab], vocab, &keep);
@@ -120,7 +120,7 @@ fn packed_conversations_with_images_equal_separate_runs() {
                 }),
                 ..alone.clone()
             };
-            let floor = max_abs_diff(&logits, &host(forward_micro(&model, &twice, &opts, &device).unwrap().logits)[..l * vocab], vocab, &keep);
+            let floor = max_abs_diff(&logits, &host(forward_micro(&model, &twice, &opts, None).unwrap().output.logits)[..l * vocab], vocab, &keep);
             println!("{attention:?}: conversation {k} ({l} tokens): packed vs alone max|Δ| {d:.2e}, batch-shape floor {floor:.2e}, scale {scale:.2}");
             assert!(d <= (1e-5 * scale).max(2.0 * floor), "{attention:?}: conversation {k}: max|Δ| {d:e} (scale {scale}, floor {floor:e})");
             let (s, c) = glm5_burn::loss::lm_loss_sum(o.logits, &alone.labels);

@@ -11,11 +11,11 @@
 
 mod common;
 
-use burn::tensor::{Int, Tensor};
 use common::*;
 use glm5_burn::checkpoint::{load_causal_lm, LoadOptions, LoadedModel};
 use glm5_burn::model::CausalLmOutput;
-use glm5_burn::{AttentionImpl, ForwardOptions, KdaImpl, TokenMask};
+use glm5_burn::Outputs;
+use glm5_burn::{AttentionImpl, ForwardOptions, KdaImpl};
 
 const CASES: &[&str] =
     &["base_k4", "kpool16", "notail", "shared_pair", "ngroup", "clamp", "leftpad", "softplus", "quirks", "release_slice", "bf16_release_like"];
@@ -32,28 +32,26 @@ fn forward_fixture(
     case: &str,
     dtype: burn::tensor::DType,
     opts: &ForwardOptions,
-    record: bool,
+    outputs: Outputs,
 ) -> (Io, LoadedModel<B>, CausalLmOutput<B>, Vec<bool>) {
     let device = Default::default();
     let dir = fixtures().join(case);
     let loaded = load_causal_lm::<B>(&dir, &device, &LoadOptions::with_dtype(dtype)).expect("fixture loads");
     let io = Io::open(&dir.join("io.safetensors"));
-    let ids: Tensor<B, 2, Int> = io.int("input_ids", &device);
-    let [b, s] = ids.dims();
-    let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&m| m != 0).collect();
-    let out = loaded.model.forward(ids, Some(TokenMask::new(mask.clone(), b, s, &device)), opts, record);
+    let mask = io.mask();
+    let out = loaded.model.forward(io.ids().with_mask(mask.clone()), opts, outputs).expect("fixture inputs are valid");
     (io, loaded, out, mask)
 }
 
 fn run(case: &str, opts: ForwardOptions) -> (Io, Run, usize, Vec<bool>) {
-    let (io, loaded, out, mask) = forward_fixture(case, burn::tensor::DType::F32, &opts, true);
+    let (io, loaded, out, mask) = forward_fixture(case, burn::tensor::DType::F32, &opts, Outputs::all());
     let run = Run {
         logits: host(out.logits),
         streams: out.text.layer_streams.into_iter().map(host).collect(),
         indices: out.text.indices,
         margins: out.text.index_margins,
     };
-    (io, run, loaded.config.text_config.vocab_size, mask)
+    (io, run, loaded.config.resolved.text_config.vocab_size, mask)
 }
 
 fn sorted_rows(idx: &[i64], width: usize) -> Vec<Vec<i64>> {
@@ -161,9 +159,9 @@ fn bf16_stats(cases: &[&str]) -> (Bf16Stats, Bf16Stats) {
     use burn::tensor::DType;
     let mut acc = [(Vec::new(), 0usize, 0usize, 1f64), (Vec::new(), 0usize, 0usize, 1f64)];
     for case in cases {
-        let (io, loaded, out, mask) = forward_fixture(case, DType::BF16, &ForwardOptions::default(), false);
+        let (io, loaded, out, mask) = forward_fixture(case, DType::BF16, &ForwardOptions::default(), Outputs::default());
         let reference = io.f32("logits");
-        let vocab = loaded.config.text_config.vocab_size;
+        let vocab = loaded.config.resolved.text_config.vocab_size;
         for (slot, logits) in [host(out.logits.cast(DType::F32)), io.f32("logits_hf_bf16")].into_iter().enumerate() {
             let st = logit_stats(&reference, &logits, vocab, &mask);
             let a = &mut acc[slot];
@@ -196,7 +194,7 @@ fn per_position_kl(reference: &[f32], ours: &[f32], vocab: usize, keep: &[bool])
 #[test]
 fn loss_and_aux_loss_match_reference() {
     for case in CASES.iter().filter(|c| **c != "bf16_release_like") {
-        let (io, loaded, out, mask) = forward_fixture(case, burn::tensor::DType::F32, &ForwardOptions::default(), false);
+        let (io, loaded, out, mask) = forward_fixture(case, burn::tensor::DType::F32, &ForwardOptions::default(), Outputs::default());
         let lm = glm5_burn::loss::lm_loss(out.logits, &io.i64("labels"));
         let aux = loaded.model.aux_loss(&out.text.router_logits, &mask).expect("MoE layers present");
         let aux_v = aux.clone().into_scalar();

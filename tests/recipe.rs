@@ -36,10 +36,10 @@ fn overrides_apply_with_yaml_types() {
 fn backend_paths_parse_with_the_old_name() {
     use glm5_burn::ops::PathKind;
     let shipped_recipe = Recipe::from_file(&shipped("tiny_medpix.yaml"), &[]).unwrap();
-    assert_eq!((shipped_recipe.model.backend.attn, shipped_recipe.model.backend.linear), (PathKind::Op, PathKind::Op));
-    let over = ["model.backend.attn=kernel".to_string(), "model.backend.linear=reference".to_string()];
+    assert_eq!((shipped_recipe.model.backend.attn, shipped_recipe.model.backend.kda), (PathKind::Op, PathKind::Op));
+    let over = ["model.backend.attn=kernel".to_string(), "model.backend.kda=reference".to_string()];
     let r = Recipe::from_file(&shipped("tiny_medpix.yaml"), &over).unwrap();
-    assert_eq!((r.model.backend.attn, r.model.backend.linear), (PathKind::Op, PathKind::Reference));
+    assert_eq!((r.model.backend.attn, r.model.backend.kda), (PathKind::Op, PathKind::Reference));
     let err = Recipe::from_file(&shipped("tiny_medpix.yaml"), &["model.backend.attn=kernels".to_string()]).unwrap_err();
     assert!(err.to_string().contains("model.backend.attn"), "{err}");
 }

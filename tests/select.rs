@@ -12,7 +12,7 @@ use glm5_burn::checkpoint::{load_causal_lm, read_config, LoadOptions};
 
 fn open(case: &str) -> SafetensorsFiles {
     let dir = fixtures().join(case);
-    let (_, json) = read_config(&dir).unwrap();
+    let json = read_config(&dir).unwrap().json;
     let mut f = SafetensorsFiles::open_dir(&dir).unwrap();
     f.set_fp8_block_from_config(&json).unwrap();
     f
@@ -26,7 +26,7 @@ fn values(d: &burn::tensor::TensorData) -> Vec<f32> {
 fn full_selection_equals_the_full_load() {
     for case in ["base_k4", "fp8_f32_scales"] {
         let dir = fixtures().join(case);
-        let (config, _) = read_config(&dir).unwrap();
+        let config = read_config(&dir).unwrap().resolved;
         let full = load_causal_lm::<B>(&dir, &Default::default(), &LoadOptions::default()).unwrap();
         let sel = Selection { embeddings_and_head: true, ..Selection::default() };
         let got = load_selected(&open(case), &config, &sel, DType::F32).unwrap();
@@ -44,7 +44,7 @@ fn full_selection_equals_the_full_load() {
 fn layers_and_expert_shards_read_only_their_bytes() {
     let case = "fp8_f32_scales";
     let dir = fixtures().join(case);
-    let (config, _) = read_config(&dir).unwrap();
+    let config = read_config(&dir).unwrap().resolved;
     let all = load_selected(&open(case), &config, &Selection { embeddings_and_head: true, ..Selection::default() }, DType::F32).unwrap();
     let files = open(case);
     let sel = Selection { layers: layers([1, 3]), embeddings_and_head: false, experts: Some(ExpertShard { rank: 1, size: 4 }) };
@@ -78,7 +78,7 @@ fn layers_and_expert_shards_read_only_their_bytes() {
 
 #[test]
 fn expert_shard_sizes_must_divide_the_experts() {
-    let (config, _) = read_config(&fixtures().join("base_k4")).unwrap();
+    let config = read_config(&fixtures().join("base_k4")).unwrap().resolved;
     for bad in [ExpertShard { rank: 0, size: 3 }, ExpertShard { rank: 4, size: 4 }, ExpertShard { rank: 0, size: 0 }] {
         let sel = Selection { experts: Some(bad), ..Selection::default() };
         let e = load_selected(&open("base_k4"), &config, &sel, DType::F32).unwrap_err().to_string();
@@ -124,7 +124,7 @@ fn expert_parallel_rank_loads_only_its_experts() {
         let dir = fixtures().join(case);
         let device = Default::default();
         let full = load_causal_lm::<B>(&dir, &device, &LoadOptions::default()).unwrap();
-        let e = full.config.text_config.n_routed_experts;
+        let e = full.config.resolved.text_config.n_routed_experts;
         let experts_bytes = |m: &glm5_burn::Glm5ForCausalLM<B>| -> usize {
             m.language_model
                 .layers
@@ -158,7 +158,7 @@ fn expert_parallel_rank_loads_only_its_experts() {
             // experts are not touched
             let files = open(case);
             let sel = Selection { embeddings_and_head: true, experts: Some(ExpertShard { rank, size }), ..Selection::default() };
-            load_selected(&files, &full.config, &sel, DType::F32).unwrap();
+            load_selected(&files, &full.config.resolved, &sel, DType::F32).unwrap();
             println!("{case}: rank {rank} of {size} read {} of {} bytes", part.bytes_read, full.bytes_read);
             assert_eq!(part.bytes_read, files.bytes_read(), "{case}: rank {rank} of {size}");
             assert!(part.bytes_read < full.bytes_read);
@@ -167,7 +167,7 @@ fn expert_parallel_rank_loads_only_its_experts() {
             assert_eq!(skipped_experts(&part.skipped), skipped_experts(&full.skipped) + (size - 1) * per * 3 * moe_layers(&full.model), "{case}");
             // a rank's share is not written as if it were experts 0..
             let tmp = tempfile::tempdir().unwrap();
-            let e = glm5_burn::checkpoint::save_causal_lm(&part.model, &part.config_json, tmp.path()).unwrap_err().to_string();
+            let e = glm5_burn::checkpoint::save_causal_lm(&part.model, &part.config, tmp.path()).unwrap_err().to_string();
             assert!(e.contains("an expert-parallel rank's share"), "{e}");
         }
         let e3 = load_causal_lm::<B>(&dir, &device, &LoadOptions { experts: Some(ExpertShard { rank: 0, size: 3 }), ..LoadOptions::default() })

@@ -18,8 +18,13 @@ use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::train::adamw::FusedAdamW;
 use glm5_burn::train::recipe::DecayStyle;
 use glm5_burn::train::schedule::LrSchedule;
-use glm5_burn::train::step::train_step;
+use glm5_burn::train::step::{train_step, StepSettings};
 use glm5_burn::{ForwardOptions, Glm5ForCausalLM};
+
+/// The reference run's step: clipped at 1.0, no load-balancing loss.
+fn settings(lr: f64) -> StepSettings {
+    StepSettings { lr, max_grad_norm: Some(1.0), aux_coef: 0.0, forward: ForwardOptions::default() }
+}
 
 type A = Autodiff<Flex>;
 
@@ -44,7 +49,7 @@ fn loss_curve_tracks_the_reference() {
     let (ref_loss, ref_norm) = (reference.f64("loss"), reference.f64("grad_norm"));
     let mut worst = 0f64;
     for step in 0..20 {
-        let (m, metrics) = train_step(model, &mut optim, &micro, schedule.at(step), Some(1.0), 0.0, &ForwardOptions::default(), &device);
+        let (m, metrics) = train_step(model, &mut optim, &micro, &settings(schedule.at(step)));
         model = m;
         let metrics = metrics.unwrap();
         let d = (metrics.loss - ref_loss[step]).abs();
@@ -79,8 +84,7 @@ fn packed_loss_curve_tracks_the_reference_run_unpacked() {
     let (ref_loss, ref_norm) = (reference.f64("loss"), reference.f64("grad_norm"));
     let mut worst = 0f64;
     for step in 0..20 {
-        let (m, metrics) =
-            train_step(model, &mut optim, std::slice::from_ref(&packed), schedule.at(step), Some(1.0), 0.0, &ForwardOptions::default(), &device);
+        let (m, metrics) = train_step(model, &mut optim, std::slice::from_ref(&packed), &settings(schedule.at(step)));
         model = m;
         let metrics = metrics.unwrap();
         let d = (metrics.loss - ref_loss[step]).abs();

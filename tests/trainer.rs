@@ -18,6 +18,7 @@ use glm5_burn::text::decoder::Ffn;
 use glm5_burn::train::params::param_ids;
 use glm5_burn::train::recipe::{NonFinitePolicy, Precision, Recipe};
 use glm5_burn::train::step::TrainError;
+use glm5_burn::train::trainer::DataPosition;
 use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
 use glm5_burn::Glm5ForCausalLM;
 
@@ -27,9 +28,9 @@ fn bundle() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/tiny_medpix")
 }
 
-fn setup() -> (Glm5Config, serde_json::Value, Vec<MicroBatch>, TrainOptions) {
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(bundle().join("config.json")).unwrap()).unwrap();
-    let config = Glm5Config::from_hf_value(&json).unwrap();
+fn setup() -> (Glm5Config, glm5_burn::checkpoint::CheckpointConfig, Vec<MicroBatch>, TrainOptions) {
+    let json = glm5_burn::checkpoint::read_config(&bundle()).unwrap();
+    let config = json.resolved.clone();
     let chat = ChatFormat::from_dir(&bundle()).unwrap();
     let packing = PackingOptions { max_length: 128, drop_long_samples: true, seed: 1 };
     let ds =
@@ -70,10 +71,9 @@ fn values<M: Module<A>>(m: &M) -> Vec<Vec<f32>> {
 #[test]
 fn frozen_parameters_take_no_update_and_no_state() {
     let (config, _, micro, opts) = setup();
-    let device = Default::default();
     let m = model(&config, 7);
     let (embed0, vision0, layers0) = (values(&m.language_model.embed_tokens), values(m.visual.as_ref().unwrap()), values(&m.language_model.layers));
-    let mut t = Trainer::<A>::new(m, opts, &device);
+    let mut t = Trainer::<A>::new(m, opts);
     let StepOutcome::Applied(metrics) = t.step(&micro).unwrap() else { panic!("finite step") };
     assert!(metrics.loss.is_finite() && metrics.grad_norm > 0.0);
     let m = t.model();
@@ -111,19 +111,18 @@ impl ModuleMapper<A> for Poison {
 #[test]
 fn non_finite_steps_apply_nothing() {
     let (config, _, micro, mut opts) = setup();
-    let device = Default::default();
     let mut m = model(&config, 7);
     m.lm_head = m.lm_head.map(|h| h.map(&mut Poison)); // NaN logits → NaN loss and gradients
     let before = values(&m.language_model.layers);
     opts.on_nonfinite = NonFinitePolicy::Skip;
-    let mut t = Trainer::<A>::new(m.clone(), opts.clone(), &device);
+    let mut t = Trainer::<A>::new(m.clone(), opts.clone());
     let out = t.step(&micro).unwrap();
     assert!(matches!(out, StepOutcome::Skipped { what: "loss", .. }), "{out:?}");
     assert_eq!((t.step, t.skipped_steps), (1, 1));
     assert_eq!(values(&t.model().language_model.layers), before, "weights untouched");
     assert!(t.optimizer_state_ids().is_empty(), "no optimizer state created");
     opts.on_nonfinite = NonFinitePolicy::Abort;
-    let mut t = Trainer::<A>::new(m, opts, &device);
+    let mut t = Trainer::<A>::new(m, opts);
     let e = t.step(&micro).unwrap_err();
     assert!(matches!(e, TrainError::NonFinite { .. }) && e.to_string().contains("non-finite loss"), "{e}");
     assert_eq!(values(&t.model().language_model.layers), before);
@@ -132,11 +131,10 @@ fn non_finite_steps_apply_nothing() {
 #[test]
 fn bf16_compute_updates_fp32_master_weights() {
     let (config, _, micro, mut opts) = setup();
-    let device = Default::default();
     let m = model(&config, 7);
-    let mut f32_run = Trainer::<A>::new(m.clone(), opts.clone(), &device);
+    let mut f32_run = Trainer::<A>::new(m.clone(), opts.clone());
     opts.precision = Precision::Bf16;
-    let mut bf16_run = Trainer::<A>::new(m, opts, &device);
+    let mut bf16_run = Trainer::<A>::new(m, opts);
     for step in 0..3 {
         let (StepOutcome::Applied(a), StepOutcome::Applied(b)) = (f32_run.step(&micro).unwrap(), bf16_run.step(&micro).unwrap()) else { panic!() };
         println!("step {step}: loss f32 {:.5} bf16 {:.5}, grad norm {:.4} / {:.4}", a.loss, b.loss, a.grad_norm, b.grad_norm);
@@ -153,7 +151,6 @@ fn bf16_compute_updates_fp32_master_weights() {
 #[test]
 fn router_bias_moves_only_when_enabled() {
     let (config, _, micro, mut opts) = setup();
-    let device = Default::default();
     let bias = |t: &Trainer<A>| -> Vec<Vec<f32>> {
         t.model()
             .language_model
@@ -165,12 +162,12 @@ fn router_bias_moves_only_when_enabled() {
             })
             .collect()
     };
-    let mut off = Trainer::<A>::new(model(&config, 7), opts.clone(), &device);
+    let mut off = Trainer::<A>::new(model(&config, 7), opts.clone());
     let b0 = bias(&off);
     off.step(&micro).unwrap();
     assert_eq!(bias(&off), b0, "off by default");
     opts.router_bias_update_rate = 1e-3;
-    let mut on = Trainer::<A>::new(model(&config, 7), opts, &device);
+    let mut on = Trainer::<A>::new(model(&config, 7), opts);
     on.step(&micro).unwrap();
     let b1 = bias(&on);
     for (layer, (new, old)) in b1.iter().zip(&b0).enumerate() {
@@ -185,15 +182,16 @@ fn save_and_resume_continue_exactly() {
     let (config, json, micro, opts) = setup();
     let device = Default::default();
     let tmp = tempfile::tempdir().unwrap();
-    let mut straight = Trainer::<A>::new(model(&config, 7), opts.clone(), &device);
-    let mut first = Trainer::<A>::new(model(&config, 7), opts.clone(), &device);
+    let mut straight = Trainer::<A>::new(model(&config, 7), opts.clone());
+    let mut first = Trainer::<A>::new(model(&config, 7), opts.clone());
     let mut losses = Vec::new();
     for _ in 0..2 {
         let (StepOutcome::Applied(a), StepOutcome::Applied(b)) = (straight.step(&micro).unwrap(), first.step(&micro).unwrap()) else { panic!() };
         assert_eq!(a.loss, b.loss, "seeded init is reproducible");
         losses.push(a.loss);
     }
-    let dir = first.save_checkpoint(tmp.path(), 2, &json, &[bundle().join("tokenizer.json")], (3, 5), 42).unwrap();
+    let dir =
+        first.save_checkpoint(tmp.path(), 2, &json, &[bundle().join("tokenizer.json")], DataPosition { epoch: 3, cursor: 5, seed: 42 }).unwrap();
     assert!(dir.ends_with("step_000002") && dir.join("model/tokenizer.json").is_file());
     drop(first);
     let (mut resumed, state) = Trainer::<A>::resume(&dir, opts, true, &device).unwrap();

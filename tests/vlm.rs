@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use burn::tensor::Tensor;
 use common::*;
 use glm5_burn::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions, LoadedModel};
-use glm5_burn::{ForwardOptions, TokenMask};
+use glm5_burn::ForwardOptions;
+use glm5_burn::{Images, ModelInput, Outputs};
 
 fn load() -> (LoadedModel<B>, Io) {
     let dir = fixtures().join("vlm");
@@ -37,25 +38,9 @@ fn vision_tower_matches_reference() {
 #[test]
 fn multimodal_logits_match_reference() {
     let (m, io) = load();
-    let device = Default::default();
-    let shape = io.shape("input_ids");
-    let (b, s) = (shape[0], shape[1]);
-    let mask: Vec<bool> = io.i64("attention_mask").iter().map(|&x| x != 0).collect();
-    let pixels: Tensor<B, 2> = io.tensor("pixel_values", &device);
-    let g = grid(&io);
-    let out = m
-        .model
-        .forward_multimodal(
-            &io.i64("input_ids"),
-            b,
-            s,
-            Some(TokenMask::new(mask.clone(), b, s, &device)),
-            Some((pixels, &g)),
-            &ForwardOptions::default(),
-            false,
-        )
-        .unwrap();
-    let st = logit_stats(&io.f32("logits"), &host(out.logits), m.config.text_config.vocab_size, &mask);
+    let mask = io.mask();
+    let out = m.model.forward(io.ids().with_mask(mask.clone()).with_images(io.images()), &ForwardOptions::default(), Outputs::default()).unwrap();
+    let st = logit_stats(&io.f32("logits"), &host(out.logits), m.config.resolved.text_config.vocab_size, &mask);
     println!("vlm logits: mean KL {:.2e}, max|Δ| {:.2e}, min cos {:.8}, top-1 {}", st.mean_kl, st.max_abs, st.min_cos, st.top1);
     assert!(st.mean_kl <= 1e-10 && st.max_abs <= 1e-4 && st.min_cos >= 0.99999 && st.top1 == 1.0, "{st:?}");
 }
@@ -67,31 +52,33 @@ fn bad_multimodal_inputs_are_errors() {
     let shape = io.shape("input_ids");
     let (b, s) = (shape[0], shape[1]);
     let ids = io.i64("input_ids");
-    let g = grid(&io);
-    let pixels = || io.tensor::<2>("pixel_values", &device);
-    let run = |ids: &[i64], images: Option<(Tensor<B, 2>, &[[usize; 3]])>| {
-        m.model.forward_multimodal(ids, b, s, None, images, &ForwardOptions::default(), false).err().map(|e| e.to_string())
+    let images = io.images().unwrap();
+    let with_grid = |grid_thw: &[[usize; 3]]| Some(Images { grid_thw: grid_thw.to_vec(), ..images.clone() });
+    let g = images.grid_thw.clone();
+    let input = |ids: &[i64], images: Option<Images>| ModelInput::<B>::new(ids.to_vec(), b, s).with_images(images);
+    let run = |ids: &[i64], images: Option<Images>| {
+        m.model.forward(input(ids, images), &ForwardOptions::default(), Outputs::default()).err().map(|e| e.to_string())
     };
     // one placeholder too many
     let mut extra = ids.clone();
-    extra[s + 20] = m.config.image_token_id; // sample 1, a text position
-    let e = run(&extra, Some((pixels(), &g))).expect("count mismatch");
+    extra[s + 20] = m.config.resolved.image_token_id; // sample 1, a text position
+    let e = run(&extra, with_grid(&g)).expect("count mismatch");
     assert!(e.contains("do not match") && e.contains("10 <|image|>") && e.contains("9 image features"), "{e}");
     // placeholders without pixel values are embedded as ordinary tokens, as HF's forward does
     // (it looks for them only when pixel_values are given): every tool takes such ids alike
     assert_eq!(run(&ids, None), None, "placeholders without pixel_values run as text");
     // a grid that does not describe the pixel rows
-    let e = run(&ids, Some((pixels(), &[[1, 4, 6]]))).expect("grid mismatch");
+    let e = run(&ids, with_grid(&[[1, 4, 6]])).expect("grid mismatch");
     assert!(e.contains("image_grid_thw") || e.contains("pixel_values"), "{e}");
     // image placeholders inside a video span
     let mut video = ids.clone();
-    let first = video.iter().position(|&x| x == m.config.image_start_token_id).unwrap();
-    video[first] = m.config.video_start_token_id;
-    let e = run(&video, Some((pixels(), &g))).expect("video rejected");
+    let first = video.iter().position(|&x| x == m.config.resolved.image_start_token_id).unwrap();
+    video[first] = m.config.resolved.video_start_token_id;
+    let e = run(&video, with_grid(&g)).expect("video rejected");
     assert!(e.contains("video inputs are not supported"), "{e}");
     // a text-only load cannot take images
     let text_only = load_causal_lm::<B>(&fixtures().join("vlm"), &device, &LoadOptions::default()).unwrap();
-    let e = match text_only.model.forward_multimodal(&ids, b, s, None, Some((pixels(), &g)), &ForwardOptions::default(), false) {
+    let e = match text_only.model.forward(input(&ids, with_grid(&g)), &ForwardOptions::default(), Outputs::default()) {
         Err(e) => e.to_string(),
         Ok(_) => panic!("a text-only model accepted images"),
     };
@@ -102,7 +89,7 @@ fn bad_multimodal_inputs_are_errors() {
 fn vlm_round_trip_is_byte_identical() {
     let (m, _) = load();
     let out = tempfile::tempdir().unwrap();
-    save_causal_lm(&m.model, &m.config_json, out.path()).unwrap();
+    save_causal_lm(&m.model, &m.config, out.path()).unwrap();
     let read = |p: &std::path::Path| -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
         let bytes = std::fs::read(p).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();

@@ -32,7 +32,7 @@ LAYERS = [
     ["distributed::decorator"],
     ["config"],
     ["text", "vision"],
-    ["model", "loss"],
+    ["model", "input", "loss"],
     ["checkpoint", "data", "io"],
     ["generate", "train", "plan"],
     ["lib"],

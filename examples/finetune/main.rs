@@ -36,8 +36,7 @@ use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoChe
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use clap::{CommandFactory, FromArgMatches, Parser};
-use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
-use glm5_burn::config::Glm5Config;
+use glm5_burn::checkpoint::{load_causal_lm, CheckpointConfig, LoadOptions};
 use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::fingerprint::DataFingerprint;
@@ -49,7 +48,7 @@ use glm5_burn::ops::OpImpl;
 use glm5_burn::train::checkpoint as ckpt;
 use glm5_burn::train::params::trainable_counts;
 use glm5_burn::train::recipe::{split_overrides, DatasetSection, PathKind, Recipe};
-use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
+use glm5_burn::train::trainer::{DataPosition, StepOutcome, TrainOptions, Trainer};
 use glm5_burn::{Glm5Backend, Glm5ForCausalLM};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
@@ -402,8 +401,8 @@ where
     let be = &recipe.model.backend;
     println!(
         "paths: KDA scan {}, KDA pair terms {}, KPool indexer {}, sparse attention {}",
-        path(be.linear, B::kda_scan_impl()),
-        path(be.linear, B::kda_pairs_impl()),
+        path(be.kda, B::kda_scan_impl()),
+        path(be.kda, B::kda_pairs_impl()),
         path(be.attn, B::kpool_impl()),
         path(be.attn, B::sparse_attention_impl())
     );
@@ -414,15 +413,12 @@ where
         // where checkpoints and metrics go, before any data or model is read
         glm5_burn::io::check_output_dir("checkpoint.checkpoint_dir", &recipe.checkpoint.checkpoint_dir, &[])?;
         // model description and tokenizer
-        let (config, config_json) = match (&recipe.model.checkpoint, &recipe.model.config) {
+        let checkpoint_config = match (&recipe.model.checkpoint, &recipe.model.config) {
             (Some(dir), _) => glm5_burn::checkpoint::read_config(dir)?,
-            (None, Some(path)) => {
-                let text = std::fs::read_to_string(path).with_context(|| format!("model.config: {}", path.display()))?;
-                let json: Value = serde_json::from_str(&text).with_context(|| format!("model.config: {}", path.display()))?;
-                (Glm5Config::from_hf_value(&json).with_context(|| format!("model.config: {}", path.display()))?, json)
-            }
+            (None, Some(path)) => CheckpointConfig::read_file(path).context("model.config")?,
             (None, None) => bail!("the recipe names neither model.checkpoint nor model.config"),
         };
+        let config = checkpoint_config.resolved.clone();
         let tok_dir = recipe.model.tokenizer.clone().or_else(|| recipe.model.checkpoint.clone()).context("model.tokenizer")?;
         let chat = ChatFormat::from_dir(&tok_dir)?;
         let extra_files: Vec<PathBuf> =
@@ -437,9 +433,9 @@ where
         let root = recipe.checkpoint.checkpoint_dir.clone();
         // one run per directory, before anything in it is read or written
         let lock = if rank == 0 { Some(ckpt::RunLock::acquire(&root)?) } else { None };
-        Ok((config, config_json, chat, extra_files, train, val, root, lock))
+        Ok((config, checkpoint_config, chat, extra_files, train, val, root, lock))
     })();
-    let (config, config_json, chat, extra_files, train, val, root, _lock) = agree(group.as_ref(), setup)?;
+    let (config, checkpoint_config, chat, extra_files, train, val, root, _lock) = agree(group.as_ref(), setup)?;
     let fingerprint = DataFingerprint::of(
         &train,
         &recipe.dataset.path,
@@ -451,7 +447,7 @@ where
         recipe.step_scheduler.local_batch_size,
     );
     let mut options = TrainOptions::from_recipe(recipe);
-    options.data_parallel = group.clone();
+    options.parallel.data_parallel = group.clone();
     let checkpoints = if recipe.checkpoint.enabled { ckpt::list(&root) } else { Vec::new() };
     let latest = checkpoints.last().map(|(_, p)| p.clone());
     let (mut trainer, mut sampler) = match latest {
@@ -488,8 +484,8 @@ where
                 );
             };
             t.data_fingerprint = Some(fingerprint.clone());
-            let (schedule, note) = glm5_burn::train::schedule::resume_schedule(state.schedule, t.options.lr, state.step, args.new_schedule);
-            t.options.lr = schedule;
+            let (schedule, note) = glm5_burn::train::schedule::resume_schedule(state.schedule, t.options.optimizer.lr, state.step, args.new_schedule);
+            t.options.optimizer.lr = schedule;
             if let Some(note) = note {
                 println!("{note}");
             }
@@ -514,7 +510,7 @@ where
             if rank == 0 && root.join("metrics.jsonl").exists() {
                 truncate_metrics(&root.join("metrics.jsonl"), 0)?;
             }
-            let mut t = Trainer::try_new(model, options, &device)?;
+            let mut t = Trainer::try_new(model, options)?;
             t.data_fingerprint = Some(fingerprint.clone());
             (t, Sampler::new(train.packs.len(), seed))
         }
@@ -555,7 +551,7 @@ where
     // greedy answers to the validation questions, exact match (rank 0, unsharded models)
     let answer_limit = s.val_answer_max_new_tokens.filter(|&n| n > 0);
     let eos_ids: Vec<i64> = {
-        let mut ids = glm5_burn::generate::config_eos_ids(&config_json);
+        let mut ids = glm5_burn::generate::config_eos_ids(&checkpoint_config.json);
         // the chat format's turn end stops an answer too
         ids.extend(["<|user|>", "<|endoftext|>"].iter().filter_map(|t| chat.tokenizer.token_to_id(t)).map(|x| x as i64));
         ids
@@ -666,8 +662,8 @@ where
         let ckpt_due = s.ckpt_every_steps.is_some_and(|k| k > 0 && step % k == 0) || step == s.max_steps;
         // a sharded model is saved by every rank (each writes its shard), a replicated one by rank 0
         if recipe.checkpoint.enabled && ckpt_due && (rank == 0 || trainer.is_sharded()) {
-            let dir =
-                trainer.save_checkpoint(&root, recipe.checkpoint.keep_last, &config_json, &extra_files, (sampler.epoch, sampler.cursor), seed)?;
+            let position = DataPosition { epoch: sampler.epoch, cursor: sampler.cursor, seed };
+            let dir = trainer.save_checkpoint(&root, recipe.checkpoint.keep_last, &checkpoint_config, &extra_files, position)?;
             say(&bar, format!("step {step}: checkpoint {}", dir.display()));
         }
     }

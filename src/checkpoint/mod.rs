@@ -6,6 +6,7 @@
 //! missing, unexpected and mis-shaped key — and loads the weights through the name table
 //! in [`hf_map`]. [`save_causal_lm`] writes the same layout back, atomically.
 
+mod config_file;
 pub mod convert;
 pub mod dtype;
 mod error;
@@ -25,14 +26,12 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::store::{ModuleSnapshot, TensorSnapshot, TensorSnapshotError};
 use burn::tensor::{backend::Backend, DType, Shape, Tensor, TensorData};
 use safetensors::tensor::Dtype;
-use serde_json::Value;
 
-use crate::config::Glm5Config;
 use crate::model::Glm5ForCausalLM;
-use dtype::decode_f32;
+pub use config_file::CheckpointConfig;
 pub use error::CheckpointError;
 use hf_map::{resolve, Resolved, Transform};
-use safetensors_io::{serialize, write_atomic, OwnedTensor, SafetensorsFiles};
+use safetensors_io::{OwnedTensor, SafetensorsFiles};
 
 /// How to load.
 #[derive(Debug, Clone)]
@@ -71,10 +70,9 @@ impl LoadOptions {
 
 /// A loaded text model with its configuration.
 pub struct LoadedModel<B: Backend> {
-    /// The resolved configuration.
-    pub config: Glm5Config,
-    /// The `config.json` as read (written back unchanged by [`save_causal_lm`]).
-    pub config_json: Value,
+    /// The configuration: resolved, and the `config.json` as read (written back unchanged by
+    /// [`save_causal_lm`]).
+    pub config: CheckpointConfig,
     /// The model with the checkpoint's weights.
     pub model: Glm5ForCausalLM<B>,
     /// Checkpoint tensors present but not used (vision tower, MTP layer, `shared_head`, other
@@ -84,22 +82,9 @@ pub struct LoadedModel<B: Backend> {
     pub bytes_read: u64,
 }
 
-/// Read and validate `dir/config.json`.
-pub fn read_config(dir: &Path) -> Result<(Glm5Config, Value), CheckpointError> {
-    let path = dir.join("config.json");
-    // a training step directory holds its model under `model/`
-    if !path.exists() && dir.join("model").join("config.json").is_file() {
-        return Err(CheckpointError::StepDirectory { dir: dir.to_path_buf(), model: dir.join("model") });
-    }
-    let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::Io { path: path.clone(), error: e })?;
-    let json: Value = serde_json::from_str(&text).map_err(|e| crate::config::ConfigError::Json { path: path.display().to_string(), source: e })?;
-    let config = Glm5Config::from_hf_value(&json).map_err(|e| match e {
-        crate::config::ConfigError::Invalid { field, message } => {
-            crate::config::ConfigError::Invalid { field: format!("{}: {field}", path.display()), message }
-        }
-        other => other,
-    })?;
-    Ok((config, json))
+/// Read and validate `dir/config.json` ([`CheckpointConfig::read`]).
+pub fn read_config(dir: &Path) -> Result<CheckpointConfig, CheckpointError> {
+    CheckpointConfig::read(dir)
 }
 
 /// One module tensor and where it comes from in the checkpoint.
@@ -155,14 +140,15 @@ fn dtype_name(d: Dtype) -> String {
 /// Load the text model and LM head from an HF checkpoint directory.
 pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opts: &LoadOptions) -> Result<LoadedModel<B>, CheckpointError> {
     let dir = dir.as_ref();
-    let (config, config_json) = read_config(dir)?;
+    let checkpoint_config = read_config(dir)?;
+    let config = &checkpoint_config.resolved;
     let mut files = SafetensorsFiles::open_dir(dir)?;
-    files.set_fp8_block_from_config(&config_json)?;
+    files.set_fp8_block_from_config(&checkpoint_config.json)?;
     let files = Rc::new(files);
     let mut model = if opts.vision {
-        Glm5ForCausalLM::<B>::try_new_with_vision(&config, opts.vision_rms_eps, device)?
+        Glm5ForCausalLM::<B>::try_new_with_vision(config, opts.vision_rms_eps, device)?
     } else {
-        Glm5ForCausalLM::<B>::try_new(&config, device)?
+        Glm5ForCausalLM::<B>::try_new(config, device)?
     };
     let tc = &config.text_config;
     let owned = match opts.experts {
@@ -284,7 +270,7 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
         });
     }
     let bytes_read = files.bytes_read();
-    Ok(LoadedModel { config, config_json, model, skipped, bytes_read })
+    Ok(LoadedModel { config: checkpoint_config, model, skipped, bytes_read })
 }
 
 /// Checkpoint tensor(s) (read one at a time as f32, checkpoint layout) → module layout.
@@ -349,13 +335,6 @@ fn st_dtype(d: DType) -> Dtype {
     }
 }
 
-/// Kernel shapes of the convolutions stored as matmuls, from the config's inventory.
-pub(crate) fn config_kernel_shapes(config_json: &Value) -> BTreeMap<String, Vec<usize>> {
-    Glm5Config::from_hf_value(config_json)
-        .map(|c| inventory::inventory(&c, false, true).into_iter().map(|e| (e.name, e.shape)).collect())
-        .unwrap_or_default()
-}
-
 /// The checkpoint tensors (HF names, layout and dtype) of one module tensor at `path` with
 /// f32 `values` of `shape`, stored as `dtype`.
 pub(crate) fn checkpoint_tensors(
@@ -397,11 +376,11 @@ pub(crate) fn checkpoint_tensors(
 
 /// Save the text model in the published HF layout: `dir/config.json` (the given JSON) and
 /// `dir/model.safetensors`, each written atomically. Tensors keep the module's dtype.
-pub fn save_causal_lm<B: Backend>(model: &Glm5ForCausalLM<B>, config_json: &Value, dir: impl AsRef<Path>) -> Result<PathBuf, CheckpointError> {
+pub fn save_causal_lm<B: Backend>(model: &Glm5ForCausalLM<B>, config: &CheckpointConfig, dir: impl AsRef<Path>) -> Result<PathBuf, CheckpointError> {
     let dir = dir.as_ref();
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
     let n_experts = model.num_experts;
-    let kernel_shapes = config_kernel_shapes(config_json);
+    let kernel_shapes = config.kernel_shapes();
     let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
     for snap in model.collect(None, None, true) {
         let path = snap.full_path();
@@ -416,15 +395,8 @@ pub fn save_causal_lm<B: Backend>(model: &Glm5ForCausalLM<B>, config_json: &Valu
             }
         }
     }
-    let bytes = serialize(&tensors)?;
     let st_path = dir.join("model.safetensors");
-    write_atomic(&st_path, &bytes)?;
-    let cfg = serde_json::to_vec_pretty(config_json).map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
-    write_atomic(&dir.join("config.json"), &cfg)?;
+    writer::write_tensors(&st_path, &tensors)?;
+    writer::write_config(dir, config)?;
     Ok(st_path)
-}
-
-/// Decode helper re-exported for tests and tools.
-pub fn decode(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    decode_f32(dtype, bytes)
 }

@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::Dtype;
 use serde_json::{json, Value};
 
-use crate::checkpoint::CheckpointError;
+use super::safetensors_io::{serialize, write_atomic, OwnedTensor};
+use super::{CheckpointConfig, CheckpointError};
 
 /// A tensor to be written.
 #[derive(Debug, Clone)]
@@ -120,17 +121,34 @@ pub fn plan_shards(tensors: Vec<PlannedTensor>, max_bytes: usize) -> Vec<(String
     shards.into_iter().enumerate().map(|(k, s)| (format!("model-{:05}-of-{total:05}.safetensors", k + 1), s)).collect()
 }
 
-/// `model.safetensors.index.json` for a sharded checkpoint.
+/// `model.safetensors.index.json` for a sharded checkpoint planned by [`plan_shards`].
 pub fn index_json(shards: &[(String, Vec<PlannedTensor>)]) -> Value {
-    let mut map = BTreeMap::new();
-    let mut total = 0usize;
-    for (file, ts) in shards {
-        for t in ts {
-            map.insert(t.name.clone(), Value::String(file.clone()));
-            total += t.n_bytes();
-        }
-    }
-    json!({"metadata": {"total_size": total}, "weight_map": map})
+    let weight_map = shards.iter().flat_map(|(file, ts)| ts.iter().map(move |t| (t.name.clone(), file.clone()))).collect();
+    index_value(&weight_map, shards.iter().flat_map(|(_, ts)| ts).map(PlannedTensor::n_bytes).sum())
+}
+
+/// The index of a sharded checkpoint: each tensor's file, and the bytes of them all.
+pub fn index_value(weight_map: &BTreeMap<String, String>, total_size: usize) -> Value {
+    json!({"metadata": {"total_size": total_size}, "weight_map": weight_map})
+}
+
+/// Write `dir/model.safetensors.index.json` ([`index_value`]) atomically.
+pub fn write_index(dir: &Path, weight_map: &BTreeMap<String, String>, total_size: usize) -> Result<(), CheckpointError> {
+    let text = serde_json::to_vec_pretty(&index_value(weight_map, total_size))
+        .map_err(|e| CheckpointError::Encode { what: "model.safetensors.index.json".into(), message: e.to_string() })?;
+    write_atomic(&dir.join("model.safetensors.index.json"), &text)
+}
+
+/// Write in-memory tensors as one safetensors file, atomically (module tensors collected for
+/// a save; [`write_safetensors`] streams larger sets).
+pub fn write_tensors(path: &Path, tensors: &BTreeMap<String, OwnedTensor>) -> Result<(), CheckpointError> {
+    write_atomic(path, &serialize(tensors)?)
+}
+
+/// Write `dir/config.json` (the JSON the checkpoint was read with) atomically.
+pub fn write_config(dir: &Path, config: &CheckpointConfig) -> Result<(), CheckpointError> {
+    let text = serde_json::to_vec_pretty(&config.json).map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
+    write_atomic(&dir.join("config.json"), &text)
 }
 
 /// A staging directory beside `dest` that becomes `dest` on [`Staging::commit`] and is

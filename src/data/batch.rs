@@ -1,16 +1,10 @@
 //! The batch types the data pipeline produces and the training step consumes: token rows with
 //! labels, padding, packed document boundaries and the images of their placeholders.
 
-/// The images of a micro-batch, in placeholder order.
-#[derive(Debug, Clone)]
-pub struct Images {
-    /// `[N_patches, patch_dim]` row-major.
-    pub pixel_values: Vec<f32>,
-    /// Values per patch.
-    pub patch_dim: usize,
-    /// `(t, h, w)` patches per image.
-    pub grid_thw: Vec<[usize; 3]>,
-}
+use burn::tensor::backend::Backend;
+
+pub use crate::input::Images;
+use crate::input::ModelInput;
 
 /// One micro-batch of token rows.
 #[derive(Debug, Clone)]
@@ -35,6 +29,19 @@ impl MicroBatch {
     /// A text-only micro-batch of `batch` rows.
     pub fn text(ids: Vec<i64>, labels: Vec<i64>, batch: usize, seq: usize, mask: Option<Vec<bool>>) -> Self {
         Self { ids, labels, batch, seq, mask, documents: None, images: None }
+    }
+
+    /// The model's input for these rows (ids, padding or packed documents, images).
+    pub fn input<B: Backend>(&self) -> ModelInput<B> {
+        ModelInput {
+            ids: self.ids.clone(),
+            batch: self.batch,
+            seq: self.seq,
+            mask: self.mask.clone(),
+            documents: self.documents.clone(),
+            images: self.images.clone(),
+            context: None,
+        }
     }
 
     /// Label tokens after the shift (what the loss is normalised by).

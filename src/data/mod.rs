@@ -11,6 +11,7 @@ pub mod resize;
 
 use serde::{Deserialize, Serialize};
 
+use crate::input::{Images, ModelInput};
 use chat::{ChatError, ChatFormat};
 use image_processor::{ImageError, ImageProcessor, RgbImage};
 
@@ -24,17 +25,20 @@ pub enum DatasetFormat {
     Jsonl,
 }
 
-/// A user turn with images and text, ready for `forward_multimodal`.
+/// A user turn with images and text: one row of ids, placeholders expanded, and its images.
 #[derive(Debug, Clone)]
 pub struct MultimodalPrompt {
     /// Token ids of the prompt, placeholders expanded.
     pub ids: Vec<i64>,
-    /// `[N_patches, 1176]` row-major, all images concatenated.
-    pub pixel_values: Vec<f32>,
-    /// Values per patch.
-    pub patch_dim: usize,
-    /// `(t, h, w)` patches per image.
-    pub grid_thw: Vec<[usize; 3]>,
+    /// Its images, all concatenated (none: a text-only turn).
+    pub images: Images,
+}
+
+impl MultimodalPrompt {
+    /// The model's input: one row, with its images when it has any.
+    pub fn input<B: burn::tensor::backend::Backend>(&self) -> ModelInput<B> {
+        ModelInput::row(self.ids.clone()).with_images((!self.images.grid_thw.is_empty()).then(|| self.images.clone()))
+    }
 }
 
 /// Errors of prompt building.
@@ -60,8 +64,10 @@ pub fn user_prompt(chat: &ChatFormat, processor: &ImageProcessor, images: &[RgbI
     let patch_dim = 3 * processor.temporal_patch_size * processor.patch_size * processor.patch_size;
     Ok(MultimodalPrompt {
         ids: enc.ids.iter().map(|&x| x as i64).collect(),
-        pixel_values: processed.iter().flat_map(|p| p.pixel_values.iter().copied()).collect(),
-        patch_dim,
-        grid_thw: processed.iter().map(|p| p.grid_thw).collect(),
+        images: Images {
+            pixel_values: processed.iter().flat_map(|p| p.pixel_values.iter().copied()).collect(),
+            patch_dim,
+            grid_thw: processed.iter().map(|p| p.grid_thw).collect(),
+        },
     })
 }

@@ -15,9 +15,10 @@
 //! context for KDA layers, O(index width) attention and O(context / kpool) indexer scoring for
 //! DSA layers.
 
-use burn::tensor::{DType, Tensor};
+use burn::tensor::DType;
 
 use super::sampling::{SamplingConfig, SamplingError, TokenSampler};
+use crate::input::ModelInput;
 use crate::model::Glm5ForCausalLM;
 use crate::ops::backend::Glm5Backend;
 use crate::text::ForwardOptions;
@@ -51,21 +52,6 @@ pub enum GenerateError {
     /// The forward rejected the inputs.
     #[error(transparent)]
     Model(#[from] ModelError),
-}
-
-/// A batch of prompts: `[B, S]` ids, optional `[B, S]` mask (left padding), optional images for
-/// the `<|image|>` placeholders.
-pub struct Prompt<'a, B: Glm5Backend> {
-    /// `[B·S]` row-major.
-    pub ids: &'a [i64],
-    /// Rows B.
-    pub batch: usize,
-    /// Columns S.
-    pub seq: usize,
-    /// `[B·S]`, true = token (None: all tokens).
-    pub mask: Option<&'a [bool]>,
-    /// `pixel_values` `[N_patches, patch_dim]` and `image_grid_thw`.
-    pub images: Option<(Tensor<B, 2>, &'a [[usize; 3]])>,
 }
 
 /// What [`generate`] returns.
@@ -102,7 +88,7 @@ impl StoppingCriteria for NoStoppingCriteria {
 /// ended rows) as soon as they are chosen — the streaming hook.
 pub fn generate<B: Glm5Backend>(
     model: &Glm5ForCausalLM<B>,
-    prompt: Prompt<'_, B>,
+    prompt: ModelInput<B>,
     opts: &GenerateOptions,
     forward: &ForwardOptions,
     on_tokens: impl FnMut(&[i64]),
@@ -114,7 +100,7 @@ pub fn generate<B: Glm5Backend>(
 /// ends when `stopping` says so after one of its tokens, and is padded from then on.
 pub fn generate_with<B: Glm5Backend>(
     model: &Glm5ForCausalLM<B>,
-    prompt: Prompt<'_, B>,
+    prompt: ModelInput<B>,
     opts: &GenerateOptions,
     forward: &ForwardOptions,
     stopping: &mut dyn StoppingCriteria,
@@ -128,13 +114,16 @@ pub fn generate_with<B: Glm5Backend>(
     if prompt.ids.len() != b * s {
         return bad(format!("{} input_ids for shape [{b}, {s}]", prompt.ids.len()));
     }
+    if prompt.documents.is_some() || prompt.context.is_some() {
+        return bad("a prompt is a batch of rows, not a packed row or a context-parallel shard".into());
+    }
     if opts.max_new_tokens == 0 {
         return bad("max_new_tokens is 0: nothing to generate".into());
     }
     if s > opts.max_positions {
         return bad(format!("the prompt has {s} positions, more than max_position_embeddings ({})", opts.max_positions));
     }
-    let mask: Vec<Vec<bool>> = match prompt.mask {
+    let mask: Vec<Vec<bool>> = match &prompt.mask {
         Some(m) if m.len() != b * s => return bad(format!("attention_mask has {} entries for shape [{b}, {s}]", m.len())),
         Some(m) => m.chunks(s).map(|r| r.to_vec()).collect(),
         None => vec![vec![true; s]; b],
@@ -146,8 +135,7 @@ pub fn generate_with<B: Glm5Backend>(
     let mut sampler = TokenSampler::new(opts.sampling)?;
     let mut ended = vec![false; b];
     let steps = opts.max_new_tokens.min(opts.max_positions - s);
-    let flat_mask: Vec<bool> = mask.concat();
-    let (mut logits, mut cache) = model.prefill(prompt.ids, b, s, Some(&flat_mask), prompt.images.clone(), forward)?;
+    let (mut logits, mut cache) = model.prefill(prompt, forward)?;
     let mut new_tokens = 0;
     for step in 0..steps {
         if step > 0 {

@@ -11,9 +11,7 @@
 //! The normalisation is SQuAD's `normalize_answer` (lowercase, no punctuation, no articles,
 //! single spaces), the usual one for short-answer VQA exact match.
 
-use burn::tensor::Tensor;
-
-use super::decode::{generate, GenerateError, GenerateOptions, Prompt};
+use super::decode::{generate, GenerateError, GenerateOptions};
 use super::sampling::SamplingConfig;
 use crate::data::chat::ChatFormat;
 use crate::data::image_processor::ImageProcessor;
@@ -98,7 +96,6 @@ pub fn answer_accuracy<B: Glm5Backend>(
     max_positions: usize,
     forward: &ForwardOptions,
 ) -> Result<AnswerAccuracy, EvalError> {
-    let device = model.language_model.embed_tokens.weight.device();
     let opts = GenerateOptions {
         max_new_tokens,
         sampling: SamplingConfig::default(),
@@ -111,10 +108,7 @@ pub fn answer_accuracy<B: Glm5Backend>(
         let prompt_err = |message: String| EvalError::Prompt { origin: r.origin.clone(), message };
         let image = r.image().map_err(|e| prompt_err(e.to_string()))?;
         let p = crate::data::user_prompt(chat, processor, &[image], &r.question).map_err(|e| prompt_err(e.to_string()))?;
-        let n = p.pixel_values.len() / p.patch_dim.max(1);
-        let pixels = Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(p.pixel_values, [n, p.patch_dim]), &device);
-        let prompt = Prompt { ids: &p.ids, batch: 1, seq: p.ids.len(), mask: None, images: Some((pixels, &p.grid_thw)) };
-        let g = generate(model, prompt, &opts, forward, |_| {}).map_err(|source| EvalError::Generate { origin: r.origin.clone(), source })?;
+        let g = generate(model, p.input(), &opts, forward, |_| {}).map_err(|source| EvalError::Generate { origin: r.origin.clone(), source })?;
         let new: Vec<u32> = g.sequences[p.ids.len()..].iter().filter(|t| !eos_token_ids.contains(t)).map(|&t| t as u32).collect();
         let prediction = chat.tokenizer.decode(&new, true).map_err(|e| prompt_err(format!("decoding the answer: {e}")))?;
         let correct = exact_match(&prediction, &r.answer);

@@ -11,8 +11,7 @@ pub mod stop;
 
 pub use crate::text::cache::{CacheBytes, DecodeCache, DsaCache, IndexerCache, KdaCache, LayerCache};
 pub use decode::{
-    checkpoint_eos_ids, config_eos_ids, generate, generate_with, GenerateError, GenerateOptions, Generated, NoStoppingCriteria, Prompt,
-    StoppingCriteria,
+    checkpoint_eos_ids, config_eos_ids, generate, generate_with, GenerateError, GenerateOptions, Generated, NoStoppingCriteria, StoppingCriteria,
 };
 pub use sampling::{SamplingConfig, SamplingError, TokenSampler};
 pub use stop::StopStrings;

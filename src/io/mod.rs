@@ -7,6 +7,7 @@ use safetensors::tensor::{Dtype, SafeTensors};
 
 use crate::checkpoint::safetensors_io::{serialize, write_atomic, OwnedTensor};
 use crate::checkpoint::CheckpointError;
+use crate::input::{Images, ModelInput};
 use crate::text::ModelError;
 
 mod output;
@@ -26,20 +27,7 @@ pub struct TokenInputs {
     /// Reference logits `[B, S, V]` if the file carries them (the test fixtures do).
     pub reference_logits: Option<(Vec<f32>, usize)>,
     /// `pixel_values` (F32 `[N_patches, patch_dim]`) with `image_grid_thw` (I64 `[N_images, 3]`).
-    pub images: Option<ImageInputs>,
-}
-
-/// Preprocessed images, the reference's `pixel_values` / `image_grid_thw` forward arguments.
-#[derive(Debug, Clone)]
-pub struct ImageInputs {
-    /// `[N_patches·patch_dim]` row-major.
-    pub pixel_values: Vec<f32>,
-    /// Patches.
-    pub n_patches: usize,
-    /// Values per patch.
-    pub patch_dim: usize,
-    /// `(t, h, w)` patches per image.
-    pub grid_thw: Vec<[usize; 3]>,
+    pub images: Option<Images>,
 }
 
 fn input_err(path: &Path, message: String) -> ModelError {
@@ -62,6 +50,11 @@ fn read_i64(st: &SafeTensors, name: &str, path: &Path) -> Result<Option<I64Tenso
 }
 
 impl TokenInputs {
+    /// The model's input: ids, mask and images.
+    pub fn input<B: burn::tensor::backend::Backend>(&self) -> ModelInput<B> {
+        ModelInput::new(self.ids.clone(), self.batch, self.seq).with_mask(self.mask.clone()).with_images(self.images.clone())
+    }
+
     /// Read `input_ids` (I64 `[B, S]`) and optional `attention_mask` (I64 `[B, S]`, 0/1).
     pub fn read(path: &Path) -> Result<Self, ModelError> {
         let bytes = std::fs::read(path).map_err(|e| input_err(path, format!("cannot read: {e}")))?;
@@ -104,9 +97,8 @@ impl TokenInputs {
                     return Err(input_err(path, format!("`image_grid_thw` row {i} is {row:?}: t, h and w must all be positive")));
                 }
                 let pixel_values = p.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
-                Some(ImageInputs {
+                Some(Images {
                     pixel_values,
-                    n_patches: p.shape()[0],
                     patch_dim: p.shape()[1],
                     grid_thw: g.chunks(3).map(|x| [x[0] as usize, x[1] as usize, x[2] as usize]).collect(),
                 })

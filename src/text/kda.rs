@@ -160,7 +160,7 @@ impl<B: Backend> KdaAttention<B> {
             return self.forward_context(u, &cp.docs, &cp.group, &mut cp.chain(), opts).expect("context-parallel KDA exchange failed");
         }
         match &mask.documents {
-            Some(docs) if docs.len() > 1 && opts.linear_path == PathKind::Op && matches!(opts.kda, KdaImpl::Chunked(_)) => {
+            Some(docs) if docs.len() > 1 && opts.kda_path == PathKind::Op && matches!(opts.kda, KdaImpl::Chunked(_)) => {
                 self.forward_packed(u, docs, opts)
             }
             Some(docs) => {
@@ -294,7 +294,7 @@ impl<B: Backend> KdaAttention<B> {
         let v = branch(&self.v_proj, &self.v_conv1d)?;
         let g = self.forget_gate(u.clone());
         let beta = sigmoid(linear(&self.b_proj, u.clone()));
-        let o = kda_context(KdaInputs { q, k, v, g, beta, initial_state: None }, docs, chunk, opts.linear_path, group, chain)?;
+        let o = kda_context(KdaInputs { q, k, v, g, beta, initial_state: None }, docs, chunk, opts.kda_path, group, chain)?;
         let gate = linear(&self.g_b_proj, linear(&self.g_a_proj, u)).reshape([1, t, h, hd]);
         let o = self.o_norm.forward(o, gate).reshape([1, t, h * hd]);
         Ok(linear(&self.o_proj, o))
@@ -335,7 +335,7 @@ impl<B: Backend> KdaAttention<B> {
         let beta = sigmoid(linear(&self.b_proj, u.clone()));
         let x = KdaInputs { q, k, v, g, beta, initial_state: Some(cache.state.clone()) };
         let (o, state) = match opts.kda {
-            KdaImpl::Chunked(c) if t > 1 => kda_chunked(x, c, opts.linear_path),
+            KdaImpl::Chunked(c) if t > 1 => kda_chunked(x, c, opts.kda_path),
             _ => kda_recurrent(x),
         };
         cache.state = state;
@@ -374,7 +374,7 @@ impl<B: Backend> KdaAttention<B> {
         drop(t_in);
         let x = KdaInputs { q, k, v, g, beta, initial_state };
         let (o, state) = match opts.kda {
-            KdaImpl::Chunked(c) => kda_chunked(x, c, opts.linear_path),
+            KdaImpl::Chunked(c) => kda_chunked(x, c, opts.kda_path),
             KdaImpl::Recurrent => kda_recurrent(x),
         };
         let _t_out = crate::profile::scope("kda: output gate, norm, o_proj");

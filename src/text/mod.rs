@@ -59,8 +59,8 @@ pub struct ForwardOptions {
     /// `model.backend.attn`).
     pub attn_path: PathKind,
     /// KDA's in-chunk pair terms: the backend's kernel or the reference tensor ops (recipe
-    /// `model.backend.linear`).
-    pub linear_path: PathKind,
+    /// `model.backend.kda`).
+    pub kda_path: PathKind,
 }
 
 impl Default for ForwardOptions {
@@ -70,7 +70,7 @@ impl Default for ForwardOptions {
             kda: KdaImpl::Chunked(64),
             sparse_block: 256,
             attn_path: PathKind::Op,
-            linear_path: PathKind::Op,
+            kda_path: PathKind::Op,
         }
     }
 }

@@ -20,6 +20,7 @@ use super::norm::RmsNorm;
 use super::{ForwardOptions, TokenMask};
 use crate::config::TextConfig;
 use crate::distributed::{CollectiveBackend, ShardPlan};
+use crate::input::Outputs;
 use crate::text::cache::{DecodeCache, LayerCache};
 
 /// The text decoder (`model.language_model`): embedding, mHC-wrapped decoder layers, final norm.
@@ -47,11 +48,12 @@ pub struct TextModel<B: Backend> {
 pub struct TextOutput<B: Backend> {
     /// `[B, S, D]` after the final norm.
     pub hidden: Tensor<B, 3>,
-    /// Streams after each layer `[B, S, n, D]` (when requested).
+    /// Streams after each layer `[B, S, n, D]` (when [`Outputs::layer_streams`]).
     pub layer_streams: Vec<Tensor<B, 4>>,
     /// Router logits of each MoE layer `[B·S, E]`.
     pub router_logits: Vec<Tensor<B, 2>>,
-    /// Index rows of each DSA layer (layer, `[B, S, W]` host buffer), when requested.
+    /// Index rows of each DSA layer (layer, `[B, S, W]` host buffer), when
+    /// [`Outputs::index_rows`].
     pub indices: Vec<(usize, Vec<i64>)>,
     /// Top-k boundary margin of each layer that ran an indexer (layer, margin).
     pub index_margins: Vec<(usize, f32)>,
@@ -159,7 +161,7 @@ impl<B: Backend> TextModel<B> {
     }
 
     /// Run the decoder on input embeddings `[B, S, D]`.
-    pub fn forward_embeds(&self, embeds: Tensor<B, 3>, mask: &TokenMask<B>, opts: &ForwardOptions, record: bool) -> TextOutput<B>
+    pub fn forward_embeds(&self, embeds: Tensor<B, 3>, mask: &TokenMask<B>, opts: &ForwardOptions, outputs: Outputs) -> TextOutput<B>
     where
         B: crate::ops::backend::Glm5Backend,
     {
@@ -184,11 +186,11 @@ impl<B: Backend> TextModel<B> {
             if let Some(m) = o.index_margin {
                 out.index_margins.push((i, m));
             }
-            if record {
+            if outputs.layer_streams {
                 out.layer_streams.push(x.clone());
-                if let (Mixer::Mla(_), Some(idx)) = (&layer.as_ref().self_attn, &indices) {
-                    out.indices.push((i, idx.clone()));
-                }
+            }
+            if let (true, Mixer::Mla(_), Some(idx)) = (outputs.index_rows, &layer.as_ref().self_attn, &indices) {
+                out.indices.push((i, idx.clone()));
             }
         }
         let mean = x.mean_dim(2).reshape([b, s, d]);

@@ -88,8 +88,7 @@ impl<B: Backend> Adaptor<LossInput<B>> for LmOutput<B> {
 /// Panics with the batch error: burn-train's steps cannot return one, and our pipeline's
 /// batches are checked when they are built.
 fn item_loss<B: Glm5Backend>(model: &Glm5ForCausalLM<B>, item: &LmItem) -> (Tensor<B, 1>, Tensor<B, 1>) {
-    let device = model.language_model.embed_tokens.weight.device();
-    let out = forward_micro(model, &item.micro, &item.forward, &device).unwrap_or_else(|e| panic!("learner step: {e}"));
+    let out = forward_micro(model, &item.micro, &item.forward, None).unwrap_or_else(|e| panic!("learner step: {e}")).output;
     let (sum, count) = crate::loss::lm_loss_sum(out.logits, &item.micro.labels);
     let mean = sum.clone() / count.max(1) as f64;
     let mut loss = sum / item.global.label_tokens.max(1) as f64;

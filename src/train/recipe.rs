@@ -90,9 +90,10 @@ pub struct BackendSelect {
     /// Sparse attention, KPool indexer and its kin: `reference` or `op`.
     #[serde(default)]
     pub attn: PathKind,
-    /// KDA scan and pair terms: `reference` or `op`.
-    #[serde(default)]
-    pub linear: PathKind,
+    /// KDA scan and pair terms: `reference` or `op` (`linear`, its former name, is still
+    /// read).
+    #[serde(default, alias = "linear")]
+    pub kda: PathKind,
 }
 
 /// Training precision.

@@ -30,13 +30,12 @@ use burn::store::{ModuleSnapshot, TensorSnapshot};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use safetensors::tensor::Dtype;
-use serde_json::{json, Value};
 
 use super::adamw::FusedAdamW;
 use super::data_parallel::{expert_parallel_of, expert_param_ids, plan_of};
 use crate::checkpoint::safetensors_io::{serialize, write_atomic, OwnedTensor, SafetensorsFiles};
 use crate::checkpoint::CheckpointError;
-use crate::checkpoint::{checkpoint_tensors, config_kernel_shapes};
+use crate::checkpoint::{checkpoint_tensors, writer, CheckpointConfig};
 use crate::distributed::fsdp::{shard_range, shard_rows};
 use crate::distributed::typed::{all_gather, all_gather_v};
 use crate::distributed::{DistError, P2p, ShardPlan};
@@ -89,11 +88,11 @@ fn deal(sizes: &[usize], ranks: usize) -> Vec<usize> {
 
 /// Write this rank's part of the HF checkpoint of a sharded `model` into `dir` (every rank
 /// calls it with the same model structure).
-pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, config_json: &Value, dir: &Path) -> Result<(), CheckpointError> {
+pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, config: &CheckpointConfig, dir: &Path) -> Result<(), CheckpointError> {
     let g = &**plan.group();
     let (rank, size) = (g.rank(), g.size());
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
-    let kernel_shapes = config_kernel_shapes(config_json);
+    let kernel_shapes = config.kernel_shapes();
     let snaps = model.collect(None, None, true);
     let experts = expert_rows(model);
     let writers = match &experts {
@@ -203,7 +202,7 @@ pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, conf
     }
     let file = format!("model-{:05}-of-{size:05}.safetensors", rank + 1);
     if failed.is_none() && !mine.is_empty() {
-        if let Err(e) = serialize(&mine).and_then(|bytes| write_atomic(&dir.join(&file), &bytes)) {
+        if let Err(e) = writer::write_tensors(&dir.join(&file), &mine) {
             failed = Some(e);
         }
     }
@@ -211,36 +210,36 @@ pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, conf
         mine.clear(); // listed as nothing; the save fails on every rank (`write_group`)
     }
     // the index: every rank's names and bytes, gathered at rank 0's side
-    let listing = serde_json::to_vec(
-        &json!({"file": file, "names": mine.keys().collect::<Vec<_>>(), "bytes": mine.values().map(|t| t.data.len()).sum::<usize>()}),
-    )
-    .map_err(|e| CheckpointError::Encode { what: "the shard listing".into(), message: e.to_string() })?;
+    let listing = serde_json::to_vec(&Listing { file, names: mine.keys().cloned().collect(), bytes: mine.values().map(|t| t.data.len()).sum() })
+        .map_err(|e| CheckpointError::Encode { what: "the shard listing".into(), message: e.to_string() })?;
     let counts: Vec<usize> = all_gather(g, &[listing.len() as u64]).map_err(dist)?.into_iter().map(|c| c as usize).collect();
     let all = all_gather_v(g, &listing, &counts).map_err(dist)?;
     if rank == 0 {
-        let mut weight_map = serde_json::Map::new();
-        let mut total = 0u64;
+        let mut weight_map = BTreeMap::new();
+        let mut total = 0;
         let mut at = 0;
         for c in counts {
-            let part: Value = serde_json::from_slice(&all[at..at + c])
+            let part: Listing = serde_json::from_slice(&all[at..at + c])
                 .map_err(|e| CheckpointError::Encode { what: "a shard listing".into(), message: e.to_string() })?;
             at += c;
-            total += part["bytes"].as_u64().unwrap_or(0);
-            for n in part["names"].as_array().into_iter().flatten() {
-                weight_map.insert(n.as_str().unwrap_or_default().to_string(), part["file"].clone());
-            }
+            total += part.bytes;
+            weight_map.extend(part.names.into_iter().map(|n| (n, part.file.clone())));
         }
-        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-        let text = serde_json::to_vec_pretty(&index).map_err(|e| CheckpointError::Encode { what: "the index".into(), message: e.to_string() })?;
-        write_atomic(&dir.join("model.safetensors.index.json"), &text)?;
-        let cfg =
-            serde_json::to_vec_pretty(config_json).map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
-        write_atomic(&dir.join("config.json"), &cfg)?;
+        writer::write_index(dir, &weight_map, total)?;
+        writer::write_config(dir, config)?;
     }
     match failed {
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// One rank's shard file of a sharded save, sent to rank 0 for the index.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Listing {
+    file: String,
+    names: Vec<String>,
+    bytes: usize,
 }
 
 /// Module path of every float parameter, by id.

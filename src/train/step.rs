@@ -11,14 +11,17 @@
 
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn::tensor::ElementConversion;
 
 use super::clip::{clip_global_norm, global_norm};
 use crate::data::batch::MicroBatch;
+use crate::distributed::Group;
+use crate::input::{ModelInput, Outputs};
 use crate::model::{CausalLmOutput, Glm5ForCausalLM};
 use crate::ops::backend::Glm5Backend;
+use crate::text::context::ContextShard;
+use crate::text::ForwardOptions;
 use crate::text::ModelError;
-use crate::text::{ForwardOptions, TokenMask};
 
 /// What a micro-batch must satisfy before it reaches the model: a [`TrainError::Batch`]
 /// naming the mismatch otherwise.
@@ -115,56 +118,39 @@ pub struct StepMetrics {
     pub tokens: usize,
 }
 
-/// Forward one micro-batch (text or multimodal, padded or packed).
+/// One micro-batch's forward with what its loss needs.
+pub struct MicroOutput<B: Glm5Backend> {
+    /// The model's output (this rank's shard of the row under context parallelism).
+    pub output: CausalLmOutput<B>,
+    /// Next-token target of every position of the output (−100: none): the labels shifted by
+    /// one, over the whole row before a context-parallel split, so no label is lost at a
+    /// shard edge.
+    pub targets: Vec<i64>,
+    /// Validity of every position of the output (padding false).
+    pub valid: Vec<bool>,
+    /// The context-parallel shard it ran as (its chain orders the forward's collectives).
+    pub shard: Option<ContextShard<B>>,
+}
+
+/// Forward one micro-batch (text or multimodal, padded or packed). Under context parallelism
+/// (`context`: the group, whose ranks all pass the same micro-batch) it runs as this rank's
+/// shard of its packed row (`B = 1`): a row whose length `cp_size` does not divide is padded
+/// at its end with a document of its own (no label, marked invalid, so it changes no loss,
+/// gradient or router statistic — NeMo pads packed rows to a multiple of the CP size
+/// likewise).
 pub fn forward_micro<B: Glm5Backend>(
     model: &Glm5ForCausalLM<B>,
     m: &MicroBatch,
     opts: &ForwardOptions,
-    device: &B::Device,
-) -> Result<CausalLmOutput<B>, TrainError> {
-    check_batch(m)?;
-    let mask = match (&m.documents, &m.mask) {
-        (Some(docs), _) => Some(TokenMask::packed(docs, device)),
-        (None, Some(mk)) => Some(TokenMask::new(mk.clone(), m.batch, m.seq, device)),
-        (None, None) => None,
+    context: Option<&Group>,
+) -> Result<MicroOutput<B>, TrainError> {
+    let Some(group) = context else {
+        check_batch(m)?;
+        let output = model.forward(m.input(), opts, Outputs::default())?;
+        let targets = crate::loss::shifted_targets(&m.labels, m.batch, m.seq);
+        let valid = m.mask.clone().unwrap_or_else(|| vec![true; m.batch * m.seq]);
+        return Ok(MicroOutput { output, targets, valid, shard: None });
     };
-    let images = match &m.images {
-        // text only: ids are embedded as they are (like the reference without pixel_values)
-        None => {
-            model.check_ids(&m.ids)?;
-            let ids = Tensor::<B, 2, burn::tensor::Int>::from_data(TensorData::new(m.ids.clone(), [m.batch, m.seq]), device);
-            return Ok(model.forward(ids, mask, opts, false));
-        }
-        Some(im) => {
-            let n = im.pixel_values.len() / im.patch_dim.max(1);
-            if n * im.patch_dim != im.pixel_values.len() {
-                return Err(TrainError::Batch(format!("{} pixel values are not rows of {}", im.pixel_values.len(), im.patch_dim)));
-            }
-            Tensor::<B, 2>::from_data(TensorData::new(im.pixel_values.clone(), [n, im.patch_dim]), device)
-        }
-    };
-    let grid = m.images.as_ref().map(|i| i.grid_thw.as_slice()).unwrap_or(&[]);
-    Ok(model.forward_multimodal(&m.ids, m.batch, m.seq, mask, Some((images, grid)), opts, false)?)
-}
-
-/// A context-parallel shard's output, next-token targets, token validity and the shard (whose
-/// chain orders the forward's collectives).
-pub type ShardOutput<B> = (CausalLmOutput<B>, Vec<i64>, Vec<bool>, crate::text::context::ContextShard<B>);
-
-/// Under context parallelism: this rank's shard of one packed micro-batch (`B = 1`; every
-/// rank of `group` passes the same micro-batch), run through
-/// [`Glm5ForCausalLM::forward_context`]. A row whose length `cp_size` does not divide is
-/// padded at its end with a document of its own (no label, marked invalid, so it changes no
-/// loss, gradient or router statistic — NeMo pads packed rows to a multiple of the CP size
-/// likewise). Returns the shard's output, its next-token targets (the whole row's labels
-/// shifted before the split, then cut to the shard) and its tokens' validity.
-pub fn forward_micro_context<B: Glm5Backend>(
-    model: &Glm5ForCausalLM<B>,
-    m: &MicroBatch,
-    group: &crate::distributed::Group,
-    opts: &ForwardOptions,
-    device: &B::Device,
-) -> Result<ShardOutput<B>, TrainError> {
     check_batch(m)?;
     if m.batch != 1 || m.mask.as_ref().is_some_and(|mk| mk.iter().any(|&v| !v)) {
         return Err(TrainError::Batch(format!(
@@ -197,53 +183,36 @@ pub fn forward_micro_context<B: Glm5Backend>(
     }
     let ctx = crate::text::context::ContextShard::new(group.clone(), docs, seq)?;
     let shard = ctx.shard.clone();
-    let images = match &m.images {
-        None => None,
-        Some(im) => {
-            let n = im.pixel_values.len() / im.patch_dim.max(1);
-            if n * im.patch_dim != im.pixel_values.len() {
-                return Err(TrainError::Batch(format!("{} pixel values are not rows of {}", im.pixel_values.len(), im.patch_dim)));
-            }
-            Some(Tensor::<B, 2>::from_data(TensorData::new(im.pixel_values.clone(), [n, im.patch_dim]), device))
-        }
-    };
-    let grid = m.images.as_ref().map(|i| i.grid_thw.as_slice()).unwrap_or(&[]);
-    let out = model.forward_context(&ids, images.map(|p| (p, grid)), ctx.clone(), opts, false)?;
+    let input = ModelInput::row(ids).with_images(m.images.clone()).with_context(ctx.clone());
+    let output = model.forward(input, opts, Outputs::default())?;
     let targets = crate::loss::shifted_targets(&labels, 1, seq)[shard.clone()].to_vec();
     let valid = shard.map(|t| t < m.seq).collect();
-    Ok((out, targets, valid, ctx))
+    Ok(MicroOutput { output, targets, valid, shard: Some(ctx) })
 }
 
-/// Summed cross-entropy and label tokens of one micro-batch, for validation: run it on a
-/// plain backend (`model.valid()` of a training model), not on `Autodiff`. On `Autodiff`, a
-/// forward that no backward consumes keeps its whole graph — the saved activations included —
-/// alive in Burn 0.21's autodiff state for as long as the parameters live (12.6 MiB per
-/// forward of the tiny VLM; `tests/long_run.rs`).
+/// A summed loss and the label tokens it covers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossSum {
+    /// Summed cross-entropy.
+    pub sum: f64,
+    /// Label tokens summed over.
+    pub label_tokens: usize,
+}
+
+/// Summed cross-entropy and label tokens of one micro-batch (of this rank's shard under
+/// context parallelism), for validation: run it on a plain backend (`model.valid()` of a
+/// training model), not on `Autodiff`. On `Autodiff`, a forward that no backward consumes
+/// keeps its whole graph — the saved activations included — alive in Burn 0.21's autodiff
+/// state for as long as the parameters live (`tests/long_run.rs`).
 pub fn micro_loss_sum<B: Glm5Backend>(
     model: &Glm5ForCausalLM<B>,
     m: &MicroBatch,
     opts: &ForwardOptions,
-    device: &B::Device,
-) -> Result<(f64, usize), TrainError> {
-    micro_loss_sum_context(model, m, None, opts, device)
-}
-
-/// [`micro_loss_sum`], of this rank's shard under context parallelism (`cp`: the group).
-pub fn micro_loss_sum_context<B: Glm5Backend>(
-    model: &Glm5ForCausalLM<B>,
-    m: &MicroBatch,
-    cp: Option<&crate::distributed::Group>,
-    opts: &ForwardOptions,
-    device: &B::Device,
-) -> Result<(f64, usize), TrainError> {
-    let (sum, count) = match cp {
-        Some(g) => {
-            let (out, targets, _, _) = forward_micro_context(model, m, g, opts, device)?;
-            crate::loss::target_loss_sum(out.logits, &targets)
-        }
-        None => crate::loss::lm_loss_sum(forward_micro(model, m, opts, device)?.logits, &m.labels),
-    };
-    Ok((sum.into_scalar().elem::<f64>(), count))
+    context: Option<&Group>,
+) -> Result<LossSum, TrainError> {
+    let out = forward_micro(model, m, opts, context)?;
+    let (sum, label_tokens) = crate::loss::target_loss_sum(out.output.logits, &out.targets);
+    Ok(LossSum { sum: sum.into_scalar().elem::<f64>(), label_tokens })
 }
 
 /// Gradients of one global batch, before clipping.
@@ -279,67 +248,48 @@ impl GlobalBatch {
     }
 }
 
+/// How a step's micro-batches form its loss, and where they run.
+#[derive(Debug, Clone)]
+pub struct StepContext {
+    /// The global batch this rank's micro-batches are a share of (data parallelism: each
+    /// rank's loss is normalised by the whole batch, so the sum of the ranks' gradients is the
+    /// gradient of the global batch).
+    pub global: GlobalBatch,
+    /// Weight of the router load-balancing loss (0: off).
+    pub aux_coef: f64,
+    /// Forward paths.
+    pub forward: ForwardOptions,
+    /// Bring the router logits back to the host (for the router bias update).
+    pub keep_router_logits: bool,
+    /// Context parallelism: the group whose ranks all pass the same micro-batches, each
+    /// running its shard of every packed row ([`forward_micro`]); the shards' gradients summed
+    /// over the group are the row's (the load-balancing loss from the row's router
+    /// statistics, [`Glm5ForCausalLM::aux_loss_context`]).
+    pub context: Option<Group>,
+}
+
+impl StepContext {
+    /// One process whose micro-batches `micro` are the whole global batch.
+    pub fn local(micro: &[MicroBatch], vocab: usize, aux_coef: f64, forward: ForwardOptions) -> Self {
+        Self { global: GlobalBatch::local(micro, vocab), aux_coef, forward, keep_router_logits: false, context: None }
+    }
+}
+
 /// Forward/backward every micro-batch, accumulating gradients of the globally normalised loss.
-/// With `keep_router_logits`, the router logits come back to the host.
 pub fn accumulate<B: AutodiffBackend + Glm5Backend>(
     model: &Glm5ForCausalLM<B>,
     micro: &[MicroBatch],
-    aux_coef: f64,
-    opts: &ForwardOptions,
-    device: &B::Device,
-    keep_router_logits: bool,
+    step: &StepContext,
 ) -> Result<Accumulated, TrainError> {
-    accumulate_share(model, micro, GlobalBatch::local(micro, model.vocab_size), aux_coef, opts, device, keep_router_logits)
-}
-
-/// [`accumulate`] for this rank's share `micro` of a global batch described by `global`
-/// (data parallelism: each rank's loss is normalised by the whole batch, so the sum of the
-/// ranks' gradients is the gradient of the global batch).
-pub fn accumulate_share<B: AutodiffBackend + Glm5Backend>(
-    model: &Glm5ForCausalLM<B>,
-    micro: &[MicroBatch],
-    global: GlobalBatch,
-    aux_coef: f64,
-    opts: &ForwardOptions,
-    device: &B::Device,
-    keep_router_logits: bool,
-) -> Result<Accumulated, TrainError> {
-    accumulate_context(model, micro, global, aux_coef, opts, device, keep_router_logits, None)
-}
-
-/// [`accumulate_share`]; under context parallelism (`cp`: the group, whose ranks all pass the
-/// same micro-batches) each micro-batch runs as this rank's shard of its packed row
-/// ([`forward_micro_context`]), and the shards' gradients summed over the group are the row's
-/// (the load-balancing loss from the row's router statistics, [`Glm5ForCausalLM::aux_loss_context`]).
-#[allow(clippy::too_many_arguments)]
-pub fn accumulate_context<B: AutodiffBackend + Glm5Backend>(
-    model: &Glm5ForCausalLM<B>,
-    micro: &[MicroBatch],
-    global: GlobalBatch,
-    aux_coef: f64,
-    opts: &ForwardOptions,
-    device: &B::Device,
-    keep_router_logits: bool,
-    cp: Option<&crate::distributed::Group>,
-) -> Result<Accumulated, TrainError> {
+    let StepContext { global, aux_coef, keep_router_logits, .. } = *step;
     let total = global.label_tokens;
     let mut acc = GradientsAccumulator::<Glm5ForCausalLM<B>>::new();
     let mut loss_value = 0.0;
     let mut tokens = 0;
     let mut router_logits = Vec::new();
     for m in micro {
-        let (out, sum, valid, shard) = match cp {
-            Some(g) => {
-                let (out, targets, valid, shard) = forward_micro_context(model, m, g, opts, device)?;
-                let (sum, _) = crate::loss::target_loss_sum(out.logits.clone(), &targets);
-                (out, sum, valid, Some(shard))
-            }
-            None => {
-                let out = forward_micro(model, m, opts, device)?;
-                let (sum, _) = crate::loss::lm_loss_sum(out.logits.clone(), &m.labels);
-                (out, sum, m.mask.clone().unwrap_or_else(|| vec![true; m.batch * m.seq]), None)
-            }
-        };
+        let MicroOutput { output: out, targets, valid, shard } = forward_micro(model, m, &step.forward, step.context.as_ref())?;
+        let (sum, _) = crate::loss::target_loss_sum(out.logits.clone(), &targets);
         tokens += valid.iter().filter(|&&v| v).count();
         let mut loss = sum / total.max(1) as f64;
         if aux_coef != 0.0 {
@@ -365,21 +315,30 @@ pub fn accumulate_context<B: AutodiffBackend + Glm5Backend>(
     Ok(Accumulated { grads: acc.grads(), loss: loss_value, label_tokens: total, tokens, router_logits })
 }
 
+/// One optimizer step's settings for [`train_step`].
+#[derive(Debug, Clone, Copy)]
+pub struct StepSettings {
+    /// Learning rate.
+    pub lr: f64,
+    /// Global gradient-norm clip (`None`: off).
+    pub max_grad_norm: Option<f64>,
+    /// Weight of the router load-balancing loss (0: off).
+    pub aux_coef: f64,
+    /// Forward paths.
+    pub forward: ForwardOptions,
+}
+
 /// Forward/backward every micro-batch, then one optimizer step (the low-level form of
 /// [`super::trainer::Trainer::step`], for a caller's own optimizer). On a non-finite loss or
 /// gradient norm the model comes back unchanged with [`TrainError::NonFinite`].
-#[allow(clippy::too_many_arguments)]
 pub fn train_step<B: AutodiffBackend + Glm5Backend, O: Optimizer<Glm5ForCausalLM<B>, B>>(
     model: Glm5ForCausalLM<B>,
     optim: &mut O,
     micro: &[MicroBatch],
-    lr: f64,
-    max_grad_norm: Option<f64>,
-    aux_coef: f64,
-    opts: &ForwardOptions,
-    device: &B::Device,
+    settings: &StepSettings,
 ) -> (Glm5ForCausalLM<B>, Result<StepMetrics, TrainError>) {
-    let acc = match accumulate(&model, micro, aux_coef, opts, device, false) {
+    let StepSettings { lr, max_grad_norm, aux_coef, forward } = *settings;
+    let acc = match accumulate(&model, micro, &StepContext::local(micro, model.vocab_size, aux_coef, forward)) {
         Ok(a) => a,
         Err(e) => return (model, Err(e)),
     };

@@ -32,7 +32,6 @@ use super::adamw::FusedAdamW;
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::DType;
-use serde_json::Value;
 
 use super::checkpoint::{self as ckpt, TrainerState};
 use super::clip::{clip_global_norm, clip_to, global_norm, squared_norms_by};
@@ -44,8 +43,8 @@ use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, materi
 use super::recipe::{FreezeConfig, NonFinitePolicy, Precision, Recipe};
 use super::schedule::LrSchedule;
 use super::sharded;
-use super::step::{accumulate_context, micro_loss_sum_context, non_finite, GlobalBatch, StepMetrics, TrainError};
-use crate::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
+use super::step::{accumulate, micro_loss_sum, non_finite, Accumulated, GlobalBatch, LossSum, StepContext, StepMetrics, TrainError};
+use crate::checkpoint::{load_causal_lm, save_causal_lm, CheckpointConfig, LoadOptions};
 use crate::data::batch::MicroBatch;
 use crate::data::fingerprint::DataFingerprint;
 use crate::distributed::Group;
@@ -54,9 +53,9 @@ use crate::ops::backend::Glm5Backend;
 use crate::text::decoder::Ffn;
 use crate::text::ForwardOptions;
 
-/// Everything a step needs besides the data.
+/// AdamW and its schedule.
 #[derive(Debug, Clone)]
-pub struct TrainOptions {
+pub struct OptimizerSettings {
     /// Learning-rate schedule.
     pub lr: LrSchedule,
     /// AdamW β₁, β₂.
@@ -67,18 +66,11 @@ pub struct TrainOptions {
     pub weight_decay: f64,
     /// Global gradient-norm clip (`None`: off).
     pub max_grad_norm: Option<f64>,
-    /// Weight of the router load-balancing loss (0: off).
-    pub aux_loss_coef: f64,
-    /// γ of the aux-loss-free router bias update (0: off, the default).
-    pub router_bias_update_rate: f64,
-    /// fp32 or bf16 compute.
-    pub precision: Precision,
-    /// What a non-finite step does.
-    pub on_nonfinite: NonFinitePolicy,
-    /// Frozen parts.
-    pub freeze: FreezeConfig,
-    /// Forward paths.
-    pub forward: ForwardOptions,
+}
+
+/// How the ranks share the work (recipe `distributed`); the default is one process.
+#[derive(Debug, Clone)]
+pub struct ParallelLayout {
     /// The data-parallel group this trainer is one rank of (`None`: one process). Each rank
     /// passes its share of every global batch to [`Trainer::step`] and its share of the
     /// validation batches to [`Trainer::evaluate`]; gradients, losses and counts are summed
@@ -104,34 +96,77 @@ pub struct TrainOptions {
     pub context_parallel: usize,
 }
 
+impl Default for ParallelLayout {
+    fn default() -> Self {
+        Self { data_parallel: None, shard_parameters: true, reshard_after_forward: true, expert_parallel: 1, context_parallel: 1 }
+    }
+}
+
+/// Everything a step needs besides the data.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// AdamW and its schedule.
+    pub optimizer: OptimizerSettings,
+    /// Weight of the router load-balancing loss (0: off).
+    pub aux_loss_coef: f64,
+    /// γ of the aux-loss-free router bias update (0: off, the default).
+    pub router_bias_update_rate: f64,
+    /// fp32 or bf16 compute.
+    pub precision: Precision,
+    /// What a non-finite step does.
+    pub on_nonfinite: NonFinitePolicy,
+    /// Frozen parts.
+    pub freeze: FreezeConfig,
+    /// Forward paths.
+    pub forward: ForwardOptions,
+    /// How the ranks share the work.
+    pub parallel: ParallelLayout,
+}
+
 impl TrainOptions {
-    /// The options a recipe describes.
+    /// The options a recipe describes (one process: set [`ParallelLayout::data_parallel`]
+    /// to run as one rank of a group).
     pub fn from_recipe(r: &Recipe) -> Self {
         Self {
-            lr: LrSchedule {
-                style: r.lr_scheduler.lr_decay_style,
-                lr: r.optimizer.lr,
-                min_lr: r.lr_scheduler.min_lr,
-                warmup_steps: r.lr_scheduler.lr_warmup_steps,
-                total_steps: r.step_scheduler.max_steps,
+            optimizer: OptimizerSettings {
+                lr: LrSchedule {
+                    style: r.lr_scheduler.lr_decay_style,
+                    lr: r.optimizer.lr,
+                    min_lr: r.lr_scheduler.min_lr,
+                    warmup_steps: r.lr_scheduler.lr_warmup_steps,
+                    total_steps: r.step_scheduler.max_steps,
+                },
+                betas: r.optimizer.betas,
+                eps: r.optimizer.eps,
+                weight_decay: r.optimizer.weight_decay,
+                max_grad_norm: r.optimizer.max_grad_norm,
             },
-            betas: r.optimizer.betas,
-            eps: r.optimizer.eps,
-            weight_decay: r.optimizer.weight_decay,
-            max_grad_norm: r.optimizer.max_grad_norm,
             aux_loss_coef: r.moe.aux_loss_coef,
             router_bias_update_rate: r.moe.router_bias_update_rate,
             precision: r.model.dtype,
             on_nonfinite: r.step_scheduler.on_nonfinite,
             freeze: r.freeze_config.clone(),
-            forward: ForwardOptions { attn_path: r.model.backend.attn, linear_path: r.model.backend.linear, ..ForwardOptions::default() },
-            data_parallel: None,
-            shard_parameters: r.distributed.shard_parameters,
-            reshard_after_forward: r.distributed.reshard_after_forward,
-            expert_parallel: r.distributed.ep_size,
-            context_parallel: r.distributed.cp_size,
+            forward: ForwardOptions { attn_path: r.model.backend.attn, kda_path: r.model.backend.kda, ..ForwardOptions::default() },
+            parallel: ParallelLayout {
+                data_parallel: None,
+                shard_parameters: r.distributed.shard_parameters,
+                reshard_after_forward: r.distributed.reshard_after_forward,
+                expert_parallel: r.distributed.ep_size,
+                context_parallel: r.distributed.cp_size,
+            },
         }
     }
+}
+
+/// Where the data stands when a checkpoint is written: what a resumed sampler starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataPosition {
+    /// The sampler's epoch after this step.
+    pub epoch: usize,
+    /// Its cursor within the epoch.
+    pub cursor: usize,
+    /// The data order's seed.
+    pub seed: u64,
 }
 
 /// What [`Trainer::step`] did.
@@ -151,8 +186,6 @@ pub enum StepOutcome {
 }
 
 type Adam<B> = OptimizerAdaptor<FusedAdamW, Glm5ForCausalLM<B>, B>;
-/// Summed gradients, loss, label tokens, tokens and router logits of one step.
-type StepSums = (burn::optim::GradientsParams, f64, usize, usize, Vec<(Vec<Vec<f32>>, Vec<bool>)>);
 type OptimRecord<B> = <Adam<B> as Optimizer<Glm5ForCausalLM<B>, B>>::Record;
 
 /// Model + AdamW + schedule + step counter.
@@ -171,14 +204,13 @@ where
     /// The data order's fingerprint, written into every checkpoint (set by the caller that
     /// built the data; see [`crate::data::fingerprint`]).
     pub data_fingerprint: Option<DataFingerprint>,
-    device: B::Device,
     /// Under expert parallelism: the expert-data-parallel group and the experts' parameter ids.
     experts: Option<(Group, HashSet<ParamId>)>,
     /// Under context parallelism: this rank's context-parallel group.
     context: Option<Group>,
 }
 
-fn adamw<B: AutodiffBackend>(o: &TrainOptions) -> Adam<B>
+fn adamw<B: AutodiffBackend>(o: &OptimizerSettings) -> Adam<B>
 where
     B::InnerBackend: Glm5Backend,
 {
@@ -193,37 +225,37 @@ where
     /// Under data parallelism with `shard_parameters`, every rank must pass the same model
     /// (it keeps its shard). Panics where [`Self::try_new`] returns an error (an expert-parallel
     /// size that does not fit the group or the experts).
-    pub fn new(model: Glm5ForCausalLM<B>, options: TrainOptions, device: &B::Device) -> Self {
-        Self::try_new(model, options, device).unwrap_or_else(|e| panic!("Trainer::new: {e}"))
+    pub fn new(model: Glm5ForCausalLM<B>, options: TrainOptions) -> Self {
+        Self::try_new(model, options).unwrap_or_else(|e| panic!("Trainer::new: {e}"))
     }
 
-    /// [`Self::new`]. Under expert parallelism (`options.expert_parallel = P > 1`, a collective
+    /// [`Self::new`]. Under expert parallelism (`options.parallel.expert_parallel = P > 1`, a collective
     /// call over the data-parallel group) `model` is either the whole model (each rank keeps its
     /// experts) or this rank's share loaded with
     /// [`crate::checkpoint::LoadOptions::experts`] = [`Self::expert_shard`].
-    pub fn try_new(model: Glm5ForCausalLM<B>, options: TrainOptions, device: &B::Device) -> Result<Self, TrainError> {
+    pub fn try_new(model: Glm5ForCausalLM<B>, options: TrainOptions) -> Result<Self, TrainError> {
         let mut model = freeze(model, &options.freeze);
         materialize(&model);
         let mut experts = None;
-        let world = options.data_parallel.clone().filter(|g| g.size() > 1);
-        if options.expert_parallel > 1 {
+        let world = options.parallel.data_parallel.clone().filter(|g| g.size() > 1);
+        if options.parallel.expert_parallel > 1 {
             let Some(g) = &world else {
                 return Err(TrainError::Unsupported {
                     what: "expert parallelism (expert_parallel > 1) without a data-parallel group of several ranks",
                 });
             };
-            let mesh = ExpertMesh::new(g, options.expert_parallel)?;
+            let mesh = ExpertMesh::new(g, options.parallel.expert_parallel)?;
             model = expert_parallel_model(model, mesh.ep)?;
             experts = Some((mesh.edp, expert_param_ids(&model)));
         }
         let mut context = None;
-        if options.context_parallel > 1 {
+        if options.parallel.context_parallel > 1 {
             let Some(g) = &world else {
                 return Err(TrainError::Unsupported {
                     what: "context parallelism (context_parallel > 1) without a data-parallel group of several ranks",
                 });
             };
-            let cp = options.context_parallel;
+            let cp = options.parallel.context_parallel;
             if g.size() % cp != 0 {
                 return Err(crate::distributed::DistError::Counts {
                     op: "context parallelism",
@@ -234,19 +266,18 @@ where
             context = Some(Group::from(g.split(g.rank() / cp, g.rank())?));
         }
         if let Some(g) = &world {
-            if options.shard_parameters || experts.is_some() {
+            if options.parallel.shard_parameters || experts.is_some() {
                 let edp = experts.as_ref().map(|(edp, _)| edp.clone());
-                model = shard_model_where(model, g.clone(), options.reshard_after_forward, options.shard_parameters, edp);
+                model = shard_model_where(model, g.clone(), options.parallel.reshard_after_forward, options.parallel.shard_parameters, edp);
             }
         }
         Ok(Self {
             model: Some(model),
-            optim: adamw::<B>(&options),
+            optim: adamw::<B>(&options.optimizer),
             options,
             step: 0,
             skipped_steps: 0,
             data_fingerprint: None,
-            device: device.clone(),
             experts,
             context,
         })
@@ -255,8 +286,8 @@ where
     /// The routed experts a rank of `options` holds (`None`: all): what to pass as
     /// [`crate::checkpoint::LoadOptions::experts`] so a rank reads only its experts' bytes.
     pub fn expert_shard(options: &TrainOptions) -> Option<crate::checkpoint::select::ExpertShard> {
-        let g = options.data_parallel.as_ref()?;
-        let p = options.expert_parallel;
+        let g = options.parallel.data_parallel.as_ref()?;
+        let p = options.parallel.expert_parallel;
         (p > 1).then(|| crate::checkpoint::select::ExpertShard { rank: g.rank() % p, size: p })
     }
 
@@ -278,10 +309,10 @@ where
 
     /// One optimizer step over the micro-batches of a global batch.
     pub fn step(&mut self, micro: &[MicroBatch]) -> Result<StepOutcome, TrainError> {
-        let lr = self.options.lr.at(self.step);
+        let lr = self.options.optimizer.lr.at(self.step);
         let master = self.model.take().expect("the trainer always holds its model between steps");
         let result = self.step_inner(&master, micro).and_then(|r| self.reduce(&master, r));
-        let (mut grads, acc_loss, label_tokens, tokens, router) = match result {
+        let Accumulated { mut grads, loss: acc_loss, label_tokens, tokens, router_logits: router } = match result {
             Ok(x) => x,
             Err(e) => {
                 self.model = Some(master);
@@ -310,7 +341,9 @@ where
         let mut model = self.optim.step(lr, master, grads);
         drop(update);
         if self.options.router_bias_update_rate != 0.0 {
-            if let Err(e) = update_router_bias(&mut model, &router, self.options.router_bias_update_rate, self.options.data_parallel.as_ref()) {
+            if let Err(e) =
+                update_router_bias(&mut model, &router, self.options.router_bias_update_rate, self.options.parallel.data_parallel.as_ref())
+            {
                 self.model = Some(model);
                 return Err(e);
             }
@@ -328,14 +361,14 @@ where
         let master = self.model.take().expect("the trainer always holds its model between steps");
         let result = self.step_inner(&master, micro).and_then(|r| self.reduce(&master, r));
         self.model = Some(master);
-        result.map(|(grads, loss, ..)| (grads, loss))
+        result.map(|acc| (acc.grads, acc.loss))
     }
 
     /// The global gradient norm (a sharded model's shards summed over the ranks, the same
     /// value on every rank), clipping to `max_grad_norm` when set.
     fn clip(&self, master: &Glm5ForCausalLM<B>, grads: &mut burn::optim::GradientsParams) -> Result<f64, TrainError> {
-        let (Some(plan), Some(g)) = (plan_of(master), &self.options.data_parallel) else {
-            return Ok(match self.options.max_grad_norm {
+        let (Some(plan), Some(g)) = (plan_of(master), &self.options.parallel.data_parallel) else {
+            return Ok(match self.options.optimizer.max_grad_norm {
                 Some(max) => clip_global_norm::<B, _>(master, grads, max),
                 None => global_norm::<B, _>(master, grads),
             });
@@ -354,17 +387,17 @@ where
             None => experts,
         };
         let norm = (sum_f64(&**g, sharded)? + replicated + experts).sqrt();
-        if let Some(max) = self.options.max_grad_norm {
+        if let Some(max) = self.options.optimizer.max_grad_norm {
             clip_to::<B, _>(master, grads, norm, max);
         }
         Ok(norm)
     }
 
-    fn step_inner(&self, master: &Glm5ForCausalLM<B>, micro: &[MicroBatch]) -> Result<StepSums, TrainError> {
+    fn step_inner(&self, master: &Glm5ForCausalLM<B>, micro: &[MicroBatch]) -> Result<Accumulated, TrainError> {
         let keep_router = self.options.router_bias_update_rate != 0.0;
         let o = &self.options;
         let mut global = GlobalBatch::local(micro, master.vocab_size);
-        if let Some(g) = &o.data_parallel {
+        if let Some(g) = &o.parallel.data_parallel {
             let counts = gather_usize(&**g, micro.len())?;
             if plan_of(master).is_some() && counts.iter().any(|&c| c != counts[0]) {
                 // every forward gathers parameters with the whole group: unequal shares would hang
@@ -376,27 +409,24 @@ where
             let cp = self.context.as_ref().map_or(1, |c| c.size());
             global = GlobalBatch { label_tokens: sum_usize(&**g, global.label_tokens)? / cp, micro_batches: counts.iter().sum::<usize>() / cp };
         }
-        let cp = self.context.as_ref();
+        let step =
+            StepContext { global, aux_coef: o.aux_loss_coef, forward: o.forward, keep_router_logits: keep_router, context: self.context.clone() };
         match o.precision {
-            Precision::F32 => {
-                let acc = accumulate_context(master, micro, global, o.aux_loss_coef, &o.forward, &self.device, keep_router, cp)?;
-                Ok((acc.grads, acc.loss, acc.label_tokens, acc.tokens, acc.router_logits))
-            }
+            Precision::F32 => accumulate(master, micro, &step),
             Precision::Bf16 => {
                 let compute = compute_copy(master, DType::BF16);
-                let acc = accumulate_context(&compute, micro, global, o.aux_loss_coef, &o.forward, &self.device, keep_router, cp)?;
-                let mut grads = acc.grads;
-                grads_to_f32::<B, _>(master, &mut grads);
-                Ok((grads, acc.loss, acc.label_tokens, acc.tokens, acc.router_logits))
+                let mut acc = accumulate(&compute, micro, &step)?;
+                grads_to_f32::<B, _>(master, &mut acc.grads);
+                Ok(acc)
             }
         }
     }
 
     /// Sums this rank's gradients, loss and token count over the data-parallel group (the same
     /// bits on every rank, so the replicas stay identical); one process: unchanged.
-    fn reduce(&self, master: &Glm5ForCausalLM<B>, sums: StepSums) -> Result<StepSums, TrainError> {
-        let Some(g) = &self.options.data_parallel else { return Ok(sums) };
-        let (mut grads, loss, label_tokens, tokens, router) = sums;
+    fn reduce(&self, master: &Glm5ForCausalLM<B>, sums: Accumulated) -> Result<Accumulated, TrainError> {
+        let Some(g) = &self.options.parallel.data_parallel else { return Ok(sums) };
+        let Accumulated { mut grads, loss, label_tokens, tokens, router_logits } = sums;
         match plan_of(master) {
             Some(plan) => {
                 // a vision tower no rank ran gets no update, as in one process
@@ -419,7 +449,7 @@ where
             }
             None => all_reduce_grads::<B, _>(master, &mut grads, &**g)?,
         }
-        Ok((grads, sum_f64(&**g, loss)?, label_tokens, sum_usize(&**g, tokens)?, router))
+        Ok(Accumulated { grads, loss: sum_f64(&**g, loss)?, label_tokens, tokens: sum_usize(&**g, tokens)?, router_logits })
     }
 
     /// Mean cross-entropy over the label tokens of `batches` (no gradients), in the training
@@ -430,14 +460,13 @@ where
             Precision::F32 => self.model().valid(),
             Precision::Bf16 => compute_copy(self.model(), DType::BF16).valid(),
         };
-        let device = self.device.clone();
         let mut sum = 0.0;
         let mut count = 0;
         // sharded: every forward gathers parameters with the whole group, so every rank runs as
         // many forwards as the rank with the largest share (agreed before any of them), a
         // smaller share padded with forwards whose results are dropped
         let plan = plan_of(&model).cloned();
-        let runs = match (&plan, &self.options.data_parallel) {
+        let runs = match (&plan, &self.options.parallel.data_parallel) {
             (Some(_), Some(g)) => gather_usize(&**g, batches.len())?.into_iter().max().unwrap_or(0),
             _ => batches.len(),
         };
@@ -447,46 +476,46 @@ where
         for i in 0..runs {
             match batches.get(i) {
                 Some(b) => {
-                    let (s, c) = micro_loss_sum_context::<B::InnerBackend>(&model, b, self.context.as_ref(), &self.options.forward, &device)?;
+                    let LossSum { sum: s, label_tokens } =
+                        micro_loss_sum::<B::InnerBackend>(&model, b, &self.options.forward, self.context.as_ref())?;
                     sum += s;
-                    count += c;
+                    count += label_tokens;
                 }
                 None => {
-                    micro_loss_sum_context::<B::InnerBackend>(&model, &filler(), self.context.as_ref(), &self.options.forward, &device)?;
+                    micro_loss_sum::<B::InnerBackend>(&model, &filler(), &self.options.forward, self.context.as_ref())?;
                 }
             }
         }
         if let Some(plan) = &plan {
             plan.take_vision_used();
         }
-        if let Some(g) = &self.options.data_parallel {
+        if let Some(g) = &self.options.parallel.data_parallel {
             (sum, count) = (sum_f64(&**g, sum)?, sum_usize(&**g, count)?);
         }
         Ok((sum / count.max(1) as f64, count))
     }
 
     /// Write a checkpoint under `root` (see [`super::checkpoint`]): the HF-layout model with
-    /// `config_json`, the `extra_files` (tokenizer, chat template) beside it, the optimizer
-    /// moments and the trainer state with the data position.
+    /// `config`, the `extra_files` (tokenizer, chat template) beside it, the optimizer moments
+    /// and the trainer state with the data `position`.
     pub fn save_checkpoint(
         &self,
         root: &Path,
         keep_last: usize,
-        config_json: &Value,
+        config: &CheckpointConfig,
         extra_files: &[PathBuf],
-        data_position: (usize, usize),
-        seed: u64,
+        position: DataPosition,
     ) -> Result<PathBuf, TrainError> {
         let ids: BTreeMap<String, u64> = param_ids::<B, _>(self.model()).into_iter().map(|(k, v)| (k, v.val())).collect();
         let state = TrainerState {
             step: self.step,
-            epoch: data_position.0,
-            cursor: data_position.1,
-            seed,
+            epoch: position.epoch,
+            cursor: position.cursor,
+            seed: position.seed,
             skipped_steps: self.skipped_steps,
             param_ids: ids,
             data: self.data_fingerprint.clone(),
-            schedule: Some(self.options.lr),
+            schedule: Some(self.options.optimizer.lr),
         };
         let file = |path: &Path, message: String| TrainError::CheckpointFile { path: path.to_path_buf(), message };
         if let Some(plan) = plan_of(self.model()) {
@@ -494,7 +523,7 @@ where
             return ckpt::write_group(root, &state, keep_last, &**plan.group(), |dir: &Path| -> Result<(), TrainError> {
                 let model_dir = dir.join("model");
                 let at = |source| TrainError::Checkpoint { dir: model_dir.clone(), source };
-                sharded::save_model(self.model(), plan, config_json, &model_dir).map_err(at)?;
+                sharded::save_model(self.model(), plan, config, &model_dir).map_err(at)?;
                 if rank == 0 {
                     for f in extra_files {
                         let name = f.file_name().ok_or_else(|| file(f, "not a file name".into()))?;
@@ -508,7 +537,7 @@ where
         }
         ckpt::write(root, &state, keep_last, |dir: &Path| -> Result<(), TrainError> {
             let model_dir = dir.join("model");
-            save_causal_lm(self.model(), config_json, &model_dir).map_err(|source| TrainError::Checkpoint { dir: model_dir.clone(), source })?;
+            save_causal_lm(self.model(), config, &model_dir).map_err(|source| TrainError::Checkpoint { dir: model_dir.clone(), source })?;
             for f in extra_files {
                 let name = f.file_name().ok_or_else(|| file(f, "not a file name".into()))?;
                 std::fs::copy(f, model_dir.join(name)).map_err(|e| file(f, e.to_string()))?;
@@ -543,7 +572,7 @@ where
                 format!("no parameter id for {} module tensors (first: {}); the checkpoint is from another model", missing.len(), missing[0]),
             ));
         }
-        let mut trainer = Self::try_new(model, options, device)?;
+        let mut trainer = Self::try_new(model, options)?;
         let sharded_dir = dir.join("optimizer");
         let record = if sharded_dir.is_dir() {
             // written by a sharded run (any number of ranks): this rank's rows

@@ -53,6 +53,24 @@ impl Io {
         let shape = self.shape(name);
         Tensor::from_data(TensorData::new(self.f32(name), shape), device)
     }
+    /// `input_ids` `[B, S]` as the model's input (no mask: add `attention_mask` with
+    /// [`Self::mask`] where a test uses it).
+    pub fn ids<Bk: burn::tensor::backend::Backend>(&self) -> glm5_burn::ModelInput<Bk> {
+        let shape = self.shape("input_ids");
+        glm5_burn::ModelInput::new(self.i64("input_ids"), shape[0], shape[1])
+    }
+    /// `pixel_values` with `image_grid_thw`, when the file has them.
+    pub fn images(&self) -> Option<glm5_burn::Images> {
+        self.has("pixel_values").then(|| glm5_burn::Images {
+            pixel_values: self.f32("pixel_values"),
+            patch_dim: self.shape("pixel_values")[1],
+            grid_thw: self.i64("image_grid_thw").chunks(3).map(|g| [g[0] as usize, g[1] as usize, g[2] as usize]).collect(),
+        })
+    }
+    /// `attention_mask` as validity (true = token).
+    pub fn mask(&self) -> Vec<bool> {
+        self.i64("attention_mask").iter().map(|&m| m != 0).collect()
+    }
     pub fn int<const D: usize>(&self, name: &str, device: &burn::backend::flex::FlexDevice) -> Tensor<B, D, Int> {
         let shape = self.shape(name);
         Tensor::from_data(TensorData::new(self.i64(name), shape), device)
