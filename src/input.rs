@@ -18,6 +18,7 @@ use std::ops::Range;
 use burn::tensor::{backend::Backend, Tensor, TensorData};
 
 use crate::text::context::ContextShard;
+pub use crate::text::Outputs;
 use crate::text::{ModelError, TokenMask};
 
 /// Images on the host as the HF image processor returns them: every image's patches
@@ -167,22 +168,5 @@ impl<B: Backend> ModelInput<B> {
                     .collect()
             }
         }
-    }
-}
-
-/// What a forward reports besides logits and the final hidden state (router logits and index
-/// margins always come: the load-balancing loss and the indexer's monitoring use them).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Outputs {
-    /// The residual streams after every layer `[B, S, n, D]` (HF `output_hidden_states`).
-    pub layer_streams: bool,
-    /// Every DSA layer's selected key rows `[B, S, W]` (host).
-    pub index_rows: bool,
-}
-
-impl Outputs {
-    /// Everything: per-layer streams and index rows.
-    pub fn all() -> Self {
-        Self { layer_streams: true, index_rows: true }
     }
 }

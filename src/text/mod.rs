@@ -75,6 +75,23 @@ impl Default for ForwardOptions {
     }
 }
 
+/// What a forward reports besides logits and the final hidden state (router logits and index
+/// margins always come: the load-balancing loss and the indexer's monitoring use them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Outputs {
+    /// The residual streams after every layer `[B, S, n, D]` (HF `output_hidden_states`).
+    pub layer_streams: bool,
+    /// Every DSA layer's selected key rows `[B, S, W]` (host).
+    pub index_rows: bool,
+}
+
+impl Outputs {
+    /// Everything: per-layer streams and index rows.
+    pub fn all() -> Self {
+        Self { layer_streams: true, index_rows: true }
+    }
+}
+
 /// The token layout of a batch: which positions are real tokens (left/right padding).
 #[derive(Debug, Clone)]
 pub struct TokenMask<B: Backend> {

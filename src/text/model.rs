@@ -20,8 +20,8 @@ use super::norm::RmsNorm;
 use super::{ForwardOptions, TokenMask};
 use crate::config::TextConfig;
 use crate::distributed::{CollectiveBackend, ShardPlan};
-use crate::input::Outputs;
 use crate::text::cache::{DecodeCache, LayerCache};
+use crate::text::Outputs;
 
 /// The text decoder (`model.language_model`): embedding, mHC-wrapped decoder layers, final norm.
 #[derive(Module, Debug)]
