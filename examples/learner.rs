@@ -179,9 +179,9 @@ fn main() -> Result<()> {
         drop_long_samples: recipe.packed_sequence.drop_long_samples,
         seed: recipe.rng.seed,
     };
-    let build = |s: &glm5_burn::train::recipe::DatasetSection, label: &str| -> Result<PackedDataset> {
-        let ds = PackedDataset::build(&s.path, s.format, &s.split, s.max_samples, &chat, ImageProcessor::default(), config.image_token_id, &packing)
-            .with_context(|| format!("{label} dataset"))?;
+    let build = |s: &glm5_burn::data::DatasetSource, label: &str| -> Result<PackedDataset> {
+        let ds =
+            PackedDataset::build(s, &chat, ImageProcessor::default(), config.image_token_id, &packing).with_context(|| format!("{label} dataset"))?;
         println!("{label}: {} packs of ≤{} tokens", ds.packs.len(), packing.max_length);
         Ok(ds)
     };

@@ -11,7 +11,7 @@ use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions};
 use glm5_burn::data::medpix::read_split;
-use glm5_burn::data::DatasetFormat;
+use glm5_burn::data::{DatasetFormat, DatasetSource};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
@@ -77,7 +77,14 @@ fn packs_hold_whole_conversations() {
     let chat = ChatFormat::from_dir(&bundle()).unwrap();
     let image_token = chat.tokenizer.token_to_id("<|image|>").unwrap() as i64;
     let opts = PackingOptions { max_length: 256, drop_long_samples: true, seed: 3 };
-    let ds = PackedDataset::build(&bundle(), DatasetFormat::Parquet, "train", None, &chat, ImageProcessor::default(), image_token, &opts).unwrap();
+    let ds = PackedDataset::build(
+        &DatasetSource { path: bundle(), format: DatasetFormat::Parquet, split: "train".into(), max_samples: None },
+        &chat,
+        ImageProcessor::default(),
+        image_token,
+        &opts,
+    )
+    .unwrap();
     assert_eq!(ds.pack_report.samples, 160);
     assert!(ds.packs.iter().all(|p| p.len() <= 256));
     assert!(ds.pack_report.fill > 0.8, "greedy packing fills the packs: {}", ds.pack_report.fill);
@@ -97,10 +104,16 @@ fn packs_hold_whole_conversations() {
         start += d;
     }
     let tiny = PackingOptions { max_length: 16, drop_long_samples: true, seed: 3 };
-    let e = PackedDataset::build(&bundle(), DatasetFormat::Parquet, "train", None, &chat, ImageProcessor::default(), image_token, &tiny)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = PackedDataset::build(
+        &DatasetSource { path: bundle(), format: DatasetFormat::Parquet, split: "train".into(), max_samples: None },
+        &chat,
+        ImageProcessor::default(),
+        image_token,
+        &tiny,
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(e.contains("every sample is longer than packed_sequence_size 16"), "{e}");
 }
 
@@ -124,12 +137,26 @@ fn special_token_text_is_skipped_and_counted() {
     let chat = ChatFormat::from_dir(&bundle()).unwrap();
     let image_token = chat.tokenizer.token_to_id("<|image|>").unwrap() as i64;
     let opts = PackingOptions { max_length: 256, drop_long_samples: true, seed: 3 };
-    let ds = PackedDataset::build(dir.path(), DatasetFormat::Jsonl, "train", None, &chat, ImageProcessor::default(), image_token, &opts).unwrap();
+    let ds = PackedDataset::build(
+        &DatasetSource { path: dir.path().to_path_buf(), format: DatasetFormat::Jsonl, split: "train".into(), max_samples: None },
+        &chat,
+        ImageProcessor::default(),
+        image_token,
+        &opts,
+    )
+    .unwrap();
     let special = ds.read_report.skipped.get("special token in text").copied().unwrap_or(0);
     // both strings are special tokens of the bundled tokenizer (tokenizer.json `added_tokens`)
     let expected = 2;
     assert_eq!(special, expected, "{:?}", ds.read_report.skipped);
     assert!(ds.read_report.examples.iter().any(|e| e.contains("contains <|image|>")), "{:?}", ds.read_report.examples);
-    let clean = PackedDataset::build(&src, DatasetFormat::Jsonl, "train", None, &chat, ImageProcessor::default(), image_token, &opts).unwrap();
+    let clean = PackedDataset::build(
+        &DatasetSource { path: src.clone(), format: DatasetFormat::Jsonl, split: "train".into(), max_samples: None },
+        &chat,
+        ImageProcessor::default(),
+        image_token,
+        &opts,
+    )
+    .unwrap();
     assert_eq!(ds.read_report.usable + expected, clean.read_report.usable);
 }

@@ -1534,7 +1534,7 @@ mod mpi_engine {
         use burn::tensor::{Tensor, TensorData};
         use glm5_burn::distributed::Group;
         use glm5_burn::ops::PathKind;
-        use glm5_burn::text::context::{Chain, ShardDocs};
+        use glm5_burn::text::context::{ContextShard, ShardDocs};
         use glm5_burn::text::mla::MlaAttention;
         use glm5_burn::text::{AttentionImpl, ForwardOptions};
         type AD = Autodiff<Flex>;
@@ -1584,9 +1584,10 @@ mod mpi_engine {
                 let grads = ((y1.clone() + y2.clone()) * w).sum().backward();
 
                 let u_r = t3(rows_of(&u_host, d), range.len()).require_grad();
-                let mut chain = Chain::new();
-                let (y1_r, idx_r, _) = full.forward_context(u_r.clone(), &docs, range.clone(), None, &group, &mut chain, &opts).unwrap();
-                let (y2_r, _, _) = shared.forward_context(y1_r.clone(), &docs, range.clone(), Some(&idx_r), &group, &mut chain, &opts).unwrap();
+                let cp = ContextShard::new(group.clone(), docs.clone(), s).unwrap();
+                assert_eq!(cp.shard, range, "the shard of ShardDocs::of");
+                let (y1_r, idx_r, _) = full.forward_context(u_r.clone(), &cp, None, &opts).unwrap();
+                let (y2_r, _, _) = shared.forward_context(y1_r.clone(), &cp, Some(&idx_r), &opts).unwrap();
                 let w_r = t3(rows_of(&w_host, d), range.len());
                 let my_grads = ((y1_r.clone() + y2_r.clone()) * w_r).sum().backward();
 

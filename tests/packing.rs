@@ -60,7 +60,7 @@ fn packed_conversations_with_images_equal_separate_runs() {
     use glm5_burn::data::chat::ChatFormat;
     use glm5_burn::data::image_processor::ImageProcessor;
     use glm5_burn::data::loader::{PackedDataset, PackingOptions};
-    use glm5_burn::data::DatasetFormat;
+    use glm5_burn::data::{DatasetFormat, DatasetSource};
     use glm5_burn::train::step::forward_micro;
     use glm5_burn::Glm5ForCausalLM;
 
@@ -72,9 +72,14 @@ fn packed_conversations_with_images_equal_separate_runs() {
     let model = Glm5ForCausalLM::<B>::try_new_with_vision(&config, None, &device).unwrap();
     let chat = ChatFormat::from_dir(&bundle).unwrap();
     let packing = PackingOptions { max_length: 200, drop_long_samples: true, seed: 9 };
-    let ds =
-        PackedDataset::build(&bundle, DatasetFormat::Parquet, "validation", None, &chat, ImageProcessor::default(), config.image_token_id, &packing)
-            .unwrap();
+    let ds = PackedDataset::build(
+        &DatasetSource { path: bundle.clone(), format: DatasetFormat::Parquet, split: "validation".into(), max_samples: None },
+        &chat,
+        ImageProcessor::default(),
+        config.image_token_id,
+        &packing,
+    )
+    .unwrap();
     let packed = ds.micro_batch(&[0]).unwrap();
     let docs = packed.documents.clone().unwrap();
     assert!(docs.len() >= 3, "{docs:?}");

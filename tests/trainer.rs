@@ -13,7 +13,7 @@ use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions};
-use glm5_burn::data::DatasetFormat;
+use glm5_burn::data::{DatasetFormat, DatasetSource};
 use glm5_burn::text::decoder::Ffn;
 use glm5_burn::train::params::param_ids;
 use glm5_burn::train::recipe::{NonFinitePolicy, Precision, Recipe};
@@ -33,9 +33,14 @@ fn setup() -> (Glm5Config, glm5_burn::checkpoint::CheckpointConfig, Vec<MicroBat
     let config = json.resolved.clone();
     let chat = ChatFormat::from_dir(&bundle()).unwrap();
     let packing = PackingOptions { max_length: 128, drop_long_samples: true, seed: 1 };
-    let ds =
-        PackedDataset::build(&bundle(), DatasetFormat::Parquet, "train", Some(12), &chat, ImageProcessor::default(), config.image_token_id, &packing)
-            .unwrap();
+    let ds = PackedDataset::build(
+        &DatasetSource { path: bundle(), format: DatasetFormat::Parquet, split: "train".into(), max_samples: Some(12) },
+        &chat,
+        ImageProcessor::default(),
+        config.image_token_id,
+        &packing,
+    )
+    .unwrap();
     let micro = vec![ds.micro_batch(&[0]).unwrap(), ds.micro_batch(&[1]).unwrap()];
     let recipe =
         Recipe::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &["--lr_scheduler.lr_warmup_steps=0".into()])

@@ -47,7 +47,7 @@ use glm5_burn::distributed::Group;
 use glm5_burn::ops::OpImpl;
 use glm5_burn::train::checkpoint as ckpt;
 use glm5_burn::train::params::trainable_counts;
-use glm5_burn::train::recipe::{split_overrides, DatasetSection, PathKind, Recipe};
+use glm5_burn::train::recipe::{split_overrides, PathKind, Recipe};
 use glm5_burn::train::trainer::{DataPosition, StepOutcome, TrainOptions, Trainer};
 use glm5_burn::{Glm5Backend, Glm5ForCausalLM};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -223,10 +223,9 @@ where
     Err(newest_error.map(anyhow::Error::from).unwrap_or_else(|| anyhow::anyhow!("no checkpoint to resume from")))
 }
 
-fn build_dataset(s: &DatasetSection, recipe: &Recipe, chat: &ChatFormat, image_token: i64, label: &str) -> Result<PackedDataset> {
+fn build_dataset(s: &glm5_burn::data::DatasetSource, recipe: &Recipe, chat: &ChatFormat, image_token: i64, label: &str) -> Result<PackedDataset> {
     let packing = packing_options(recipe);
-    let ds = PackedDataset::build(&s.path, s.format, &s.split, s.max_samples, chat, ImageProcessor::default(), image_token, &packing)
-        .with_context(|| format!("{label} dataset"))?;
+    let ds = PackedDataset::build(s, chat, ImageProcessor::default(), image_token, &packing).with_context(|| format!("{label} dataset"))?;
     let r = &ds.read_report;
     println!(
         "{label}: {} records usable of {} read ({} skipped{}), {} packs of ≤{} tokens ({} tokens, fill {:.0}%, {} too long dropped, {} truncated)",
@@ -438,10 +437,7 @@ where
     let (config, checkpoint_config, chat, extra_files, train, val, root, _lock) = agree(group.as_ref(), setup)?;
     let fingerprint = DataFingerprint::of(
         &train,
-        &recipe.dataset.path,
-        &format!("{:?}", recipe.dataset.format).to_lowercase(),
-        &recipe.dataset.split,
-        recipe.dataset.max_samples,
+        &recipe.dataset,
         &packing_options(recipe),
         recipe.step_scheduler.global_batch_size,
         recipe.step_scheduler.local_batch_size,
@@ -567,16 +563,14 @@ where
         }
         let records = &v.records[..s.val_answer_samples.unwrap_or(usize::MAX).min(v.records.len())];
         let model = burn::module::AutodiffModule::valid(trainer.model());
-        let acc = glm5_burn::generate::eval::answer_accuracy(
-            &model,
-            &chat,
-            &ImageProcessor::default(),
-            records,
-            max_new,
-            &eos_ids,
-            config.text_config.max_position_embeddings,
-            &trainer.options.forward,
-        )?;
+        let opts = glm5_burn::generate::GenerateOptions {
+            max_new_tokens: max_new,
+            sampling: glm5_burn::generate::SamplingConfig::default(),
+            eos_token_ids: eos_ids.clone(),
+            pad_token_id: eos_ids.first().copied().unwrap_or(0),
+            max_positions: config.text_config.max_position_embeddings,
+        };
+        let acc = glm5_burn::generate::eval::answer_accuracy(&model, &chat, &ImageProcessor::default(), records, &opts, &trainer.options.forward)?;
         Ok(Some(acc))
     };
     let record_validation = |trainer: &Trainer<B>, line: &mut Value, bar: &ProgressBar| -> Result<()> {

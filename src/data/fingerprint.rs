@@ -7,11 +7,11 @@
 //! [`DataFingerprint::differences`] lists, by recipe key, what changed between two runs.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 use super::loader::{PackedDataset, PackingOptions};
+use super::DatasetSource;
 
 /// The data-order fingerprint of a training run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,19 +62,12 @@ impl Fnv {
 }
 
 impl DataFingerprint {
-    /// The fingerprint of `ds`, read from `path` with `format`, `split` and `max_samples`,
-    /// packed with `packing`, served `local` packs per micro-batch and `global` per step.
-    #[allow(clippy::too_many_arguments)]
-    pub fn of(
-        ds: &PackedDataset,
-        path: &Path,
-        format: &str,
-        split: &str,
-        max_samples: Option<usize>,
-        packing: &PackingOptions,
-        global: usize,
-        local: usize,
-    ) -> Self {
+    /// The fingerprint of `ds`, read from `source`, packed with `packing`, served `local`
+    /// packs per micro-batch and `global` per step.
+    pub fn of(ds: &PackedDataset, source: &DatasetSource, packing: &PackingOptions, global: usize, local: usize) -> Self {
+        let (path, split, max_samples) = (&source.path, &source.split, source.max_samples);
+        // the recipe's spelling of the format, as earlier checkpoints recorded it
+        let format = format!("{:?}", source.format).to_lowercase();
         let files = ds
             .read_report
             .files

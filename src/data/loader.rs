@@ -6,14 +6,14 @@
 //! the packs are reshuffled every epoch with `(seed, epoch)`. The sampler's position is just
 //! `(epoch, cursor)`, which is what a checkpoint stores to resume on the same batch.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use super::batch::{Images, MicroBatch};
 use super::chat::ChatFormat;
 use super::image_processor::ImageProcessor;
 use super::medpix::{read_split, DatasetError, ReadReport, VqaRecord};
 use super::packing::{encode_record, pack_greedy, Pack, PackReport, SampleError, SftSample};
-use super::DatasetFormat;
+use super::DatasetSource;
 
 /// Errors building or serving the dataset.
 #[derive(Debug, thiserror::Error)]
@@ -110,19 +110,16 @@ pub struct PackingOptions {
 }
 
 impl PackedDataset {
-    /// Read `split` of the dataset at `dir`, tokenise with `chat`, pack.
-    #[allow(clippy::too_many_arguments)]
+    /// Read the records of `source`, tokenise with `chat`, pack.
     pub fn build(
-        dir: &Path,
-        format: DatasetFormat,
-        split: &str,
-        max_samples: Option<usize>,
+        source: &DatasetSource,
         chat: &ChatFormat,
         processor: ImageProcessor,
         image_token_id: i64,
         packing: &PackingOptions,
     ) -> Result<Self, DataError> {
-        let (mut records, mut read_report) = read_split(dir, format, split, max_samples)?;
+        let (dir, split) = (source.path.as_path(), source.split.as_str());
+        let (mut records, mut read_report) = read_split(dir, source.format, split, source.max_samples)?;
         // A special-token string in a question or answer (e.g. `<|image|>`) would be
         // tokenised as that control token — an extra image placeholder, a turn end — so such
         // a record is skipped and counted like any other malformed record, not escaped:

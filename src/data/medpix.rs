@@ -242,19 +242,23 @@ fn images(batch: &RecordBatch, path: &Path, name: &str) -> Result<Vec<ImageCell>
     Err(col_err(format!("expected the Image struct {{bytes, path}} or binary, found {}", col.data_type())))
 }
 
-/// Validate and keep one record; reasons are counted in `report`.
-#[allow(clippy::too_many_arguments)]
-fn accept(
-    out: &mut Vec<VqaRecord>,
-    report: &mut ReadReport,
+/// One record's fields as a file holds them, before validation.
+struct RawRecord {
+    /// `file:row` or `file:line`.
     origin: String,
+    /// Image bytes stored in the record.
     bytes: Option<Vec<u8>>,
+    /// Or the image file it names.
     image_path: Option<PathBuf>,
     question: Option<String>,
     answer: Option<String>,
     case_id: Option<String>,
     mode: Option<String>,
-) {
+}
+
+/// Validate and keep one record; reasons are counted in `report`.
+fn accept(out: &mut Vec<VqaRecord>, report: &mut ReadReport, raw: RawRecord) {
+    let RawRecord { origin, bytes, image_path, question, answer, case_id, mode } = raw;
     let question = question.unwrap_or_default();
     let answer = answer.unwrap_or_default();
     if question.trim().is_empty() {
@@ -308,7 +312,16 @@ fn read_parquet(path: &Path, out: &mut Vec<VqaRecord>, report: &mut ReadReport, 
             report.read += 1;
             let origin = format!("{}:row {}", path.display(), row + i);
             let img_path = img_path.map(|p| base.join(p));
-            accept(out, report, origin, bytes, img_path, q[i].clone(), a[i].clone(), c[i].clone(), m[i].clone());
+            let raw = RawRecord {
+                origin,
+                bytes,
+                image_path: img_path,
+                question: q[i].clone(),
+                answer: a[i].clone(),
+                case_id: c[i].clone(),
+                mode: m[i].clone(),
+            };
+            accept(out, report, raw);
         }
         row += batch.num_rows();
     }
@@ -336,7 +349,16 @@ fn read_jsonl(path: &Path, out: &mut Vec<VqaRecord>, report: &mut ReadReport, li
         };
         let s = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_string);
         let image = s("image").map(|p| base.join(p));
-        accept(out, report, origin, None, image, s("question"), s("answer"), s("case_id"), s("mode"));
+        let raw = RawRecord {
+            origin,
+            bytes: None,
+            image_path: image,
+            question: s("question"),
+            answer: s("answer"),
+            case_id: s("case_id"),
+            mode: s("mode"),
+        };
+        accept(out, report, raw);
     }
     Ok(())
 }

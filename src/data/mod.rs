@@ -9,6 +9,8 @@ pub mod medpix;
 pub mod packing;
 pub mod resize;
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 use crate::input::{Images, ModelInput};
@@ -23,6 +25,27 @@ pub enum DatasetFormat {
     Parquet,
     /// One JSON object per line (`image`, `question`, `answer`) beside an image folder.
     Jsonl,
+}
+
+/// Where a dataset's records come from and which of them to read (recipe `dataset` /
+/// `validation_dataset`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetSource {
+    /// Dataset directory.
+    pub path: PathBuf,
+    /// On-disk format.
+    pub format: DatasetFormat,
+    /// Split name (`train`, `validation`, …).
+    #[serde(default = "train_split")]
+    pub split: String,
+    /// Read at most this many records (`None`: all).
+    #[serde(default)]
+    pub max_samples: Option<usize>,
+}
+
+fn train_split() -> String {
+    "train".into()
 }
 
 /// A user turn with images and text: one row of ids, placeholders expanded, and its images.

@@ -12,7 +12,6 @@
 //! single spaces), the usual one for short-answer VQA exact match.
 
 use super::decode::{generate, GenerateError, GenerateOptions};
-use super::sampling::SamplingConfig;
 use crate::data::chat::ChatFormat;
 use crate::data::image_processor::ImageProcessor;
 use crate::data::medpix::VqaRecord;
@@ -82,33 +81,24 @@ pub enum EvalError {
     },
 }
 
-/// Greedy answers of `model` to `records` (one question at a time: each prompt has its own
-/// image), at most `max_new_tokens` tokens each, stopping at any of `eos_token_ids`, scored by
-/// [`exact_match`].
-#[allow(clippy::too_many_arguments)] // the evaluation's inputs, kept flat
+/// Answers of `model` to `records` as `opts` generates them (one question at a time: each
+/// prompt has its own image; greedy unless `opts.sampling` says otherwise), each ending at
+/// one of `opts.eos_token_ids`, scored by [`exact_match`].
 pub fn answer_accuracy<B: Glm5Backend>(
     model: &Glm5ForCausalLM<B>,
     chat: &ChatFormat,
     processor: &ImageProcessor,
     records: &[VqaRecord],
-    max_new_tokens: usize,
-    eos_token_ids: &[i64],
-    max_positions: usize,
+    opts: &GenerateOptions,
     forward: &ForwardOptions,
 ) -> Result<AnswerAccuracy, EvalError> {
-    let opts = GenerateOptions {
-        max_new_tokens,
-        sampling: SamplingConfig::default(),
-        eos_token_ids: eos_token_ids.to_vec(),
-        pad_token_id: eos_token_ids.first().copied().unwrap_or(0),
-        max_positions,
-    };
+    let eos_token_ids = &opts.eos_token_ids;
     let mut out = AnswerAccuracy { correct: 0, answers: Vec::with_capacity(records.len()) };
     for r in records {
         let prompt_err = |message: String| EvalError::Prompt { origin: r.origin.clone(), message };
         let image = r.image().map_err(|e| prompt_err(e.to_string()))?;
         let p = crate::data::user_prompt(chat, processor, &[image], &r.question).map_err(|e| prompt_err(e.to_string()))?;
-        let g = generate(model, p.input(), &opts, forward, |_| {}).map_err(|source| EvalError::Generate { origin: r.origin.clone(), source })?;
+        let g = generate(model, p.input(), opts, forward, |_| {}).map_err(|source| EvalError::Generate { origin: r.origin.clone(), source })?;
         let new: Vec<u32> = g.sequences[p.ids.len()..].iter().filter(|t| !eos_token_ids.contains(t)).map(|&t| t as u32).collect();
         let prediction = chat.tokenizer.decode(&new, true).map_err(|e| prompt_err(format!("decoding the answer: {e}")))?;
         let correct = exact_match(&prediction, &r.answer);

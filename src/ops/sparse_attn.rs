@@ -146,7 +146,17 @@ pub fn entry_rows<B: Backend>(idx: Tensor<B, 2, Int>, m: usize) -> Tensor<B, 2, 
 /// entries, their softmax (max-subtracted) and the weighted sum of the latent rows. `q`
 /// `[N, H, R]`, `kv` `[M, R]`, `idx` `[N, W]` → `(o [N, H, R], lse [N, H])`; a query with no
 /// valid entry gives `o = 0`, `lse = 0`, as the reference.
-pub(crate) fn host_forward(q: &[f32], kv: &[f32], idx: &[i64], h: usize, r: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
+/// The heads' geometry of the host forms: `h` heads over a latent of width `r`, and the
+/// softmax scale.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Heads {
+    pub h: usize,
+    pub r: usize,
+    pub scale: f32,
+}
+
+pub(crate) fn host_forward(q: &[f32], kv: &[f32], idx: &[i64], heads: Heads) -> (Vec<f32>, Vec<f32>) {
+    let Heads { h, r, scale } = heads;
     let n = q.len() / (h * r).max(1);
     let m = kv.len() / r.max(1);
     let w = idx.len() / n.max(1);
@@ -184,18 +194,8 @@ pub(crate) fn host_forward(q: &[f32], kv: &[f32], idx: &[i64], h: usize, r: usiz
 /// per query row in parallel, `∂q` and each valid entry's `∂c_j`; then, per row of `kv` in
 /// parallel, the entries pointing at it summed in query order — a fixed order, so `∂kv` does
 /// not depend on the thread count or on scheduling. `(∂q [N, H, R], ∂kv [M, R])`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn host_backward(
-    q: &[f32],
-    kv: &[f32],
-    idx: &[i64],
-    o: &[f32],
-    lse: &[f32],
-    d_o: &[f32],
-    h: usize,
-    r: usize,
-    scale: f32,
-) -> (Vec<f32>, Vec<f32>) {
+pub(crate) fn host_backward(q: &[f32], kv: &[f32], idx: &[i64], o: &[f32], lse: &[f32], d_o: &[f32], heads: Heads) -> (Vec<f32>, Vec<f32>) {
+    let Heads { h, r, scale } = heads;
     let n = q.len() / (h * r).max(1);
     let m = kv.len() / r.max(1);
     let w = idx.len() / n.max(1);

@@ -196,9 +196,7 @@ impl<B: Backend> DecoderLayer<B> {
             Mixer::Mla(mla) => {
                 let _t = profile::scope("dsa (incl. indexer)");
                 let (y, idx, margin) = match (&mask.context, &mask.documents) {
-                    (Some(cp), _) => mla
-                        .forward_context(h, &cp.row_documents, cp.shard.clone(), indices.as_deref(), &cp.group, &mut cp.chain(), opts)
-                        .expect("context-parallel DSA exchange failed"),
+                    (Some(cp), _) => mla.forward_context(h, cp, indices.as_deref(), opts).expect("context-parallel DSA exchange failed"),
                     (None, Some(docs)) => mla.forward_documents(h, docs, indices.as_deref(), opts),
                     (None, None) => mla.forward(h, mask, indices.as_deref(), opts),
                 };

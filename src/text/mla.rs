@@ -24,13 +24,13 @@ use super::norm::RmsNorm;
 use super::{AttentionImpl, ForwardOptions, PathKind, TokenMask};
 use crate::config::TextConfig;
 use crate::distributed::collective::all_gather_rows;
-use crate::distributed::{CollectiveBackend, DistError, Group};
+use crate::distributed::{CollectiveBackend, DistError};
 use crate::ops::backend::sparse_latent_attention;
 use crate::ops::backend::{linear, Glm5Backend};
 use crate::ops::sparse_attn::{dense_masked, masked_softmax};
 use crate::ops::OpImpl;
 use crate::text::cache::DsaCache;
-use crate::text::context::Chain;
+use crate::text::context::ContextShard;
 
 /// A DSA layer's output: `[B, S, D]`, the index rows used, the indexer's boundary margin.
 pub type MlaOutput<B> = (Tensor<B, 3>, Vec<i64>, Option<f32>);
@@ -125,29 +125,28 @@ impl<B: Backend> MlaAttention<B> {
 
     /// [`Self::forward_documents`] on this rank's shard of a packed row under context
     /// parallelism ([`crate::text::context`]): `x` `[1, T, D]` holds the row's tokens
-    /// `shard` (global rows), `docs` are the row's documents (global). The latent is
-    /// all-gathered over `group` with its global positions (backward reduce-scatters its
+    /// `cp.shard` (global rows), `cp.row_documents` are the row's documents (global). The
+    /// latent is all-gathered over `cp.group` with its global positions (backward reduce-scatters its
     /// gradient to the owner); a full layer's indexer runs over the gathered row, document by
     /// document (its inputs gathered untracked: it takes no gradient), so the selection — causal
     /// masks, pools anchored at each document's first token, the always-selected tail — is
     /// exactly the unsplit row's; this shard's queries attend in the sparse absorbed form over
     /// the row's latent. `shared_indices` (a shared layer) are this shard's rows in row
     /// coordinates. Returns (`[1, T, D]`, this shard's index rows in row coordinates, the
-    /// indexer's margin). Every rank of `group` calls it, with one `chain` per forward.
-    #[allow(clippy::too_many_arguments)]
+    /// indexer's margin). Every rank of the group calls it; the shard's chain orders the
+    /// forward's collectives.
     pub fn forward_context(
         &self,
         x: Tensor<B, 3>,
-        docs: &[std::ops::Range<usize>],
-        shard: std::ops::Range<usize>,
+        cp: &ContextShard<B>,
         shared_indices: Option<&[i64]>,
-        group: &Group,
-        chain: &mut Chain<B>,
         opts: &ForwardOptions,
     ) -> Result<MlaOutput<B>, DistError>
     where
         B: Glm5Backend + CollectiveBackend,
     {
+        let (docs, shard, group) = (&cp.row_documents[..], cp.shard.clone(), &cp.group);
+        let mut chain = cp.chain();
         let [_, t, _] = x.dims();
         let p = group.size();
         let s = t * p;

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use config::{Config, File, FileFormat};
 
-use crate::data::DatasetFormat;
+use crate::data::DatasetSource;
 
 /// Recipe errors, naming the file and key.
 #[derive(Debug, thiserror::Error)]
@@ -158,26 +158,6 @@ pub struct Distributed {
 
 fn one() -> usize {
     1
-}
-
-/// `dataset` / `validation_dataset`: where and what to read.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DatasetSection {
-    /// Dataset directory.
-    pub path: PathBuf,
-    /// On-disk format.
-    pub format: DatasetFormat,
-    /// Split name (`train`, `validation`, …).
-    #[serde(default = "train_split")]
-    pub split: String,
-    /// Read at most this many records (`None`: all).
-    #[serde(default)]
-    pub max_samples: Option<usize>,
-}
-
-fn train_split() -> String {
-    "train".into()
 }
 
 /// `packed_sequence`: THD packing.
@@ -326,10 +306,10 @@ pub struct Recipe {
     #[serde(default = "single_device")]
     pub distributed: Distributed,
     /// Training data.
-    pub dataset: DatasetSection,
+    pub dataset: DatasetSource,
     /// Validation data, or `None`.
     #[serde(default)]
-    pub validation_dataset: Option<DatasetSection>,
+    pub validation_dataset: Option<DatasetSource>,
     /// Packing.
     pub packed_sequence: PackedSequence,
     /// AdamW.

@@ -313,7 +313,7 @@ impl Glm5Backend for Flex {
             return (o.into_primitive().tensor(), lse.into_primitive().tensor());
         }
         let ((q, [n, h, r]), (kv, _), idx) = (host(q), host_n::<2>(kv), host_i64(idx));
-        let (o, lse) = sparse_attn::host_forward(&q, &kv, &idx, h, r, scale);
+        let (o, lse) = sparse_attn::host_forward(&q, &kv, &idx, sparse_attn::Heads { h, r, scale });
         (flex_tensor(o, [n, h, r]), flex_tensor(lse, [n, h]))
     }
 
@@ -333,7 +333,7 @@ impl Glm5Backend for Flex {
         }
         let ((q, [n, h, r]), (kv, [m, _]), idx) = (host(q), host_n::<2>(kv), host_i64(idx));
         let ((o, _), (lse, _), (d_o, _)) = (host(o), host_n::<2>(lse), host(d_o));
-        let (dq, dkv) = sparse_attn::host_backward(&q, &kv, &idx, &o, &lse, &d_o, h, r, scale);
+        let (dq, dkv) = sparse_attn::host_backward(&q, &kv, &idx, &o, &lse, &d_o, sparse_attn::Heads { h, r, scale });
         (flex_tensor(dq, [n, h, r]), flex_tensor(dkv, [m, r]))
     }
 
