@@ -203,7 +203,7 @@ pub struct ParamSplit {
 }
 
 /// The parameter split of `config` for `inputs`.
-pub fn param_split(config: &Glm5Config, inputs: &PlanInputs) -> ParamSplit {
+pub(crate) fn param_split(config: &Glm5Config, inputs: &PlanInputs) -> ParamSplit {
     let mut s = ParamSplit::default();
     let mut per_layer: std::collections::BTreeMap<String, (f64, f64)> = Default::default();
     for e in inventory(config, inputs.with_mtp, inputs.with_vision) {
@@ -293,7 +293,7 @@ pub fn plan(config: &Glm5Config, inputs: &PlanInputs) -> Result<(RankMemory, Ste
 
 /// [`plan`] with the parameter split already counted (it depends on the config and the frozen
 /// parts, not on the mesh: a sweep over meshes counts it once).
-pub fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSplit) -> Result<(RankMemory, StepComm), String> {
+pub(crate) fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSplit) -> Result<(RankMemory, StepComm), String> {
     let mesh = inputs.mesh;
     check_mesh(config, mesh)?;
     check_inputs(inputs).map_err(|e| e.to_string())?;

@@ -55,13 +55,13 @@ const fn pow2(e: i32) -> f32 {
 
 /// Decode one E4M3FN byte.
 #[inline]
-pub fn e4m3_to_f32(b: u8) -> f32 {
+pub(crate) fn e4m3_to_f32(b: u8) -> f32 {
     E4M3_TABLE[b as usize]
 }
 
 /// Decode one UE8M0 byte: `2^(e − 127)`, NaN for `0xFF`.
 #[inline]
-pub fn e8m0_to_f32(b: u8) -> f32 {
+pub(crate) fn e8m0_to_f32(b: u8) -> f32 {
     if b == 0xFF {
         f32::NAN
     } else {
@@ -70,7 +70,7 @@ pub fn e8m0_to_f32(b: u8) -> f32 {
 }
 
 /// Decode a scale tensor to f32 (F32, BF16 exactly, or UE8M0); `None` for other dtypes.
-pub fn decode_scales(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
+pub(crate) fn decode_scales(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     match dtype {
         Dtype::F8_E8M0 => Some(bytes.iter().map(|&b| e8m0_to_f32(b)).collect()),
         _ => super::dtype::decode_f32(dtype, bytes),
@@ -141,7 +141,7 @@ impl std::fmt::Display for DequantError {
 /// rounded through BF16 when `round_bf16`, the checkpoint's training precision).
 ///
 /// `codes` holds exactly those rows (`n_rows × cols` bytes); `scales` is the full scale grid.
-pub fn dequantize_rows(
+pub(crate) fn dequantize_rows(
     codes: &[u8],
     scales: &[f32],
     grid: BlockGrid,

@@ -168,13 +168,13 @@ pub const RULES: &[Rule] = &[
 
 /// Checkpoint keys the reference ignores on load: the MTP block stored at index
 /// `num_hidden_layers` and any `shared_head` (HF `_keys_to_ignore_on_load_unexpected`).
-pub fn is_ignored(name: &str, num_hidden_layers: usize) -> bool {
+pub(crate) fn is_ignored(name: &str, num_hidden_layers: usize) -> bool {
     let mtp = format!("model.language_model.layers.{num_hidden_layers}.");
     name.starts_with(&mtp) || (name.contains(".shared_head.") && name.starts_with("model.language_model.layers."))
 }
 
 /// Checkpoint keys of the vision tower (not loaded by the text-only model).
-pub fn is_vision(name: &str) -> bool {
+pub(crate) fn is_vision(name: &str) -> bool {
     // (skipped only when the model is built without its vision tower)
     name.starts_with("model.visual.")
 }
@@ -259,7 +259,7 @@ impl ResolvedHf {
 }
 
 /// Find the rule for a checkpoint name (`None`: not a tensor of the text model).
-pub fn resolve_hf(name: &str) -> Option<ResolvedHf> {
+pub(crate) fn resolve_hf(name: &str) -> Option<ResolvedHf> {
     for rule in RULES {
         let (pre, rest) = match rule.hf.split_once("{i}") {
             None => {

@@ -128,12 +128,12 @@ pub fn index_json(shards: &[(String, Vec<PlannedTensor>)]) -> Value {
 }
 
 /// The index of a sharded checkpoint: each tensor's file, and the bytes of them all.
-pub fn index_value(weight_map: &BTreeMap<String, String>, total_size: usize) -> Value {
+pub(crate) fn index_value(weight_map: &BTreeMap<String, String>, total_size: usize) -> Value {
     json!({"metadata": {"total_size": total_size}, "weight_map": weight_map})
 }
 
 /// Write `dir/model.safetensors.index.json` ([`index_value`]) atomically.
-pub fn write_index(dir: &Path, weight_map: &BTreeMap<String, String>, total_size: usize) -> Result<(), CheckpointError> {
+pub(crate) fn write_index(dir: &Path, weight_map: &BTreeMap<String, String>, total_size: usize) -> Result<(), CheckpointError> {
     let text = serde_json::to_vec_pretty(&index_value(weight_map, total_size))
         .map_err(|e| CheckpointError::Encode { what: "model.safetensors.index.json".into(), message: e.to_string() })?;
     write_atomic(&dir.join("model.safetensors.index.json"), &text)
@@ -141,12 +141,12 @@ pub fn write_index(dir: &Path, weight_map: &BTreeMap<String, String>, total_size
 
 /// Write in-memory tensors as one safetensors file, atomically (module tensors collected for
 /// a save; [`write_safetensors`] streams larger sets).
-pub fn write_tensors(path: &Path, tensors: &BTreeMap<String, OwnedTensor>) -> Result<(), CheckpointError> {
+pub(crate) fn write_tensors(path: &Path, tensors: &BTreeMap<String, OwnedTensor>) -> Result<(), CheckpointError> {
     write_atomic(path, &serialize(tensors)?)
 }
 
 /// Write `dir/config.json` (the JSON the checkpoint was read with) atomically.
-pub fn write_config(dir: &Path, config: &CheckpointConfig) -> Result<(), CheckpointError> {
+pub(crate) fn write_config(dir: &Path, config: &CheckpointConfig) -> Result<(), CheckpointError> {
     let text = serde_json::to_vec_pretty(&config.json).map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
     write_atomic(&dir.join("config.json"), &text)
 }

@@ -194,7 +194,7 @@ fn align(v: usize, f: usize) -> usize {
 }
 
 /// HF `smart_resize`: the aligned canvas `(height, width)` within the token budget.
-pub fn smart_resize(
+pub(crate) fn smart_resize(
     num_frames: usize,
     height: usize,
     width: usize,

@@ -160,7 +160,7 @@ pub fn read_split(dir: &Path, format: DatasetFormat, split: &str, max_samples: O
 }
 
 /// The parquet shards of `split`, sorted.
-pub fn parquet_files(dir: &Path, split: &str) -> Result<Vec<PathBuf>, DatasetError> {
+pub(crate) fn parquet_files(dir: &Path, split: &str) -> Result<Vec<PathBuf>, DatasetError> {
     if !dir.is_dir() {
         return Err(file_err(dir, "dataset directory does not exist"));
     }

@@ -57,7 +57,7 @@ pub fn conversation(record: &VqaRecord) -> serde_json::Value {
 }
 
 /// Tokenise and label one record (the image's placeholder count comes from its size alone).
-pub fn encode_record(chat: &ChatFormat, processor: &ImageProcessor, record: &VqaRecord, index: usize) -> Result<SftSample, SampleError> {
+pub(crate) fn encode_record(chat: &ChatFormat, processor: &ImageProcessor, record: &VqaRecord, index: usize) -> Result<SftSample, SampleError> {
     let ((gh, gw), _) =
         processor.geometry(record.height, record.width).map_err(|source| SampleError::Image { origin: record.origin.clone(), source })?;
     let image_tokens = (gh / processor.patch_size) * (gw / processor.patch_size) / (processor.merge_size * processor.merge_size);
@@ -113,7 +113,7 @@ impl Pack {
 
 /// Greedy first-fit packing of `samples` (in order) into sequences of at most `max_length`;
 /// `max_length` 0 means no packing: one sample per sequence.
-pub fn pack_greedy(samples: Vec<SftSample>, max_length: usize, drop_long: bool, image_token: i64) -> (Vec<Pack>, PackReport) {
+pub(crate) fn pack_greedy(samples: Vec<SftSample>, max_length: usize, drop_long: bool, image_token: i64) -> (Vec<Pack>, PackReport) {
     if max_length == 0 {
         let packs: Vec<Pack> = samples.into_iter().filter(|s| !s.ids.is_empty()).map(|s| Pack { samples: vec![s] }).collect();
         let longest = packs.iter().map(Pack::len).max().unwrap_or(1);

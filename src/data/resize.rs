@@ -93,7 +93,7 @@ fn clamp8(acc: i64, precision: u32) -> u8 {
 }
 
 /// Resize an interleaved `[h, w, c]` 8-bit image to `[oh, ow, c]`.
-pub fn resize_u8(src: &[u8], h: usize, w: usize, c: usize, oh: usize, ow: usize, arith: Arithmetic) -> Vec<u8> {
+pub(crate) fn resize_u8(src: &[u8], h: usize, w: usize, c: usize, oh: usize, ow: usize, arith: Arithmetic) -> Vec<u8> {
     assert_eq!(src.len(), h * w * c, "image buffer size");
     // horizontal pass
     let horizontal = if ow != w {

@@ -12,8 +12,8 @@
 //!
 //! One collective per parameter, not one per unit over a flattened buffer: Burn's slice
 //! backward writes each piece into a zero tensor of the whole buffer, so unflattening a unit
-//! of n parameters cost n passes over the unit in every backward (measured: FSDP with 2 ranks
-//! 16 % slower per step than one process on `bench_small`); per parameter it is one pass.
+//! of n parameters would cost n passes over the unit in every backward; per parameter it is
+//! one pass.
 //!
 //! So parameters, their gradients and AdamW's moments (which follow the parameters' shapes)
 //! take ~1/P of the memory per rank, and the gradient arrives summed over the group.
@@ -81,12 +81,12 @@ impl std::fmt::Debug for ShardPlan {
 }
 
 /// Rows per rank of a dim-0 size `rows` split over `size` ranks (padded: every rank the same).
-pub fn shard_rows(rows: usize, size: usize) -> usize {
+pub(crate) fn shard_rows(rows: usize, size: usize) -> usize {
     rows.div_ceil(size.max(1))
 }
 
 /// Rows `[begin, end)` of the full tensor that rank `rank` holds (possibly empty: padding only).
-pub fn shard_range(rows: usize, size: usize, rank: usize) -> std::ops::Range<usize> {
+pub(crate) fn shard_range(rows: usize, size: usize, rank: usize) -> std::ops::Range<usize> {
     let c = shard_rows(rows, size);
     (rank * c).min(rows)..((rank + 1) * c).min(rows)
 }

@@ -38,7 +38,7 @@ use super::OpImpl;
 use super::PathKind;
 
 /// `x / sqrt(Σ x² + ε)` over the last dim (FLA `l2norm`, ε inside the sqrt).
-pub fn l2norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
+pub(crate) fn l2norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
     let n = (x.clone().square().sum_dim(D - 1) + eps).sqrt();
     x / n
 }

@@ -26,7 +26,7 @@ use super::host::par_zeros;
 
 /// Row indices of the causal pairs `(x, r, s ≤ r)`: rows of `r`, rows of `s`, and the
 /// flat position `(x, r, s)` in `[x, C, C]`.
-pub fn pair_rows<B: Backend>(x: usize, c: usize, device: &B::Device) -> [Tensor<B, 1, Int>; 3] {
+pub(crate) fn pair_rows<B: Backend>(x: usize, c: usize, device: &B::Device) -> [Tensor<B, 1, Int>; 3] {
     let per = c * (c + 1) / 2;
     let (mut r_rows, mut s_rows, mut at_rs) = (Vec::with_capacity(x * per), Vec::with_capacity(x * per), Vec::with_capacity(x * per));
     for xi in 0..x {

@@ -115,7 +115,7 @@ pub struct PoolLayout {
 }
 
 /// Pool layout of every row of a `[B, S]` validity mask (row-major).
-pub fn pool_layouts(mask: &[bool], batch: usize, seq: usize, kpool: usize) -> Vec<PoolLayout> {
+pub(crate) fn pool_layouts(mask: &[bool], batch: usize, seq: usize, kpool: usize) -> Vec<PoolLayout> {
     (0..batch)
         .map(|b| {
             let row = &mask[b * seq..(b + 1) * seq];
@@ -127,13 +127,13 @@ pub fn pool_layouts(mask: &[bool], batch: usize, seq: usize, kpool: usize) -> Ve
 
 /// Token index of slot `j` of pool `p` (may be past the end).
 #[inline]
-pub fn pool_token(layout: &PoolLayout, kpool: usize, p: usize, j: usize) -> usize {
+pub(crate) fn pool_token(layout: &PoolLayout, kpool: usize, p: usize, j: usize) -> usize {
     layout.first + p * kpool + j
 }
 
 /// Which of a row's `n_pools` pools are complete: all `kpool` tokens inside the sequence and
 /// valid (`row_mask`, one row of the `[B, S]` mask). Only complete pools are ever selected.
-pub fn complete_pools(layout: &PoolLayout, row_mask: &[bool], kpool: usize) -> Vec<bool> {
+pub(crate) fn complete_pools(layout: &PoolLayout, row_mask: &[bool], kpool: usize) -> Vec<bool> {
     let seq = row_mask.len();
     (0..layout.n_pools).map(|p| (0..kpool).all(|j| pool_token(layout, kpool, p, j) < seq && row_mask[pool_token(layout, kpool, p, j)])).collect()
 }

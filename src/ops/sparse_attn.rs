@@ -26,7 +26,7 @@ use rayon::prelude::*;
 use super::host::{dot, par_zeros};
 
 /// Dense `[B, S, S]` visibility mask from an index buffer (true = attend).
-pub fn index_mask<B: Backend>(indices: &[i64], batch: usize, seq: usize, width: usize, device: &B::Device) -> Tensor<B, 3, Bool> {
+pub(crate) fn index_mask<B: Backend>(indices: &[i64], batch: usize, seq: usize, width: usize, device: &B::Device) -> Tensor<B, 3, Bool> {
     let mut m = vec![false; batch * seq * seq];
     for b in 0..batch {
         for t in 0..seq {
@@ -129,7 +129,7 @@ pub fn latent_reference_backward<B: Backend>(
 /// `rows` `[N, W]` holds each entry's row, `m` (a spare row, dropped) for invalid entries
 /// (as `valid_rows` with `dummy = m` gives them). Shared by the reference backward and the
 /// CubeCL backend, whose kernel returns such partials instead of using float atomics.
-pub fn scatter_entries<B: Backend>(partials: Tensor<B, 3>, rows: Tensor<B, 2, Int>, m: usize) -> Tensor<B, 2> {
+pub(crate) fn scatter_entries<B: Backend>(partials: Tensor<B, 3>, rows: Tensor<B, 2, Int>, m: usize) -> Tensor<B, 2> {
     let [n, w, r] = partials.dims();
     Tensor::<B, 2>::zeros([m + 1, r], (&partials.device(), DType::F32))
         .select_assign(0, rows.reshape([n * w]), partials.reshape([n * w, r]), IndexingUpdateOp::Add)
@@ -141,11 +141,6 @@ pub fn entry_rows<B: Backend>(idx: Tensor<B, 2, Int>, m: usize) -> Tensor<B, 2, 
     valid_rows(idx, m, m as i64).1
 }
 
-/// Host form of [`latent_reference`] (Flex's fused body): one pass per query row, in
-/// parallel, without the gathered `[N, W, R]` copy — per head, the scores of the valid
-/// entries, their softmax (max-subtracted) and the weighted sum of the latent rows. `q`
-/// `[N, H, R]`, `kv` `[M, R]`, `idx` `[N, W]` → `(o [N, H, R], lse [N, H])`; a query with no
-/// valid entry gives `o = 0`, `lse = 0`, as the reference.
 /// The heads' geometry of the host forms: `h` heads over a latent of width `r`, and the
 /// softmax scale.
 #[derive(Debug, Clone, Copy)]
@@ -155,6 +150,11 @@ pub(crate) struct Heads {
     pub scale: f32,
 }
 
+/// Host form of [`latent_reference`] (Flex's fused body): one pass per query row, in
+/// parallel, without the gathered `[N, W, R]` copy — per head, the scores of the valid
+/// entries, their softmax (max-subtracted) and the weighted sum of the latent rows. `q`
+/// `[N, H, R]`, `kv` `[M, R]`, `idx` `[N, W]` → `(o [N, H, R], lse [N, H])`; a query with no
+/// valid entry gives `o = 0`, `lse = 0`, as the reference.
 pub(crate) fn host_forward(q: &[f32], kv: &[f32], idx: &[i64], heads: Heads) -> (Vec<f32>, Vec<f32>) {
     let Heads { h, r, scale } = heads;
     let n = q.len() / (h * r).max(1);

@@ -43,7 +43,7 @@ pub fn reference_backward<B: Backend>(gate: Tensor<B, 1>, up: Tensor<B, 1>, grad
 }
 
 /// Reference SiLU (Burn's `silu`).
-pub fn reference_silu<B: Backend>(x: Tensor<B, 1>) -> Tensor<B, 1> {
+pub(crate) fn reference_silu<B: Backend>(x: Tensor<B, 1>) -> Tensor<B, 1> {
     burn::tensor::activation::silu(x)
 }
 

@@ -149,7 +149,7 @@ impl<B: Backend> ContextShard<B> {
 /// `[1, keep, C]`, the previous rank's last rows of `x` `[1, T, C]` (zeros where they belong to
 /// another document, and everywhere when this shard's first document starts here). Every rank
 /// of `group` calls it (a collective); `T ≥ keep`.
-pub fn conv_halo<B: CollectiveBackend>(
+pub(crate) fn conv_halo<B: CollectiveBackend>(
     x: Tensor<B, 3>,
     keep: usize,
     docs: &ShardDocs,

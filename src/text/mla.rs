@@ -372,9 +372,9 @@ pub(crate) fn sparse_absorbed<B: Glm5Backend>(
         let pos = Tensor::<B, 1, Int>::from_data(TensorData::new(pos, [b * n * width]), &device);
         let valid = Tensor::<B, 3, Bool>::from_data(TensorData::new(valid, [b * n, 1, width]), &device);
         let kv = lat_flat.clone().select(0, pos).reshape([b * n, width, r]); // [B·n, W, R]
-                                                                             // (K q̃ᵀ)ᵀ rather than q̃ Kᵀ: the gathered rows then reach both matmuls untransposed, so
-                                                                             // their two gradients add as contiguous tensors (the transposed form's strided gradient
-                                                                             // add of every [B·n, W, R] block was ~5 % of Flex's train step at 2048 tokens)
+                                                                             // (K q̃ᵀ)ᵀ rather than q̃ Kᵀ: the gathered rows then reach both matmuls untransposed,
+                                                                             // so their two gradients add as contiguous tensors, not as a strided add of every
+                                                                             // [B·n, W, R] block
         let scores = kv.clone().matmul(qb.swap_dims(1, 2)).swap_dims(1, 2) * scale; // [B·n, H, W]
         let p = masked_softmax(scores, valid.expand([b * n, h, width])).cast(kv.dtype());
         let o_lat = p.matmul(kv); // [B·n, H, R]

@@ -203,8 +203,7 @@ impl<B: Backend> TextModel<B> {
 /// The `n` residual streams at the first layer, each a copy of the embeddings: `[B, S, D]` →
 /// `[B, S, n, D]`. Concatenated copies rather than a broadcast (`expand`) view: each layer
 /// reshapes its streams, and Flex turns a stride-0 view into a contiguous buffer element by
-/// element, forward and backward (the 512-token `bench` train step: 0.577 → 0.53 s), while
-/// `cat` copies rows whole.
+/// element, forward and backward, while `cat` copies rows whole.
 fn initial_streams<B: Backend>(embeds: Tensor<B, 3>, n: usize) -> Tensor<B, 4> {
     Tensor::cat(vec![embeds.unsqueeze_dim::<4>(2); n], 2)
 }

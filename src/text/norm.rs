@@ -17,7 +17,7 @@ use crate::ops::backend::{rms_norm, Glm5Backend};
 
 /// Unweighted RMS normalisation over the last dim, computed in fp32, returned in fp32
 /// (the backend op [`Glm5Backend::rms_norm`], `ops::rms`).
-pub fn rms_normalize<B: Glm5Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
+pub(crate) fn rms_normalize<B: Glm5Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
     rms_rows(x.cast(DType::F32), None, eps)
 }
 

@@ -143,7 +143,7 @@ pub(crate) fn io_err(path: &Path, e: impl std::fmt::Display) -> CheckpointIoErro
 }
 
 /// `ROOT/step_{step:06}`.
-pub fn step_dir(root: &Path, step: usize) -> PathBuf {
+pub(crate) fn step_dir(root: &Path, step: usize) -> PathBuf {
     root.join(format!("step_{step:06}"))
 }
 
@@ -262,7 +262,7 @@ fn sync_dir(dir: &Path) {
 /// succeeded rank 0 writes the state file and renames the directory into place. Every rank
 /// returns the same outcome: an error on any rank fails the save everywhere, and nothing is
 /// renamed into place.
-pub fn write_group<E: From<CheckpointIoError> + From<crate::distributed::DistError> + std::fmt::Display>(
+pub(crate) fn write_group<E: From<CheckpointIoError> + From<crate::distributed::DistError> + std::fmt::Display>(
     root: &Path,
     state: &TrainerState,
     keep_last: usize,

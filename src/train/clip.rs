@@ -28,14 +28,18 @@ impl<B: AutodiffBackend, const N: usize> ModuleVisitor<B> for SquaredNorm<'_, B,
 
 /// Σ g² over `module`'s gradients, split into (parameters `sharded` names, the others): a
 /// sharded model's norm is the first summed over the ranks plus the second once.
-pub fn squared_norms<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams, sharded: &dyn Fn(ParamId) -> bool) -> [f64; 2] {
+pub(crate) fn squared_norms<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &GradientsParams,
+    sharded: &dyn Fn(ParamId) -> bool,
+) -> [f64; 2] {
     squared_norms_by::<B, M, 2>(module, grads, &|id| usize::from(!sharded(id)))
 }
 
 /// Σ g² over `module`'s gradients in `N` classes (`class(id) < N`): each class is summed over
 /// the ranks that split it (data-parallel shards over the world, expert shares over the
 /// expert-parallel group, replicated parameters not at all).
-pub fn squared_norms_by<B: AutodiffBackend, M: AutodiffModule<B>, const N: usize>(
+pub(crate) fn squared_norms_by<B: AutodiffBackend, M: AutodiffModule<B>, const N: usize>(
     module: &M,
     grads: &GradientsParams,
     class: &dyn Fn(ParamId) -> usize,
@@ -47,7 +51,7 @@ pub fn squared_norms_by<B: AutodiffBackend, M: AutodiffModule<B>, const N: usize
 
 /// Multiply every gradient by `factor` when it is below 1 (the clip for a norm worked out
 /// elsewhere, e.g. over sharded gradients).
-pub fn clip_to<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &mut GradientsParams, norm: f64, max_norm: f64) {
+pub(crate) fn clip_to<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &mut GradientsParams, norm: f64, max_norm: f64) {
     let factor = max_norm / (norm + 1e-6);
     if factor < 1.0 {
         let mut v = Scale::<B> { grads, factor, _b: std::marker::PhantomData };

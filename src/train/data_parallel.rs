@@ -93,7 +93,7 @@ pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
 
 /// [`all_reduce_grads`] for the parameters `skip` does not name (a sharded model's shards
 /// arrive summed already, through the gather's adjoint).
-pub fn all_reduce_grads_except<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub(crate) fn all_reduce_grads_except<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &mut GradientsParams,
     group: &dyn ProcessGroup,
@@ -118,7 +118,7 @@ pub fn all_reduce_grads_except<B: AutodiffBackend, M: AutodiffModule<B>>(
 }
 
 /// Registers a zero gradient for every trainable parameter `select` names that has none.
-pub fn zero_missing_grads<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &mut GradientsParams, select: &dyn Fn(ParamId) -> bool) {
+pub(crate) fn zero_missing_grads<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &mut GradientsParams, select: &dyn Fn(ParamId) -> bool) {
     struct Zero<'a>(&'a mut GradientsParams, &'a dyn Fn(ParamId) -> bool);
     impl<B: AutodiffBackend> ModuleVisitor<B> for Zero<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -137,14 +137,14 @@ pub fn sum_f64(group: &dyn ProcessGroup, x: f64) -> Result<f64, DistError> {
 }
 
 /// Every rank's `x` summed (exact).
-pub fn sum_usize(group: &dyn ProcessGroup, x: usize) -> Result<usize, DistError> {
+pub(crate) fn sum_usize(group: &dyn ProcessGroup, x: usize) -> Result<usize, DistError> {
     let mut v = [x as i64];
     group.all_reduce(ReduceBuf::I64(&mut v), ReduceOp::Sum)?;
     Ok(v[0] as usize)
 }
 
 /// Every rank's `x`, in rank order.
-pub fn gather_usize(group: &dyn ProcessGroup, x: usize) -> Result<Vec<usize>, DistError> {
+pub(crate) fn gather_usize(group: &dyn ProcessGroup, x: usize) -> Result<Vec<usize>, DistError> {
     Ok(all_gather(group, &[x as u64])?.into_iter().map(|v| v as usize).collect())
 }
 
@@ -253,7 +253,10 @@ impl ExpertMesh {
 /// its rank's `E/P` experts (parameter ids kept), one loaded with this rank's experts only
 /// ([`crate::checkpoint::LoadOptions::experts`]) is attached as it is. An error when the
 /// layers hold neither `E` nor `E/P` experts, or `P` does not divide `E`.
-pub fn expert_parallel_model<B: burn::tensor::backend::Backend>(mut model: Glm5ForCausalLM<B>, ep: Group) -> Result<Glm5ForCausalLM<B>, DistError> {
+pub(crate) fn expert_parallel_model<B: burn::tensor::backend::Backend>(
+    mut model: Glm5ForCausalLM<B>,
+    ep: Group,
+) -> Result<Glm5ForCausalLM<B>, DistError> {
     let plan = Arc::new(ExpertParallel::new(ep, model.num_experts)?);
     for layer in model.language_model.layers.iter_mut() {
         let Ffn::Moe(moe) = &mut layer.mlp else { continue };
@@ -275,7 +278,7 @@ pub fn plan_of<B: burn::tensor::backend::Backend>(model: &Glm5ForCausalLM<B>) ->
 
 /// Drops the gradients of `module`'s parameters (a unit no rank ran: one process would have
 /// produced none, and AdamW skips a parameter without one).
-pub fn drop_grads<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &mut GradientsParams) {
+pub(crate) fn drop_grads<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &mut GradientsParams) {
     struct Drop<'a>(&'a mut GradientsParams);
     impl<B: AutodiffBackend> ModuleVisitor<B> for Drop<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {

@@ -96,7 +96,7 @@ impl<B: Backend> ModuleMapper<B> for AssignIds<'_> {
 
 /// Give the parameters the ids recorded by [`param_ids`] (of an identically shaped model);
 /// returns the paths that had no recorded id.
-pub fn assign_param_ids<B: Backend, M: Module<B>>(module: M, ids: &BTreeMap<String, ParamId>) -> (M, Vec<String>) {
+pub(crate) fn assign_param_ids<B: Backend, M: Module<B>>(module: M, ids: &BTreeMap<String, ParamId>) -> (M, Vec<String>) {
     let mut m = AssignIds { tracker: PathTracker::default(), ids, missing: Vec::new() };
     let module = module.map(&mut m);
     (module, m.missing)
@@ -190,7 +190,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for CastCompute {
 /// The compute copy of fp32 master weights: every parameter cast to `dtype` (the checkpoint's
 /// fp32-kept tensors — router bias, mHC scales — stay fp32), as graph leaves with the master's
 /// ids, so its gradients can be applied to the master.
-pub fn compute_copy<B: AutodiffBackend>(master: &Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
+pub(crate) fn compute_copy<B: AutodiffBackend>(master: &Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
     master.clone().map(&mut CastCompute { tracker: PathTracker::default(), dtype })
 }
 
@@ -207,6 +207,6 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for CastGrads<'_> {
 }
 
 /// Cast every gradient of `module`'s parameters to fp32 (for the fp32 master update).
-pub fn grads_to_f32<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &mut GradientsParams) {
+pub(crate) fn grads_to_f32<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &mut GradientsParams) {
     module.visit(&mut CastGrads { grads });
 }

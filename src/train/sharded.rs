@@ -88,7 +88,12 @@ fn deal(sizes: &[usize], ranks: usize) -> Vec<usize> {
 
 /// Write this rank's part of the HF checkpoint of a sharded `model` into `dir` (every rank
 /// calls it with the same model structure).
-pub fn save_model<B: Backend>(model: &Glm5ForCausalLM<B>, plan: &ShardPlan, config: &CheckpointConfig, dir: &Path) -> Result<(), CheckpointError> {
+pub(crate) fn save_model<B: Backend>(
+    model: &Glm5ForCausalLM<B>,
+    plan: &ShardPlan,
+    config: &CheckpointConfig,
+    dir: &Path,
+) -> Result<(), CheckpointError> {
     let g = &**plan.group();
     let (rank, size) = (g.rank(), g.size());
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
@@ -322,12 +327,12 @@ where
 }
 
 /// File name of rank `rank`'s optimizer shard among `size`.
-pub fn optimizer_file(rank: usize, size: usize) -> String {
+pub(crate) fn optimizer_file(rank: usize, size: usize) -> String {
     format!("rank-{rank:05}-of-{size:05}.safetensors")
 }
 
 /// Write this rank's AdamW moments (the rows it holds) into `dir/optimizer/` (module docs).
-pub fn save_optimizer<B: AutodiffBackend>(model: &Glm5ForCausalLM<B>, optim: &Adam<B>, dir: &Path) -> Result<(), CheckpointError>
+pub(crate) fn save_optimizer<B: AutodiffBackend>(model: &Glm5ForCausalLM<B>, optim: &Adam<B>, dir: &Path) -> Result<(), CheckpointError>
 where
     B::InnerBackend: Glm5Backend,
 {
@@ -467,7 +472,7 @@ where
 
 /// AdamW's moments for `model` (sharded or whole, any number of ranks) from the rank files
 /// in `dir` (written under any number of ranks): each parameter's rows this rank holds.
-pub fn load_optimizer<B: AutodiffBackend>(model: &Glm5ForCausalLM<B>, dir: &Path) -> Result<AdamRecord<B>, CheckpointError>
+pub(crate) fn load_optimizer<B: AutodiffBackend>(model: &Glm5ForCausalLM<B>, dir: &Path) -> Result<AdamRecord<B>, CheckpointError>
 where
     B::InnerBackend: Glm5Backend,
 {
@@ -528,7 +533,7 @@ where
 
 /// A whole model's optimizer record (`optimizer.mpk` of an unsharded run) cut to the rows this
 /// rank holds of a sharded `model`.
-pub fn cut_record<B: AutodiffBackend>(model: &Glm5ForCausalLM<B>, record: AdamRecord<B>) -> AdamRecord<B>
+pub(crate) fn cut_record<B: AutodiffBackend>(model: &Glm5ForCausalLM<B>, record: AdamRecord<B>) -> AdamRecord<B>
 where
     B::InnerBackend: Glm5Backend,
 {

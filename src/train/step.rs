@@ -355,7 +355,7 @@ pub fn train_step<B: AutodiffBackend + Glm5Backend, O: Optimizer<Glm5ForCausalLM
 }
 
 /// Which of loss / gradient is not finite, if any.
-pub fn non_finite(loss: f64, grad_norm: f64) -> Option<&'static str> {
+pub(crate) fn non_finite(loss: f64, grad_norm: f64) -> Option<&'static str> {
     if !loss.is_finite() {
         Some("loss")
     } else if !grad_norm.is_finite() {

@@ -28,7 +28,13 @@ pub fn positions(grid_thw: &[[usize; 3]], merge: usize) -> Vec<(usize, usize)> {
 }
 
 /// `cos`, `sin` tables `[N, head_dim]` (fp32).
-pub fn cos_sin<B: Backend>(grid_thw: &[[usize; 3]], merge: usize, head_dim: usize, theta: f64, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
+pub(crate) fn cos_sin<B: Backend>(
+    grid_thw: &[[usize; 3]],
+    merge: usize,
+    head_dim: usize,
+    theta: f64,
+    device: &B::Device,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let spatial = head_dim / 2;
     let inv: Vec<f32> = (0..spatial).step_by(2).map(|i| (1.0 / theta.powf(i as f64 / spatial as f64)) as f32).collect();
     let pos = positions(grid_thw, merge);
@@ -45,7 +51,7 @@ pub fn cos_sin<B: Backend>(grid_thw: &[[usize; 3]], merge: usize, head_dim: usiz
 }
 
 /// Rotate `x` `[N, heads, d]` (returned in fp32).
-pub fn apply<B: Backend>(x: Tensor<B, 3>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 3> {
+pub(crate) fn apply<B: Backend>(x: Tensor<B, 3>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 3> {
     let [n, h, d] = x.dims();
     let x = x.cast(DType::F32);
     let half = d / 2;

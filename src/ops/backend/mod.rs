@@ -536,7 +536,7 @@ pub fn cross_entropy_sum<B: Glm5Backend>(logits: Tensor<B, 2>, targets: &[i64]) 
 }
 
 /// [`Glm5Backend::linear_layer`] on tensors: `x` `[N, K]` · `w` `[K, M]` (+ `b` `[M]`) → `[N, M]`.
-pub fn matmul_bias<B: Glm5Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tensor<B, 1>>) -> Tensor<B, 2> {
+pub(crate) fn matmul_bias<B: Glm5Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tensor<B, 1>>) -> Tensor<B, 2> {
     f2(B::linear_layer(x.into_primitive().tensor(), w.into_primitive().tensor(), b.map(|b| b.into_primitive().tensor())))
 }
 
