@@ -23,7 +23,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -31,12 +31,9 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
 use common::counting::{live, Counting};
+use common::{bundle, bundle_packs};
 use glm5_burn::config::Glm5Config;
 use glm5_burn::data::batch::MicroBatch;
-use glm5_burn::data::chat::ChatFormat;
-use glm5_burn::data::image_processor::ImageProcessor;
-use glm5_burn::data::loader::{PackedDataset, PackingOptions};
-use glm5_burn::data::{DatasetFormat, DatasetSource};
 use glm5_burn::train::adamw::FusedAdamW;
 use glm5_burn::train::recipe::{FreezeConfig, Precision, Recipe};
 use glm5_burn::train::step::{micro_loss_sum, train_step, StepSettings};
@@ -58,10 +55,6 @@ const MEASURED: usize = 50;
 const MAX_GROWTH: i64 = 1 << 20;
 const MAX_SLOWDOWN: f64 = 1.3;
 
-fn bundle() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/tiny_medpix")
-}
-
 struct Setup {
     config: Glm5Config,
     micro: Vec<MicroBatch>,
@@ -73,18 +66,8 @@ fn setup(precision: Precision, freeze: bool) -> Setup {
     // as the `finetune` and `bench` binaries run: freed memory stays in the process, so the
     // allocator's trimming and re-faulting does not drift the step time
     glm5_burn::train::alloc::keep_freed_memory();
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(bundle().join("config.json")).unwrap()).unwrap();
-    let config = Glm5Config::from_hf_value(&json).unwrap();
-    let chat = ChatFormat::from_dir(&bundle()).unwrap();
-    let packing = PackingOptions { max_length: 128, drop_long_samples: true, seed: 1 };
-    let ds = PackedDataset::build(
-        &DatasetSource { path: bundle(), format: DatasetFormat::Parquet, split: "train".into(), max_samples: Some(12) },
-        &chat,
-        ImageProcessor::default(),
-        config.image_token_id,
-        &packing,
-    )
-    .unwrap();
+    let (json, ds) = bundle_packs();
+    let config = json.resolved;
     let micro = vec![ds.micro_batch(&[0]).unwrap(), ds.micro_batch(&[1]).unwrap()];
     let val = vec![ds.micro_batch(&[2]).unwrap()];
     let recipe = Recipe::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &[]).unwrap();

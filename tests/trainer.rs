@@ -3,17 +3,16 @@
 //! applied), bf16 compute with fp32 master weights, the router bias update (off by default),
 //! and an in-process save/resume that continues bit for bit.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{DType, Tensor};
+use common::{bundle, bundle_packs};
 use glm5_burn::config::Glm5Config;
 use glm5_burn::data::batch::MicroBatch;
-use glm5_burn::data::chat::ChatFormat;
-use glm5_burn::data::image_processor::ImageProcessor;
-use glm5_burn::data::loader::{PackedDataset, PackingOptions};
-use glm5_burn::data::{DatasetFormat, DatasetSource};
 use glm5_burn::text::decoder::Ffn;
 use glm5_burn::train::params::param_ids;
 use glm5_burn::train::recipe::{NonFinitePolicy, Precision, Recipe};
@@ -24,23 +23,9 @@ use glm5_burn::Glm5ForCausalLM;
 
 type A = Autodiff<Flex>;
 
-fn bundle() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/tiny_medpix")
-}
-
 fn setup() -> (Glm5Config, glm5_burn::checkpoint::CheckpointConfig, Vec<MicroBatch>, TrainOptions) {
-    let json = glm5_burn::checkpoint::read_config(&bundle()).unwrap();
+    let (json, ds) = bundle_packs();
     let config = json.resolved.clone();
-    let chat = ChatFormat::from_dir(&bundle()).unwrap();
-    let packing = PackingOptions { max_length: 128, drop_long_samples: true, seed: 1 };
-    let ds = PackedDataset::build(
-        &DatasetSource { path: bundle(), format: DatasetFormat::Parquet, split: "train".into(), max_samples: Some(12) },
-        &chat,
-        ImageProcessor::default(),
-        config.image_token_id,
-        &packing,
-    )
-    .unwrap();
     let micro = vec![ds.micro_batch(&[0]).unwrap(), ds.micro_batch(&[1]).unwrap()];
     let recipe =
         Recipe::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &["--lr_scheduler.lr_warmup_steps=0".into()])

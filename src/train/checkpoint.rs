@@ -39,7 +39,7 @@ impl RunLock {
     /// Lock `root` (created if missing) for this process, or fail naming the process that
     /// holds it. Two runs on one directory would delete each other's staging directories,
     /// interleave `metrics.jsonl` and publish each other's weights.
-    pub fn acquire(root: &Path) -> Result<Self, CheckpointIoError> {
+    pub fn acquire(root: &Path) -> Result<Self, CheckpointDirError> {
         std::fs::create_dir_all(root).map_err(|e| io_err(root, e))?;
         let path = root.join(".lock");
         let mut file = std::fs::OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&path).map_err(|e| io_err(&path, e))?;
@@ -50,7 +50,7 @@ impl RunLock {
             if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
                 let holder = std::fs::read_to_string(&path).unwrap_or_default();
                 let holder = holder.trim();
-                return Err(CheckpointIoError::Locked {
+                return Err(CheckpointDirError::Locked {
                     dir: root.display().to_string(),
                     holder: if holder.is_empty() { "another process".into() } else { holder.to_string() },
                 });
@@ -114,9 +114,10 @@ pub struct TrainerState {
     pub schedule: Option<super::schedule::LrSchedule>,
 }
 
-/// Checkpoint errors, naming the path.
+/// Errors of a training checkpoint directory (its run lock, staging, renames and state
+/// file), naming the path; the model inside fails with [`crate::checkpoint::CheckpointError`].
 #[derive(Debug, thiserror::Error)]
-pub enum CheckpointIoError {
+pub enum CheckpointDirError {
     /// A file or directory operation failed.
     #[error("{path}: {message}")]
     Io {
@@ -138,8 +139,8 @@ pub enum CheckpointIoError {
     },
 }
 
-pub(crate) fn io_err(path: &Path, e: impl std::fmt::Display) -> CheckpointIoError {
-    CheckpointIoError::Io { path: path.display().to_string(), message: e.to_string() }
+pub(crate) fn io_err(path: &Path, e: impl std::fmt::Display) -> CheckpointDirError {
+    CheckpointDirError::Io { path: path.display().to_string(), message: e.to_string() }
 }
 
 /// `ROOT/step_{step:06}`.
@@ -168,7 +169,7 @@ pub fn latest(root: &Path) -> Option<PathBuf> {
 }
 
 /// Read `trainer_state.json`.
-pub fn read_state(dir: &Path) -> Result<TrainerState, CheckpointIoError> {
+pub fn read_state(dir: &Path) -> Result<TrainerState, CheckpointDirError> {
     let p = dir.join("trainer_state.json");
     let text = std::fs::read_to_string(&p).map_err(|e| io_err(&p, e))?;
     serde_json::from_str(&text).map_err(|e| io_err(&p, e))
@@ -177,7 +178,7 @@ pub fn read_state(dir: &Path) -> Result<TrainerState, CheckpointIoError> {
 /// Write a checkpoint: `fill` writes the model and optimizer into the staging directory it is
 /// given; the state file is written last, then the directory is renamed into place and old
 /// checkpoints beyond `keep_last` are removed.
-pub fn write<E: From<CheckpointIoError>>(
+pub fn write<E: From<CheckpointDirError>>(
     root: &Path,
     state: &TrainerState,
     keep_last: usize,
@@ -193,7 +194,7 @@ pub fn write<E: From<CheckpointIoError>>(
 }
 
 /// The state file last, fsync, rename into place, prune beyond `keep_last`.
-fn publish(root: &Path, staging: &Path, state: &TrainerState, keep_last: usize) -> Result<PathBuf, CheckpointIoError> {
+fn publish(root: &Path, staging: &Path, state: &TrainerState, keep_last: usize) -> Result<PathBuf, CheckpointDirError> {
     let fin = step_dir(root, state.step);
     let json = serde_json::to_vec_pretty(state).map_err(|e| io_err(staging, e))?;
     let sp = staging.join("trainer_state.json");
@@ -262,7 +263,7 @@ fn sync_dir(dir: &Path) {
 /// succeeded rank 0 writes the state file and renames the directory into place. Every rank
 /// returns the same outcome: an error on any rank fails the save everywhere, and nothing is
 /// renamed into place.
-pub(crate) fn write_group<E: From<CheckpointIoError> + From<crate::distributed::DistError> + std::fmt::Display>(
+pub(crate) fn write_group<E: From<CheckpointDirError> + From<crate::distributed::DistError> + std::fmt::Display>(
     root: &Path,
     state: &TrainerState,
     keep_last: usize,

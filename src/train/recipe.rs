@@ -130,7 +130,7 @@ pub struct ModelSection {
 /// `distributed`: parallel sizes, parameter sharding and activation checkpointing.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Distributed {
+pub struct DistributedSection {
     /// Data-parallel size.
     #[serde(default = "one")]
     pub dp_size: usize,
@@ -304,7 +304,7 @@ pub struct Recipe {
     pub model: ModelSection,
     /// Parallel sizes.
     #[serde(default = "single_device")]
-    pub distributed: Distributed,
+    pub distributed: DistributedSection,
     /// Training data.
     pub dataset: DatasetSource,
     /// Validation data, or `None`.
@@ -327,8 +327,8 @@ pub struct Recipe {
     pub rng: Rng,
 }
 
-fn single_device() -> Distributed {
-    Distributed { dp_size: 1, ep_size: 1, cp_size: 1, activation_checkpointing: false, shard_parameters: true, reshard_after_forward: true }
+fn single_device() -> DistributedSection {
+    DistributedSection { dp_size: 1, ep_size: 1, cp_size: 1, activation_checkpointing: false, shard_parameters: true, reshard_after_forward: true }
 }
 
 /// `a.b.c=value` as a YAML document `a: {b: {c: value}}` (the value's text kept as it is, so

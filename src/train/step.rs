@@ -75,7 +75,7 @@ pub enum TrainError {
     },
     /// The checkpoint directory itself (lock, staging, rename, state file).
     #[error(transparent)]
-    CheckpointDir(#[from] super::checkpoint::CheckpointIoError),
+    CheckpointDir(#[from] super::checkpoint::CheckpointDirError),
     /// One file of a training checkpoint beside the model (optimizer state, copied files).
     #[error("{path}: {message}")]
     CheckpointFile {

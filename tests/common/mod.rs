@@ -16,6 +16,22 @@ pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("fixtures")
 }
 
+/// The bundled tiny MedPix-style sample (`examples/data/tiny_medpix`): data, config, tokenizer.
+pub fn bundle() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/tiny_medpix")
+}
+
+/// The bundle's config and its first twelve training records packed into rows of ≤ 128 tokens.
+pub fn bundle_packs() -> (glm5_burn::checkpoint::CheckpointConfig, glm5_burn::data::loader::PackedDataset) {
+    use glm5_burn::data::{chat::ChatFormat, image_processor::ImageProcessor, loader::*, DatasetFormat, DatasetSource};
+    let config = glm5_burn::checkpoint::read_config(&bundle()).unwrap();
+    let chat = ChatFormat::from_dir(&bundle()).unwrap();
+    let packing = PackingOptions { max_length: 128, drop_long_samples: true, seed: 1 };
+    let source = DatasetSource { path: bundle(), format: DatasetFormat::Parquet, split: "train".into(), max_samples: Some(12) };
+    let ds = PackedDataset::build(&source, &chat, ImageProcessor::default(), config.resolved.image_token_id, &packing).unwrap();
+    (config, ds)
+}
+
 /// A safetensors file read fully into memory.
 pub struct Io {
     bytes: Vec<u8>,
