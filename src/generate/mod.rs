@@ -7,7 +7,7 @@
 pub mod decode;
 pub mod eval;
 pub mod sampling;
-pub mod stop;
+mod stop;
 
 pub use crate::text::cache::{CacheBytes, DecodeCache, DsaCache, IndexerCache, KdaCache, LayerCache};
 pub use decode::{

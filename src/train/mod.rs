@@ -12,6 +12,6 @@ pub mod learner;
 pub mod params;
 pub mod recipe;
 pub mod schedule;
-pub mod sharded;
+pub(crate) mod sharded;
 pub mod step;
 pub mod trainer;
