@@ -19,7 +19,7 @@ use burn::tensor::{backend::Backend, Tensor, TensorData};
 
 use crate::text::context::ContextShard;
 pub use crate::text::Outputs;
-use crate::text::{ModelError, TokenMask};
+use crate::text::{document_ranges, ModelError, TokenMask};
 
 /// Images on the host as the HF image processor returns them: every image's patches
 /// concatenated (`pixel_values` `[N_patches, patch_dim]` row-major) and each image's patch grid
@@ -155,18 +155,6 @@ impl<B: Backend> ModelInput<B> {
 
     /// The document ranges of a packed row (one document without `documents`).
     pub fn document_ranges(&self) -> Vec<Range<usize>> {
-        match &self.documents {
-            None => std::iter::once(0..self.seq).collect(),
-            Some(d) => {
-                let mut start = 0;
-                d.iter()
-                    .filter(|&&l| l > 0)
-                    .map(|&l| {
-                        start += l;
-                        start - l..start
-                    })
-                    .collect()
-            }
-        }
+        document_ranges(self.documents.as_deref().unwrap_or(&[self.seq]))
     }
 }

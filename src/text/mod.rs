@@ -92,6 +92,20 @@ impl Outputs {
     }
 }
 
+/// The token ranges of documents of the given lengths packed into one row, empty ones
+/// dropped (`cu_seqlens` as ranges).
+pub fn document_ranges(lengths: &[usize]) -> Vec<std::ops::Range<usize>> {
+    let mut start = 0;
+    lengths
+        .iter()
+        .filter(|&&l| l > 0)
+        .map(|&l| {
+            start += l;
+            start - l..start
+        })
+        .collect()
+}
+
 /// The token layout of a batch: which positions are real tokens (left/right padding).
 #[derive(Debug, Clone)]
 pub struct TokenMask<B: Backend> {
@@ -125,17 +139,7 @@ impl<B: Backend> TokenMask<B> {
     pub fn packed(doc_lengths: &[usize], device: &B::Device) -> Self {
         let seq: usize = doc_lengths.iter().sum();
         let mut m = Self::all(1, seq, device);
-        let mut start = 0;
-        m.documents = Some(
-            doc_lengths
-                .iter()
-                .filter(|&&l| l > 0)
-                .map(|&l| {
-                    start += l;
-                    start - l..start
-                })
-                .collect(),
-        );
+        m.documents = Some(document_ranges(doc_lengths));
         m
     }
 

@@ -175,13 +175,7 @@ pub fn forward_micro<B: Glm5Backend>(
     labels.resize(seq, -100);
     let mut lengths = m.documents.clone().unwrap_or_else(|| vec![m.seq]);
     lengths.push(pad);
-    let mut docs = Vec::with_capacity(lengths.len());
-    let mut at = 0;
-    for l in lengths.into_iter().filter(|&l| l > 0) {
-        docs.push(at..at + l);
-        at += l;
-    }
-    let ctx = crate::text::context::ContextShard::new(group.clone(), docs, seq)?;
+    let ctx = ContextShard::new(group.clone(), crate::text::document_ranges(&lengths), seq)?;
     let shard = ctx.shard.clone();
     let input = ModelInput::row(ids).with_images(m.images.clone()).with_context(ctx.clone());
     let output = model.forward(input, opts, Outputs::default())?;
