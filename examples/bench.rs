@@ -3,8 +3,13 @@
 //!
 //! ```text
 //! cargo run --release --example bench -- --config configs/bench_small.json --seq 512 \
-//!     [--batch 1] [--mode forward|train|both|decode] [--warmup 10] [--steps 5] [--threads 2] [--profile]
+//!     [--batch 1] [--mode forward|train|both|decode] [--warmup 10] [--steps 5] [--threads 2] [--profile] \
+//!     [--dtype f32|bf16] [--set text_config.num_hidden_layers=4 --set text_config.n_routed_experts=16]
 //! ```
+//!
+//! `--set PATH=JSON` edits the config before it is resolved, so a cut of the release config
+//! (`configs/glm5_3_flash.json`: fewer layers and routed experts, every width and the
+//! vocabulary kept) runs at the real width.
 //!
 //! Steady state: `--warmup` untimed iterations first (default 10), then the median of the
 //! `--steps` timed ones. Prints one JSON line per mode: `{"impl", "mode", "tokens", "median_s",
@@ -48,6 +53,12 @@ enum Mode {
     Both,
     /// Prefill `--seq` tokens, then decode one token per row per step with the caches.
     Decode,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
+enum Dtype {
+    F32,
+    Bf16,
 }
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
@@ -96,6 +107,16 @@ struct Args {
     /// indices).
     #[arg(long, value_enum, default_value = "auto")]
     attention: Attention,
+    /// Weights and compute: `f32`, or `bf16` (forward and decode on bf16 weights, the tensors
+    /// the checkpoint keeps in fp32 excepted; train with bf16 compute copies of fp32 masters,
+    /// as recipe `model.dtype: bf16`).
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: Dtype,
+    /// Override a field the config has, before it is resolved, as `PATH=JSON`
+    /// (`text_config.num_hidden_layers=4`, `text_config.n_routed_experts=16`); repeatable. Cuts
+    /// of the release config keep its widths and vocabulary.
+    #[arg(long = "set", value_name = "PATH=JSON")]
+    set: Vec<String>,
     /// Instead: measure this backend's f32 matmul rate at 512×256×768 (the model's FFN shape
     /// at seq 512) and 2048³, printed as `{"gflops": {...}}`.
     #[arg(long)]
@@ -119,10 +140,33 @@ fn matmul_gflops(m: usize, k: usize, n: usize) -> f64 {
     2.0 * (m * k * n) as f64 * reps as f64 / t0.elapsed().as_secs_f64() / 1e9
 }
 
+/// `path` (an HF config.json) with the `--set PATH=JSON` overrides applied, resolved.
+fn read_config(path: &std::path::Path, overrides: &[String]) -> Result<Glm5Config> {
+    let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
+    let mut json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+    for o in overrides {
+        let (key, value) = o.split_once('=').with_context(|| format!("--set {o}: expected PATH=JSON"))?;
+        let value: serde_json::Value = serde_json::from_str(value).with_context(|| format!("--set {o}: the value is not JSON"))?;
+        // only fields the config has: a misspelt key would otherwise change nothing
+        let pointer = format!("/{}", key.replace('.', "/"));
+        let at = json.pointer_mut(&pointer).with_context(|| format!("--set {o}: {} has no field `{key}`", path.display()))?;
+        *at = value;
+    }
+    Glm5Config::from_hf_value(&json).with_context(|| format!("{} with {overrides:?}", path.display()))
+}
+
 fn peak_rss_mb() -> Option<f64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
     let kb: f64 = s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb / 1024.0)
+}
+
+/// A seeded f32 model in the benchmark's dtype.
+fn weights(model: Glm5ForCausalLM<Flex>, dtype: Dtype) -> Glm5ForCausalLM<Flex> {
+    match dtype {
+        Dtype::F32 => model,
+        Dtype::Bf16 => glm5_burn::train::params::cast_weights(model, burn::tensor::DType::BF16),
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -154,7 +198,7 @@ fn main() -> Result<()> {
             bail!("{name} 0: must be at least 1");
         }
     }
-    let config = Glm5Config::from_file(&a.config).with_context(|| a.config.display().to_string())?;
+    let config = read_config(&a.config, &a.set)?;
     // active parameters per token without the input embedding (a lookup, no FLOPs); the LM
     // head is a matmul and counts
     let counts = glm5_burn::checkpoint::inventory::ParamCounts::of(&config);
@@ -170,7 +214,7 @@ fn main() -> Result<()> {
         println!(
             "{}",
             json!({"impl": "glm5-burn-flex", "mode": mode, "tokens": tokens, "median_s": med, "min_s": min, "max_s": max,
-                   "warmup": a.warmup, "tokens_per_s": tokens as f64 / med,
+                   "warmup": a.warmup, "dtype": format!("{:?}", a.dtype).to_lowercase(), "tokens_per_s": tokens as f64 / med,
                    "peak_rss_mb": peak_rss_mb(), "threads": threads, "active_non_embedding": active_non_embedding})
         );
     };
@@ -184,7 +228,7 @@ fn main() -> Result<()> {
     if matches!(a.mode, Mode::Forward | Mode::Both) {
         let device = Default::default();
         Flex::seed(&device, 0);
-        let model = Glm5ForCausalLM::<Flex>::try_new(&config, &device)?;
+        let model = weights(Glm5ForCausalLM::<Flex>::try_new(&config, &device)?, a.dtype);
         let times = timed(&a, "forward", || {
             let out = model.forward(ModelInput::new(ids.clone(), a.batch, a.seq), &opts, Outputs::default())?;
             let _: f32 = out.logits.sum().into_scalar();
@@ -196,7 +240,7 @@ fn main() -> Result<()> {
     if a.mode == Mode::Decode {
         let device = Default::default();
         Flex::seed(&device, 0);
-        let model = Glm5ForCausalLM::<Flex>::try_new(&config, &device)?;
+        let model = weights(Glm5ForCausalLM::<Flex>::try_new(&config, &device)?, a.dtype);
         let t0 = Instant::now();
         let (logits, mut cache) = model.prefill(ModelInput::new(ids.clone(), a.batch, a.seq), &opts)?;
         let greedy = |logits: Tensor<Flex, 3>| -> Vec<i64> {
@@ -217,7 +261,7 @@ fn main() -> Result<()> {
             "{}",
             json!({"impl": "glm5-burn-flex", "mode": "decode", "prompt_tokens": tokens, "context": cache.len(), "median_s": med,
                    "min_s": times.iter().copied().fold(f64::INFINITY, f64::min), "max_s": times.iter().copied().fold(0.0, f64::max),
-                   "warmup": a.warmup, "tokens_per_s": a.batch as f64 / med, "prefill_s": prefill_s,
+                   "warmup": a.warmup, "dtype": format!("{:?}", a.dtype).to_lowercase(), "tokens_per_s": a.batch as f64 / med, "prefill_s": prefill_s,
                    "cache_bytes": after.total(), "cache_bytes_per_token": grown / a.batch as f64, "kda_cache_bytes": after.kda,
                    "peak_rss_mb": peak_rss_mb(), "threads": threads})
         );
@@ -253,7 +297,10 @@ where
         },
         aux_loss_coef: 0.0,
         router_bias_update_rate: 0.0,
-        precision: Precision::F32,
+        precision: match a.dtype {
+            Dtype::F32 => Precision::F32,
+            Dtype::Bf16 => Precision::Bf16,
+        },
         on_nonfinite: NonFinitePolicy::Abort,
         freeze: FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false },
         forward: opts,

@@ -187,6 +187,33 @@ impl<B: AutodiffBackend> ModuleMapper<B> for CastCompute {
     }
 }
 
+struct CastWeights {
+    tracker: PathTracker,
+    dtype: DType,
+}
+
+impl<B: Backend> ModuleMapper<B> for CastWeights {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.tracker.enter(name, container_type);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.tracker.exit();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let keep = resolve(&self.tracker.current()).map(|r| r.rule.keep_f32).unwrap_or(false);
+        let (id, tensor, mapper) = param.consume();
+        let tensor = if keep { tensor } else { tensor.cast(self.dtype) };
+        Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+/// `model` for inference in `dtype`: every parameter cast, except the tensors the checkpoint
+/// keeps in fp32 (router bias, mHC scales), as a load with [`crate::checkpoint::LoadOptions`]
+/// `dtype` gives them.
+pub fn cast_weights<B: Backend>(model: Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
+    model.map(&mut CastWeights { tracker: PathTracker::default(), dtype })
+}
+
 /// The compute copy of fp32 master weights: every parameter cast to `dtype` (the checkpoint's
 /// fp32-kept tensors — router bias, mHC scales — stay fp32), as graph leaves with the master's
 /// ids, so its gradients can be applied to the master.
