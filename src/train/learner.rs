@@ -88,13 +88,12 @@ impl<B: Backend> Adaptor<LossInput<B>> for LmOutput<B> {
 /// Panics with the batch error: burn-train's steps cannot return one, and our pipeline's
 /// batches are checked when they are built.
 fn item_loss<B: Glm5Backend>(model: &Glm5ForCausalLM<B>, item: &LmItem) -> (Tensor<B, 1>, Tensor<B, 1>) {
-    let out = forward_micro(model, &item.micro, &item.forward, None).unwrap_or_else(|e| panic!("learner step: {e}")).output;
-    let (sum, count) = crate::loss::lm_loss_sum(out.logits, &item.micro.labels);
+    let out = forward_micro(model, &item.micro, &item.forward, None).unwrap_or_else(|e| panic!("learner step: {e}"));
+    let (sum, count) = crate::loss::target_loss_sum(out.output.logits, &out.targets);
     let mean = sum.clone() / count.max(1) as f64;
     let mut loss = sum / item.global.label_tokens.max(1) as f64;
     if item.aux_coef != 0.0 {
-        let valid = item.micro.mask.clone().unwrap_or_else(|| vec![true; item.micro.batch * item.micro.seq]);
-        if let Some(aux) = model.aux_loss(&out.text.router_logits, &valid) {
+        if let Some(aux) = model.aux_loss(&out.output.text.router_logits, &out.valid) {
             loss = loss + aux * (item.aux_coef / item.global.micro_batches.max(1) as f64);
         }
     }

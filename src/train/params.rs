@@ -160,24 +160,43 @@ pub fn trainable_counts<B: Backend>(model: &Glm5ForCausalLM<B>) -> (usize, usize
     (c.0, c.1)
 }
 
-struct CastCompute {
+/// Where a cast is in the module tree, and to what: the checkpoint's fp32-kept tensors (router
+/// bias, mHC scales) stay fp32, as a load in `dtype` keeps them.
+struct CastPlan {
     tracker: PathTracker,
     dtype: DType,
 }
 
+impl CastPlan {
+    fn new(dtype: DType) -> Self {
+        Self { tracker: PathTracker::default(), dtype }
+    }
+
+    /// The dtype of the parameter at the current path (`None`: it stays as it is).
+    fn target(&self) -> Option<DType> {
+        let keep = resolve(&self.tracker.current()).is_some_and(|r| r.rule.keep_f32);
+        (!keep).then_some(self.dtype)
+    }
+}
+
+/// Casts into fresh graph leaves (the compute copy of [`compute_copy`]).
+struct CastCompute(CastPlan);
+
 impl<B: AutodiffBackend> ModuleMapper<B> for CastCompute {
     fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.tracker.enter(name, container_type);
+        self.0.tracker.enter(name, container_type);
     }
     fn exit_module(&mut self, _: &str, _: &str) {
-        self.tracker.exit();
+        self.0.tracker.exit();
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let keep = resolve(&self.tracker.current()).map(|r| r.rule.keep_f32).unwrap_or(false);
         let (id, tensor, mapper) = param.consume();
         let grad = tensor.is_require_grad();
         let inner = tensor.inner();
-        let inner = if keep { inner } else { inner.cast(self.dtype) };
+        let inner = match self.0.target() {
+            Some(dtype) => inner.cast(dtype),
+            None => inner,
+        };
         // a fresh leaf: gradients land on the same id as the master parameter
         let mut t = Tensor::<B, D>::from_inner(inner);
         if grad {
@@ -187,23 +206,21 @@ impl<B: AutodiffBackend> ModuleMapper<B> for CastCompute {
     }
 }
 
-struct CastWeights {
-    tracker: PathTracker,
-    dtype: DType,
-}
+/// Casts in place (inference weights, [`cast_weights`]).
+struct CastWeights(CastPlan);
 
 impl<B: Backend> ModuleMapper<B> for CastWeights {
     fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.tracker.enter(name, container_type);
+        self.0.tracker.enter(name, container_type);
     }
     fn exit_module(&mut self, _: &str, _: &str) {
-        self.tracker.exit();
+        self.0.tracker.exit();
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let keep = resolve(&self.tracker.current()).map(|r| r.rule.keep_f32).unwrap_or(false);
-        let (id, tensor, mapper) = param.consume();
-        let tensor = if keep { tensor } else { tensor.cast(self.dtype) };
-        Param::from_mapped_value(id, tensor, mapper)
+        match self.0.target() {
+            Some(dtype) => param.map(|t| t.cast(dtype)),
+            None => param,
+        }
     }
 }
 
@@ -211,14 +228,14 @@ impl<B: Backend> ModuleMapper<B> for CastWeights {
 /// keeps in fp32 (router bias, mHC scales), as a load with [`crate::checkpoint::LoadOptions`]
 /// `dtype` gives them.
 pub fn cast_weights<B: Backend>(model: Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
-    model.map(&mut CastWeights { tracker: PathTracker::default(), dtype })
+    model.map(&mut CastWeights(CastPlan::new(dtype)))
 }
 
 /// The compute copy of fp32 master weights: every parameter cast to `dtype` (the checkpoint's
 /// fp32-kept tensors — router bias, mHC scales — stay fp32), as graph leaves with the master's
 /// ids, so its gradients can be applied to the master.
 pub(crate) fn compute_copy<B: AutodiffBackend>(master: &Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
-    master.clone().map(&mut CastCompute { tracker: PathTracker::default(), dtype })
+    master.clone().map(&mut CastCompute(CastPlan::new(dtype)))
 }
 
 struct CastGrads<'a> {
