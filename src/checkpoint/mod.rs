@@ -13,6 +13,7 @@ mod error;
 pub mod fp8;
 pub mod hf_map;
 pub mod inventory;
+mod read;
 pub mod safetensors_io;
 pub mod select;
 pub mod writer;
@@ -24,7 +25,7 @@ use std::rc::Rc;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::store::{ModuleSnapshot, TensorSnapshot, TensorSnapshotError};
-use burn::tensor::{backend::Backend, DType, Shape, Tensor, TensorData};
+use burn::tensor::{backend::Backend, DType, Shape, Tensor};
 use safetensors::tensor::Dtype;
 
 use crate::model::Glm5ForCausalLM;
@@ -245,15 +246,11 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
             let first_error = first_error.clone();
             let allow_non_finite = opts.allow_non_finite;
             let data_fn = Rc::new(move || {
-                let read = |s: &str| files.read_f32_finite(s, allow_non_finite);
-                match to_module_layout(transform, &sources, &shape, read) {
-                    Ok(values) => Ok(TensorData::new(values, shape.clone()).convert_dtype(dtype)),
-                    Err(e) => {
-                        let message = e.to_string();
-                        first_error.borrow_mut().get_or_insert(e);
-                        Err(TensorSnapshotError::DataError(message))
-                    }
-                }
+                read::read_module_tensor(&files, transform, &sources, &shape, dtype, allow_non_finite).map_err(|e| {
+                    let message = e.to_string();
+                    first_error.borrow_mut().get_or_insert(e);
+                    TensorSnapshotError::DataError(message)
+                })
             });
             let path_stack: Vec<String> = p.path.split('.').map(str::to_string).collect();
             TensorSnapshot::from_closure(data_fn, dtype, Shape::from(p.shape), path_stack, Vec::new(), ParamId::new())
@@ -271,28 +268,6 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
     }
     let bytes_read = files.bytes_read();
     Ok(LoadedModel { config: checkpoint_config, model, skipped, bytes_read })
-}
-
-/// Checkpoint tensor(s) (read one at a time as f32, checkpoint layout) → module layout.
-/// At most one source tensor is held besides the destination buffer.
-pub(crate) fn to_module_layout<E>(
-    t: Transform,
-    sources: &[String],
-    shape: &[usize],
-    mut read: impl FnMut(&str) -> Result<Vec<f32>, E>,
-) -> Result<Vec<f32>, E> {
-    Ok(match t {
-        Transform::Identity | Transform::SqueezeConv => read(&sources[0])?,
-        Transform::Transpose | Transform::FlattenTranspose => transpose(&read(&sources[0])?, shape[1], shape[0]),
-        Transform::ExpertSlice => {
-            let (rows_in, cols_out) = (shape[1], shape[2]); // module [E, in, out]; checkpoint [out, in]
-            let mut out = Vec::with_capacity(shape.iter().product());
-            for s in sources {
-                out.extend(transpose(&read(s)?, cols_out, rows_in));
-            }
-            out
-        }
-    })
 }
 
 /// Module tensor (f32) → checkpoint tensors (f32, checkpoint layout), one per source name.

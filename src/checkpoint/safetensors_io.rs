@@ -233,6 +233,28 @@ impl SafetensorsFiles {
         Ok(&self.shards[e.shard].map[range])
     }
 
+    /// Stop mapping the pages of rows `rows` of a tensor once they are read
+    /// (`madvise(MADV_DONTNEED)`). The kernel's page cache keeps them and a later read maps
+    /// them again, so this only bounds the resident set of a loader that reads many gigabytes
+    /// ([`super::read`]). Best effort: a failure leaves the pages mapped.
+    pub fn release(&self, name: &str, rows: Range<usize>) {
+        let Some((map, offset, len)) = self.mapped_rows(name, rows) else { return };
+        // SAFETY: the map is a read-only shared mapping of a file that is not changed while
+        // loading; after MADV_DONTNEED its pages read back the same bytes from the file, so
+        // slices borrowed from it stay valid.
+        let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, len) };
+    }
+
+    /// The shard map and byte span of rows `rows` of a tensor, when worth an `madvise`.
+    fn mapped_rows(&self, name: &str, rows: Range<usize>) -> Option<(&Mmap, usize, usize)> {
+        let e = self.tensors.get(name)?;
+        let n_rows = e.shape.first().copied().unwrap_or(1).max(1);
+        let row_len = (e.bytes.end - e.bytes.start) / n_rows;
+        let len = rows.len() * row_len;
+        let offset = e.bytes.start + rows.start * row_len;
+        (len >= 1 << 16 && offset + len <= e.bytes.end).then(|| (&self.shards[e.shard].map, offset, len))
+    }
+
     /// The logical (dequantised) shape and source dtype of a tensor.
     pub fn shape(&self, name: &str) -> Option<&[usize]> {
         self.tensors.get(name).map(|e| e.shape.as_slice())

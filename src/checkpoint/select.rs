@@ -15,7 +15,6 @@ use burn::tensor::{DType, TensorData};
 use super::hf_map::{resolve_hf, Transform};
 use super::inventory::{inventory, Part};
 use super::safetensors_io::SafetensorsFiles;
-use super::to_module_layout;
 use crate::checkpoint::CheckpointError;
 use crate::config::Glm5Config;
 
@@ -106,10 +105,10 @@ pub fn load_selected(
             Transform::SqueezeConv => vec![hf_shape[0], hf_shape[2]],
             Transform::ExpertSlice => vec![sources.len(), hf_shape[1], hf_shape[0]],
         };
-        let values = to_module_layout(r.rule.transform, &sources, &shape, |s| files.read_f32_finite(s, false))?;
         let target = if r.rule.keep_f32 { DType::F32 } else { dtype };
+        let data = super::read::read_module_tensor(files, r.rule.transform, &sources, &shape, target, false)?;
         let experts = (r.rule.transform == Transform::ExpertSlice).then(|| owned.clone().unwrap_or(0..c.n_routed_experts));
-        out.insert(path, LoadedTensor { data: TensorData::new(values, shape).convert_dtype(target), experts });
+        out.insert(path, LoadedTensor { data, experts });
     }
     Ok(out)
 }

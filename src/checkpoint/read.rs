@@ -1,0 +1,466 @@
+//! One module tensor from its checkpoint bytes, in one pass.
+//!
+//! Each source tensor (one, or one per routed expert for a stacked `[E, in, out]` weight) is
+//! decoded — F32, BF16, F16, or FP8 E4M3 times its block scale, `W[i, j] = round_bf16(q[i, j]
+//! · S[⌊i/b_r⌋, ⌊j/b_c⌋])` as in [`super::fp8`] — laid out as the module keeps it (copied, or
+//! transposed `nn.Linear [out, in] → Burn Linear [in, out]`, [`super::hf_map::Transform`]),
+//! and written straight into the destination buffer in the target dtype. There is no f32
+//! staging copy, no second transpose buffer and no dtype conversion afterwards: the buffer
+//! becomes the parameter's storage as it is (Flex takes [`TensorData`] without copying).
+//!
+//! The work goes in chunks of about [`CHUNK_BYTES`] of source rows, each split across rayon's
+//! threads. After a chunk, its pages of the memory-mapped shard are released
+//! (`madvise(MADV_DONTNEED)`: the kernel's page cache keeps them, this process stops mapping
+//! them), so the loader's resident set is the destination tensors plus one chunk, not the
+//! destination plus every checkpoint byte read so far.
+//!
+//! Non-finite values are detected in the same pass. Only then does the slower checked reader
+//! ([`SafetensorsFiles::read_f32_finite`]) run on that tensor, to report it exactly as before:
+//! the tensor, its shard, the first flat index, the count (or, for FP8, the element).
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::tensor::{DType, TensorData};
+use rayon::prelude::*;
+use safetensors::tensor::Dtype;
+
+use super::fp8::{BlockGrid, E4M3_TABLE};
+use super::hf_map::Transform;
+use super::safetensors_io::SafetensorsFiles;
+use super::CheckpointError;
+
+/// Checkpoint bytes per chunk: the bound on the source pages the loader keeps mapped at once.
+pub const CHUNK_BYTES: usize = 32 << 20;
+
+/// Transposes walk this many source rows at a time, so that every cache line of the source
+/// rows read for one destination row is reused for the next ones.
+const TILE_ROWS: usize = 16;
+
+/// A module tensor in module layout and `dtype` (`F32`, `BF16` or `F16`), read from `sources`
+/// in checkpoint layout by the rule `transform`.
+pub(crate) fn read_module_tensor(
+    files: &SafetensorsFiles,
+    transform: Transform,
+    sources: &[String],
+    shape: &[usize],
+    dtype: DType,
+    allow_non_finite: bool,
+) -> Result<TensorData, CheckpointError> {
+    let n: usize = shape.iter().product();
+    match dtype {
+        DType::F32 => {
+            let mut out = vec![0f32; n];
+            huge_pages(&out);
+            fill(files, transform, sources, shape, &mut out, allow_non_finite)?;
+            Ok(TensorData::new(out, shape.to_vec()))
+        }
+        DType::BF16 => {
+            // zeroed by the allocator (pages appear on first write), then every element written
+            let mut out: Vec<half::bf16> = bytemuck::cast_vec(vec![0u16; n]);
+            huge_pages(&out);
+            fill(files, transform, sources, shape, &mut out, allow_non_finite)?;
+            Ok(TensorData::new(out, shape.to_vec()))
+        }
+        DType::F16 => {
+            let mut out: Vec<half::f16> = bytemuck::cast_vec(vec![0u16; n]);
+            huge_pages(&out);
+            fill(files, transform, sources, shape, &mut out, allow_non_finite)?;
+            Ok(TensorData::new(out, shape.to_vec()))
+        }
+        other => Err(CheckpointError::Internal(format!("weights load as F32, BF16 or F16, not {other:?}"))),
+    }
+}
+
+/// Ask for transparent huge pages behind a large destination buffer before it is first
+/// written (`madvise(MADV_HUGEPAGE)`; Linux's default THP mode is "madvise"). A fresh
+/// allocation is faulted in page by page as it is written; with 4 KiB pages a 5 GB model is
+/// 1.3 M faults, with 2 MiB pages 2,600. Best effort: elsewhere, or refused, nothing changes.
+fn huge_pages<T>(buf: &[T]) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let start = buf.as_ptr() as usize;
+        let end = start + std::mem::size_of_val(buf);
+        let (a, b) = (start.next_multiple_of(HUGE), end / HUGE * HUGE);
+        if b > a {
+            // SAFETY: [a, b) lies inside `buf`'s allocation; MADV_HUGEPAGE changes how its
+            // pages are backed, never their contents.
+            unsafe {
+                libc::madvise(a as *mut libc::c_void, b - a, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+}
+
+/// A destination element.
+trait Dst: Copy + Send + Sync + Default {
+    fn from_f32(v: f32) -> Self;
+
+    /// From BF16 bits (exact into f32 and bf16; the checkpoints' usual dtype).
+    #[inline(always)]
+    fn from_bf16_bits(b: u16) -> Self {
+        Self::from_f32(half::bf16::from_bits(b).to_f32())
+    }
+}
+
+impl Dst for f32 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+
+    #[inline(always)]
+    fn from_bf16_bits(b: u16) -> Self {
+        f32::from_bits((b as u32) << 16)
+    }
+}
+
+impl Dst for half::bf16 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
+
+    #[inline(always)]
+    fn from_bf16_bits(b: u16) -> Self {
+        half::bf16::from_bits(b)
+    }
+}
+
+impl Dst for half::f16 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+}
+
+/// Where each source goes: `dest` elements of the destination, copied or transposed.
+struct Placement<'a> {
+    name: &'a str,
+    dest: Range<usize>,
+    transposed: bool,
+}
+
+fn placements<'a>(transform: Transform, sources: &'a [String], shape: &[usize]) -> Vec<Placement<'a>> {
+    let n: usize = shape.iter().product();
+    match transform {
+        Transform::Identity | Transform::SqueezeConv => vec![Placement { name: &sources[0], dest: 0..n, transposed: false }],
+        Transform::Transpose | Transform::FlattenTranspose => vec![Placement { name: &sources[0], dest: 0..n, transposed: true }],
+        Transform::ExpertSlice => {
+            let per = n / sources.len().max(1);
+            sources.iter().enumerate().map(|(e, s)| Placement { name: s, dest: e * per..(e + 1) * per, transposed: true }).collect()
+        }
+    }
+}
+
+fn fill<T: Dst>(
+    files: &SafetensorsFiles,
+    transform: Transform,
+    sources: &[String],
+    shape: &[usize],
+    out: &mut [T],
+    allow_non_finite: bool,
+) -> Result<(), CheckpointError> {
+    for p in placements(transform, sources, shape) {
+        let entry = files.tensors.get(p.name).ok_or_else(|| CheckpointError::MissingTensor { name: p.name.to_string() })?;
+        // the checkpoint tensor as a matrix: dim 0 by the rest (a 1-D tensor is a column)
+        let rows = entry.shape.first().copied().unwrap_or(1);
+        let cols: usize = entry.shape.iter().skip(1).product();
+        if rows * cols != p.dest.len() {
+            return Err(CheckpointError::Internal(format!("{}: {rows}×{cols} values for {} destination elements", p.name, p.dest.len())));
+        }
+        let dest = &mut out[p.dest.clone()];
+        let fp8 = match files.fp8_scales.get(p.name) {
+            Some(scale_name) => Some(Fp8Scales::read(files, p.name, scale_name)?),
+            None => None,
+        };
+        // FP8 NaN and overflow are always errors; other non-finite values unless allowed
+        let check = fp8.is_some() || !allow_non_finite;
+        let row_bytes = (entry.bytes.end - entry.bytes.start) / rows.max(1);
+        let step = (CHUNK_BYTES / row_bytes.max(1)).clamp(1, rows.max(1));
+        let mut bad = false;
+        for r0 in (0..rows).step_by(step) {
+            let chunk = r0..(r0 + step).min(rows);
+            let bytes = files.row_bytes(p.name, chunk.clone())?;
+            let (fp8, ctx) = (&fp8, Ctx { chunk: chunk.clone(), rows, cols, transposed: p.transposed });
+            bad |= match (fp8, entry.dtype) {
+                (Some(s), _) => place(&Fp8Src { codes: bytes, cols, row0: r0, scales: s }, &ctx, dest),
+                (None, Dtype::BF16) => match bytemuck::try_cast_slice::<u8, u16>(bytes) {
+                    Ok(bits) => place(&Bf16Bits { bits, cols }, &ctx, dest),
+                    Err(_) => place(&PlainSrc::<Bf16Le>::new(bytes, cols), &ctx, dest),
+                },
+                (None, Dtype::F32) => match bytemuck::try_cast_slice::<u8, f32>(bytes) {
+                    Ok(values) => place(&F32Values { values, cols }, &ctx, dest),
+                    Err(_) => place(&PlainSrc::<F32Le>::new(bytes, cols), &ctx, dest),
+                },
+                (None, Dtype::F16) => place(&PlainSrc::<F16Le>::new(bytes, cols), &ctx, dest),
+                (None, other) => {
+                    return Err(CheckpointError::Dtype {
+                        name: p.name.to_string(),
+                        path: files.shard_path(p.name).map(|p| p.to_path_buf()).unwrap_or_default(),
+                        dtype: format!("{other:?}"),
+                    })
+                }
+            } && check;
+            files.release(p.name, chunk);
+        }
+        if bad {
+            // the exact report (index, count, shard) comes from the checked reader
+            files.read_f32_finite(p.name, allow_non_finite)?;
+            return Err(CheckpointError::Internal(format!("{}: non-finite values seen in one pass, not in the other", p.name)));
+        }
+    }
+    Ok(())
+}
+
+/// A chunk of a source tensor's rows, decoded into the destination type.
+trait Src<T>: Sync {
+    /// Write `out.len()` values of row `r` (counted within the chunk) from column `c0`;
+    /// false if one was not finite.
+    fn row(&self, r: usize, c0: usize, out: &mut [T]) -> bool;
+}
+
+/// BF16 values as their bits (aligned in the shard: the usual case).
+struct Bf16Bits<'a> {
+    bits: &'a [u16],
+    cols: usize,
+}
+
+impl<T: Dst> Src<T> for Bf16Bits<'_> {
+    #[inline(always)]
+    fn row(&self, r: usize, c0: usize, out: &mut [T]) -> bool {
+        let (i, n) = (r * self.cols + c0, out.len());
+        let mut exp_all_ones = 0u16;
+        for (o, &b) in out.iter_mut().zip(&self.bits[i..i + n]) {
+            exp_all_ones |= u16::from(b & 0x7F80 == 0x7F80);
+            *o = T::from_bf16_bits(b);
+        }
+        exp_all_ones == 0
+    }
+}
+
+/// F32 values (aligned in the shard).
+struct F32Values<'a> {
+    values: &'a [f32],
+    cols: usize,
+}
+
+impl<T: Dst> Src<T> for F32Values<'_> {
+    #[inline(always)]
+    fn row(&self, r: usize, c0: usize, out: &mut [T]) -> bool {
+        let (i, n) = (r * self.cols + c0, out.len());
+        let mut finite = true;
+        for (o, &v) in out.iter_mut().zip(&self.values[i..i + n]) {
+            finite &= v.is_finite();
+            *o = T::from_f32(v);
+        }
+        finite
+    }
+}
+
+struct PlainSrc<'a, D> {
+    bytes: &'a [u8],
+    cols: usize,
+    _decode: std::marker::PhantomData<D>,
+}
+
+impl<'a, D> PlainSrc<'a, D> {
+    fn new(bytes: &'a [u8], cols: usize) -> Self {
+        PlainSrc { bytes, cols, _decode: std::marker::PhantomData }
+    }
+}
+
+/// A little-endian element type of the checkpoint.
+trait Decode: Sync {
+    const WIDTH: usize;
+    fn decode(b: &[u8]) -> f32;
+}
+
+struct F32Le;
+struct Bf16Le;
+struct F16Le;
+
+impl Decode for F32Le {
+    const WIDTH: usize = 4;
+    #[inline(always)]
+    fn decode(b: &[u8]) -> f32 {
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+}
+
+impl Decode for Bf16Le {
+    const WIDTH: usize = 2;
+    #[inline(always)]
+    fn decode(b: &[u8]) -> f32 {
+        half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+    }
+}
+
+impl Decode for F16Le {
+    const WIDTH: usize = 2;
+    #[inline(always)]
+    fn decode(b: &[u8]) -> f32 {
+        half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+    }
+}
+
+impl<D: Decode, T: Dst> Src<T> for PlainSrc<'_, D> {
+    #[inline(always)]
+    fn row(&self, r: usize, c0: usize, out: &mut [T]) -> bool {
+        let (i, n) = ((r * self.cols + c0) * D::WIDTH, out.len() * D::WIDTH);
+        let mut finite = true;
+        for (o, b) in out.iter_mut().zip(self.bytes[i..i + n].chunks_exact(D::WIDTH)) {
+            let v = D::decode(b);
+            finite &= v.is_finite();
+            *o = T::from_f32(v);
+        }
+        finite
+    }
+}
+
+/// An FP8 weight's scale grid, read and checked once per tensor.
+struct Fp8Scales {
+    values: Vec<f32>,
+    grid: BlockGrid,
+    scale_cols: usize,
+    round_bf16: bool,
+}
+
+impl Fp8Scales {
+    fn read(files: &SafetensorsFiles, name: &str, scale_name: &str) -> Result<Self, CheckpointError> {
+        let grid = files.fp8_grid(name)?;
+        let values = files.read_f32(scale_name)?;
+        if values.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+            // the checked reader names the block
+            files.read_f32(name)?;
+        }
+        Ok(Fp8Scales { values, scale_cols: grid.scale_shape()[1], grid, round_bf16: files.fp8_round_bf16 })
+    }
+}
+
+struct Fp8Src<'a> {
+    codes: &'a [u8],
+    cols: usize,
+    row0: usize,
+    scales: &'a Fp8Scales,
+}
+
+impl<T: Dst> Src<T> for Fp8Src<'_> {
+    fn row(&self, r: usize, c0: usize, out: &mut [T]) -> bool {
+        let g = &self.scales.grid;
+        let scales = &self.scales.values[((self.row0 + r) / g.block_rows) * self.scales.scale_cols..];
+        let (i, n) = (r * self.cols + c0, out.len());
+        let mut finite = true;
+        for (k, (o, &q)) in out.iter_mut().zip(&self.codes[i..i + n]).enumerate() {
+            let v = E4M3_TABLE[q as usize] * scales[(c0 + k) / g.block_cols];
+            finite &= v.is_finite();
+            *o = if self.scales.round_bf16 { T::from_f32(half::bf16::from_f32(v).to_f32()) } else { T::from_f32(v) };
+        }
+        finite
+    }
+}
+
+/// Columns a transpose task decodes per source row (its tile of `TILE_ROWS` rows stays in L1).
+const BAND_COLS: usize = 256;
+
+/// Which source rows a call writes, and the tensor's geometry.
+struct Ctx {
+    chunk: Range<usize>,
+    rows: usize,
+    cols: usize,
+    transposed: bool,
+}
+
+/// Write source rows `ctx.chunk` (of `rows × cols`) into `dest`, which holds the whole tensor
+/// (`rows × cols`, or `cols × rows` when `transposed`). True if a value was not finite.
+fn place<S: Src<T>, T: Dst>(src: &S, ctx: &Ctx, dest: &mut [T]) -> bool {
+    let Ctx { chunk, rows, cols, transposed } = ctx;
+    let (rows, cols) = (*rows, *cols);
+    let bad = AtomicBool::new(false);
+    let threads = rayon::current_num_threads().max(1);
+    if !transposed {
+        let part = &mut dest[chunk.start * cols..chunk.end * cols];
+        let rows_per_task = chunk.len().div_ceil(threads * 4).max(1);
+        part.par_chunks_mut(rows_per_task * cols.max(1)).enumerate().for_each(|(t, d)| {
+            let mut finite = true;
+            for (k, out) in d.chunks_exact_mut(cols.max(1)).enumerate() {
+                finite &= src.row(t * rows_per_task + k, 0, out);
+            }
+            if !finite {
+                bad.store(true, Ordering::Relaxed);
+            }
+        });
+    } else {
+        // destination rows are source columns; each task owns a band of them
+        let band = cols.div_ceil(threads * 4).clamp(1, BAND_COLS);
+        dest.par_chunks_mut(band * rows).enumerate().for_each(|(t, d)| {
+            let mut finite = true;
+            let c0 = t * band;
+            let nc = d.len() / rows;
+            let mut tile = vec![T::default(); TILE_ROWS * nc];
+            for r_tile in chunk.clone().step_by(TILE_ROWS) {
+                let nr = (r_tile + TILE_ROWS).min(chunk.end) - r_tile;
+                for i in 0..nr {
+                    finite &= src.row(r_tile + i - chunk.start, c0, &mut tile[i * nc..(i + 1) * nc]);
+                }
+                for (k, row) in d.chunks_exact_mut(rows).enumerate() {
+                    for (i, o) in row[r_tile..r_tile + nr].iter_mut().enumerate() {
+                        *o = tile[i * nc + k];
+                    }
+                }
+            }
+            if !finite {
+                bad.store(true, Ordering::Relaxed);
+            }
+        });
+    }
+    bad.load(Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx(chunk: Range<usize>, rows: usize, cols: usize, transposed: bool) -> Ctx {
+        Ctx { chunk, rows, cols, transposed }
+    }
+
+    #[test]
+    fn transposed_chunks_tile_the_destination() {
+        // 37 × 300 (more than one band) in chunks of 5 rows: every element lands at [c, r]
+        let (rows, cols) = (37, 300);
+        let src: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+        let mut dest = vec![f32::NAN; rows * cols];
+        for r0 in (0..rows).step_by(5) {
+            let chunk = r0..(r0 + 5).min(rows);
+            let part = F32Values { values: &src[chunk.start * cols..chunk.end * cols], cols };
+            assert!(!place(&part, &ctx(chunk, rows, cols, true), &mut dest));
+        }
+        for r in 0..rows {
+            for c in 0..cols {
+                assert_eq!(dest[c * rows + r], src[r * cols + c]);
+            }
+        }
+        let mut copy = vec![0f32; rows * cols];
+        assert!(!place(&F32Values { values: &src, cols }, &ctx(0..rows, rows, cols, false), &mut copy));
+        assert_eq!(copy, src);
+    }
+
+    #[test]
+    fn bf16_bits_convert_exactly_and_see_non_finite_values() {
+        let vals = [1.5f32, -0.0, 3.0e38, 1.0e-30, f32::INFINITY, 2.0];
+        let bits: Vec<u16> = vals.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
+        let mut f = vec![0f32; 6];
+        assert!(place(&Bf16Bits { bits: &bits, cols: 3 }, &ctx(0..2, 2, 3, true), &mut f));
+        let mut b = vec![half::bf16::ZERO; 6];
+        assert!(place(&Bf16Bits { bits: &bits, cols: 3 }, &ctx(0..2, 2, 3, false), &mut b));
+        for (i, v) in vals.iter().enumerate() {
+            let want = half::bf16::from_f32(*v);
+            assert_eq!(b[i].to_bits(), want.to_bits());
+            assert_eq!(f[(i % 3) * 2 + i / 3].to_bits(), want.to_f32().to_bits());
+        }
+        let finite: Vec<u16> = bits.iter().map(|b| if *b == 0x7F80 { 0 } else { *b }).collect();
+        assert!(!place(&Bf16Bits { bits: &finite, cols: 3 }, &ctx(0..2, 2, 3, false), &mut b));
+    }
+}
