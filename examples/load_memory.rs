@@ -5,6 +5,10 @@
 //! cargo run --release --example load_memory -- --checkpoint /tmp/ckpt [--dtype bf16|f32]
 //! ```
 //!
+//! It reports the load time, the peak resident set (`VmHWM`, file pages included) over the
+//! model's own bytes, and the machine's floor for any load of that size: the time to fault in
+//! as many bytes of fresh memory, measured after the load in the same process.
+//!
 //! The load samples `RssAnon` (anonymous memory: file-backed pages of the memory-mapped shards
 //! do not count) every millisecond; the loader's own peak is that peak minus the baseline
 //! before loading and minus the destination tensors themselves (the model's bytes).
@@ -161,11 +165,36 @@ fn main() -> Result<()> {
             "loader_overhead_mb": overhead as f64 / 1e6,
             "overhead_over_largest_tensor": overhead as f64 / largest as f64,
             "vm_hwm_gb": (status_kb("VmHWM:") * 1024) as f64 / 1e9,
+            "vm_hwm_over_destination": (status_kb("VmHWM:") * 1024) as f64 / dest as f64,
             "load_seconds": secs,
         })
     );
     drop(loaded);
+    let fault_in = fault_in_seconds(dest as usize);
+    println!("{}", serde_json::json!({ "fault_in_destination_bytes_seconds": fault_in, "load_over_fault_in": secs / fault_in }));
     Ok(())
+}
+
+/// The machine's floor for any load: seconds to fault in `bytes` of fresh memory (one write
+/// per 4 KiB page, on every core), which the kernel must zero before the process sees them.
+fn fault_in_seconds(bytes: usize) -> f64 {
+    let mut buf: Vec<u8> = Vec::with_capacity(bytes);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let start = std::time::Instant::now();
+    let spare = buf.spare_capacity_mut();
+    let per = spare.len().div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        for part in spare.chunks_mut(per) {
+            s.spawn(move || {
+                for page in part.chunks_mut(4096) {
+                    page[0].write(1);
+                }
+            });
+        }
+    });
+    let secs = start.elapsed().as_secs_f64();
+    drop(buf);
+    secs
 }
 
 /// Does a table pattern (`{i}`, `{e}` placeholders) match a checkpoint name?

@@ -51,45 +51,21 @@ pub(crate) fn read_module_tensor(
     match dtype {
         DType::F32 => {
             let mut out = vec![0f32; n];
-            huge_pages(&out);
             fill(files, transform, sources, shape, &mut out, allow_non_finite)?;
             Ok(TensorData::new(out, shape.to_vec()))
         }
         DType::BF16 => {
             // zeroed by the allocator (pages appear on first write), then every element written
             let mut out: Vec<half::bf16> = bytemuck::cast_vec(vec![0u16; n]);
-            huge_pages(&out);
             fill(files, transform, sources, shape, &mut out, allow_non_finite)?;
             Ok(TensorData::new(out, shape.to_vec()))
         }
         DType::F16 => {
             let mut out: Vec<half::f16> = bytemuck::cast_vec(vec![0u16; n]);
-            huge_pages(&out);
             fill(files, transform, sources, shape, &mut out, allow_non_finite)?;
             Ok(TensorData::new(out, shape.to_vec()))
         }
         other => Err(CheckpointError::Internal(format!("weights load as F32, BF16 or F16, not {other:?}"))),
-    }
-}
-
-/// Ask for transparent huge pages behind a large destination buffer before it is first
-/// written (`madvise(MADV_HUGEPAGE)`; Linux's default THP mode is "madvise"). A fresh
-/// allocation is faulted in page by page as it is written; with 4 KiB pages a 5 GB model is
-/// 1.3 M faults, with 2 MiB pages 2,600. Best effort: elsewhere, or refused, nothing changes.
-fn huge_pages<T>(buf: &[T]) {
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let start = buf.as_ptr() as usize;
-        let end = start + std::mem::size_of_val(buf);
-        let (a, b) = (start.next_multiple_of(HUGE), end / HUGE * HUGE);
-        if b > a {
-            // SAFETY: [a, b) lies inside `buf`'s allocation; MADV_HUGEPAGE changes how its
-            // pages are backed, never their contents.
-            unsafe {
-                libc::madvise(a as *mut libc::c_void, b - a, libc::MADV_HUGEPAGE);
-            }
-        }
     }
 }
 
@@ -350,12 +326,21 @@ impl<T: Dst> Src<T> for Fp8Src<'_> {
     fn row(&self, r: usize, c0: usize, out: &mut [T]) -> bool {
         let g = &self.scales.grid;
         let scales = &self.scales.values[((self.row0 + r) / g.block_rows) * self.scales.scale_cols..];
-        let (i, n) = (r * self.cols + c0, out.len());
+        let i = r * self.cols + c0;
+        let codes = &self.codes[i..i + out.len()];
         let mut finite = true;
-        for (k, (o, &q)) in out.iter_mut().zip(&self.codes[i..i + n]).enumerate() {
-            let v = E4M3_TABLE[q as usize] * scales[(c0 + k) / g.block_cols];
-            finite &= v.is_finite();
-            *o = if self.scales.round_bf16 { T::from_f32(half::bf16::from_f32(v).to_f32()) } else { T::from_f32(v) };
+        // one scale per run of columns inside a block
+        let mut c = 0;
+        while c < out.len() {
+            let block = (c0 + c) / g.block_cols;
+            let end = ((block + 1) * g.block_cols - c0).min(out.len());
+            let s = scales[block];
+            for (o, &q) in out[c..end].iter_mut().zip(&codes[c..end]) {
+                let v = E4M3_TABLE[q as usize] * s;
+                finite &= v.is_finite();
+                *o = if self.scales.round_bf16 { T::from_bf16_bits(half::bf16::from_f32(v).to_bits()) } else { T::from_f32(v) };
+            }
+            c = end;
         }
         finite
     }
@@ -462,5 +447,33 @@ mod tests {
         }
         let finite: Vec<u16> = bits.iter().map(|b| if *b == 0x7F80 { 0 } else { *b }).collect();
         assert!(!place(&Bf16Bits { bits: &finite, cols: 3 }, &ctx(0..2, 2, 3, false), &mut b));
+    }
+
+    #[test]
+    fn fp8_rows_match_the_reference_dequantiser_across_partial_blocks_and_chunks() {
+        // 10 × 13 in 4 × 5 blocks (partial edge blocks both ways), read in chunks of 3 rows
+        let grid = BlockGrid { rows: 10, cols: 13, block_rows: 4, block_cols: 5 };
+        let [sr, sc] = grid.scale_shape();
+        let codes: Vec<u8> = (0..130u32).map(|i| (i * 37 % 251) as u8 & 0x7E | (i as u8 & 1) << 7).collect();
+        let values: Vec<f32> = (0..sr * sc).map(|i| 0.25 + i as f32 * 0.37).collect();
+        for round_bf16 in [true, false] {
+            let mut want = vec![0f32; 130];
+            super::super::fp8::dequantize_rows(&codes, &values, grid, 0, round_bf16, &mut want).unwrap();
+            let scales = Fp8Scales { values: values.clone(), grid, scale_cols: sc, round_bf16 };
+            for transposed in [false, true] {
+                let mut got = vec![f32::NAN; 130];
+                for r0 in (0..10).step_by(3) {
+                    let chunk = r0..(r0 + 3).min(10);
+                    let src = Fp8Src { codes: &codes[r0 * 13..chunk.end * 13], cols: 13, row0: r0, scales: &scales };
+                    assert!(!place(&src, &ctx(chunk, 10, 13, transposed), &mut got));
+                }
+                for r in 0..10 {
+                    for c in 0..13 {
+                        let at = if transposed { c * 10 + r } else { r * 13 + c };
+                        assert_eq!(got[at].to_bits(), want[r * 13 + c].to_bits(), "[{r}, {c}] round {round_bf16} transposed {transposed}");
+                    }
+                }
+            }
+        }
     }
 }
