@@ -122,7 +122,9 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
     };
     // the vision tower is loaded only when the input carries images
     let load = LoadOptions { vision: inputs.images.is_some(), ..LoadOptions::with_dtype(dtype) };
+    let start = std::time::Instant::now();
     let loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
+    eprintln!("loaded {} in {:.2?}", args.checkpoint.display(), start.elapsed());
     let opts = ForwardOptions {
         attention: match args.attention {
             Attention::Auto => ForwardOptions::default().attention,

@@ -132,6 +132,80 @@ pub(crate) fn host_forward(x: &[f32], w: &[f32], b: Option<&[f32]>, n: usize, k:
     y
 }
 
+/// Weight columns per task of [`host_forward_bf16`]: a panel of `K × PANEL_COLS` weights in
+/// f32 stays within a core's L2 for `K` up to ~4,096 (the model's widths).
+const PANEL_COLS: usize = 128;
+
+/// Host forward with BF16 operands, as PyTorch's BF16 `nn.Linear` computes it: products
+/// accumulated in f32, the output rounded to BF16 once. `x` `[n, k]`, `w` `[k, m]`, `b` `[m]`
+/// → `[n, m]`.
+///
+/// Flex's own BF16 matmul converts both operands to f32 in full on one thread for every
+/// product (burn-flex 0.21 `matmul_bf16`) — for a layer 4,096 wide that is slower than the
+/// f32 product itself, and the LM head's transient would be 2.5 GB. Here each task widens one
+/// panel of `PANEL_COLS` weight columns and multiplies it straight into its columns of the
+/// f32 output: the weights are read once, as BF16, and the transient is one panel per thread.
+pub(crate) fn host_forward_bf16(x: &[half::bf16], w: &[half::bf16], b: Option<&[half::bf16]>, n: usize, k: usize, m: usize) -> Vec<half::bf16> {
+    use rayon::prelude::*;
+    assert!(x.len() == n * k && w.len() == k * m && b.is_none_or(|b| b.len() == m), "linear: operands do not match [{n}, {k}]·[{k}, {m}]");
+    let xf: Vec<f32> = x.par_iter().map(|v| v.to_f32()).collect();
+    let mut y = vec![0f32; n * m];
+    if n * m > 0 && k > 0 {
+        let out = SharedOut(y.as_mut_ptr());
+        (0..m.div_ceil(PANEL_COLS)).into_par_iter().for_each_init(Vec::new, |panel: &mut Vec<f32>, p| {
+            let (c0, c1) = (p * PANEL_COLS, ((p + 1) * PANEL_COLS).min(m));
+            let width = c1 - c0;
+            panel.clear();
+            for row in w.chunks_exact(m) {
+                panel.extend(row[c0..c1].iter().map(|v| v.to_f32()));
+            }
+            // SAFETY: `xf` is `[n, k]` and `panel` `[k, width]`, both row-major; the task
+            // writes only columns `c0..c1` of the `[n, m]` output (row stride `m`), which no
+            // other task touches, and `y` outlives the parallel loop.
+            unsafe {
+                gemm::gemm(
+                    n,
+                    width,
+                    k,
+                    out.at(c0),
+                    1,
+                    m as isize,
+                    false,
+                    xf.as_ptr(),
+                    1,
+                    k as isize,
+                    panel.as_ptr(),
+                    1,
+                    width as isize,
+                    1.0f32,
+                    1.0f32,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
+    }
+    let round = |(i, v): (usize, &f32)| half::bf16::from_f32(v + b.map_or(0.0, |b| b[i % m].to_f32()));
+    y.par_iter().enumerate().map(round).collect()
+}
+
+/// The output of [`host_forward_bf16`], written by tasks that own disjoint columns.
+struct SharedOut(*mut f32);
+
+// SAFETY: the tasks sharing it write disjoint elements (module docs of its one user).
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The address of column `c` of row 0. A method, so that closures capture the wrapper
+    /// (which is `Sync`), not the raw pointer field.
+    fn at(&self, c: usize) -> *mut f32 {
+        // SAFETY: callers pass a column inside the row-major output.
+        unsafe { self.0.add(c) }
+    }
+}
+
 /// Columns per parallel block of the bias gradient.
 const BIAS_COLS: usize = 64;
 
@@ -182,6 +256,20 @@ mod tests {
 
     fn transpose(a: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         (0..rows * cols).map(|ij| a[(ij % rows) * cols + ij / rows]).collect()
+    }
+
+    #[test]
+    fn bf16_forward_accumulates_in_f32_and_rounds_once() {
+        // more than one panel, and a remainder panel
+        let (n, k, m) = (7, 300, 2 * PANEL_COLS + 5);
+        let bf = |v: Vec<f32>| v.into_iter().map(|v| half::bf16::from_f32(v / 8.0)).collect::<Vec<_>>();
+        let (x, w, b) = (bf(data(n * k, 1)), bf(data(k * m, 2)), bf(data(m, 3)));
+        let f = |v: &[half::bf16]| v.iter().map(|v| v.to_f32()).collect::<Vec<_>>();
+        let exact = naive(&f(&x), &f(&w), n, k, m);
+        let got = host_forward_bf16(&x, &w, Some(&b), n, k, m);
+        for (i, (g, e)) in got.iter().zip(&exact).enumerate() {
+            assert_eq!(*g, half::bf16::from_f32(e + b[i % m].to_f32()), "element {i}");
+        }
     }
 
     #[test]

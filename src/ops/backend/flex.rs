@@ -1,5 +1,7 @@
 //! Flex's fused bodies: host loops over contiguous fp32 buffers, in parallel (rayon), for
-//! fp32 inputs; other dtypes take the reference ops, keeping their rounding.
+//! fp32 inputs; other dtypes take the reference ops, keeping their rounding — except the
+//! linear layers' BF16 forward, which has its own body (`ops::linear::host_forward_bf16`:
+//! f32 accumulation, one rounding, as the reference's).
 
 use burn::backend::Flex;
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -35,6 +37,18 @@ fn host_n<const D: usize>(t: FloatTensor<Flex>) -> (HostF32, [usize; D]) {
     (HostF32(t), dims)
 }
 
+/// A rank-`D` BF16 Flex tensor, contiguous (its own buffer when it already is).
+fn host_bf16<const D: usize>(t: FloatTensor<Flex>) -> (burn_flex::FlexTensor, [usize; D]) {
+    use burn::tensor::TensorMetadata;
+    let t = t.to_contiguous();
+    let dims = t.shape().dims::<D>();
+    (t, dims)
+}
+
+fn bf16_slice(t: &burn_flex::FlexTensor) -> &[half::bf16] {
+    t.as_slice::<half::bf16>().expect("a contiguous bf16 tensor")
+}
+
 fn host(t: FloatTensor<Flex>) -> (HostF32, [usize; 3]) {
     host_n::<3>(t)
 }
@@ -66,7 +80,11 @@ fn owned_flat(t: FloatTensor<Flex>) -> FloatTensor<Flex> {
 /// Whether every given tensor is fp32 (the fused host ops' domain; other dtypes take the
 /// reference ops, keeping their rounding).
 fn all_f32(ts: &[Option<&FloatTensor<Flex>>]) -> bool {
-    ts.iter().flatten().all(|t| t.dtype() == DType::F32)
+    all_dtype(ts, DType::F32)
+}
+
+fn all_dtype(ts: &[Option<&FloatTensor<Flex>>], dtype: DType) -> bool {
+    ts.iter().flatten().all(|t| t.dtype() == dtype)
 }
 
 /// Flex: each op as host loops over its buffers (the equations and loops live with the op in
@@ -163,6 +181,12 @@ impl Glm5Backend for Flex {
     }
 
     fn linear_layer(x: FloatTensor<Self>, w: FloatTensor<Self>, b: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
+        if all_dtype(&[Some(&x), Some(&w), b.as_ref()], DType::BF16) {
+            let ((x, [n, k]), (w, [_, m])) = (host_bf16::<2>(x), host_bf16::<2>(w));
+            let b = b.map(|b| host_bf16::<1>(b).0);
+            let y = linear::host_forward_bf16(bf16_slice(&x), bf16_slice(&w), b.as_ref().map(bf16_slice), n, k, m);
+            return burn_flex::FlexTensor::new(burn::tensor::Bytes::from_elems(y), burn_flex::Layout::contiguous([n, m].into()), DType::BF16);
+        }
         if !all_f32(&[Some(&x), Some(&w), b.as_ref()]) {
             return linear::reference_forward(f2::<Self>(x), f2(w), b.map(f1)).into_primitive().tensor();
         }
