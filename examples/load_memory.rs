@@ -1,7 +1,7 @@
 //! Measure the loader's own peak host memory on a generated multi-shard checkpoint.
 //!
 //! ```text
-//! cargo run --release --example load_memory -- --generate /tmp/ckpt --config configs/mem_test.json --shard-size 500MB
+//! cargo run --release --example load_memory -- --generate /tmp/ckpt --config configs/mem_test.json --shard-mb 500
 //! cargo run --release --example load_memory -- --checkpoint /tmp/ckpt [--dtype bf16|f32]
 //! ```
 //!
