@@ -83,6 +83,8 @@ struct Args {
 }
 
 fn main() {
+    // one forward's buffers are freed and reallocated by the next layer: keep them (docs/throughput.md)
+    glm5_burn::train::alloc::keep_freed_memory();
     let args = Args::parse();
     let result = match args.backend {
         BackendChoice::Flex => run::<Flex>(&args, &Default::default()),
