@@ -1,7 +1,8 @@
 //! Flex's fused bodies: host loops over contiguous fp32 buffers, in parallel (rayon), for
-//! fp32 inputs; other dtypes take the reference ops, keeping their rounding — except the
-//! linear layers' BF16 forward, which has its own body (`ops::linear::host_forward_bf16`:
-//! f32 accumulation, one rounding, as the reference's).
+//! fp32 inputs; other dtypes take the reference ops, keeping their rounding. Two exceptions:
+//! the linear layers' BF16 forward has its own body (`ops::linear::host_forward_bf16`: f32
+//! accumulation, one rounding, as the reference's), and the sparse latent attention runs its
+//! f32 body on widened BF16/F16 inputs.
 
 use burn::backend::Flex;
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -343,10 +344,11 @@ impl Glm5Backend for Flex {
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         // BF16/F16 inputs are widened and the f32 body runs; the output is rounded once to
-        // the input dtype, and the log-sum-exp stays f32, as the reference's does. The reference's BF16 attention rounds its scores and products
-        // to BF16 and only its softmax runs in f32; the f32 body is closer to the f32 truth, and
-        // the reference body's BF16 products widened whole operands per gathered key block
-        // (14 % of a 128-token BF16 forward on the real-width cut, `perf`).
+        // the input dtype and the log-sum-exp stays f32, as the reference's does. The
+        // reference's BF16 attention rounds its scores and products to BF16 (only its softmax
+        // runs in f32), so the f32 body is closer to the f32 truth; and its BF16 products
+        // widened whole operands per gathered key block (14 % of a 128-token BF16 forward on
+        // the real-width cut, `perf`).
         let dtype = q.dtype();
         let ((q, [n, h, r]), (kv, _), idx) = (host(q), host_n::<2>(kv), host_i64(idx));
         let (o, lse) = sparse_attn::host_forward(&q, &kv, &idx, sparse_attn::Heads { h, r, scale });
