@@ -38,9 +38,9 @@ fn batch<B: Backend>(step: usize, device: &B::Device) -> (ModelInput<B>, Tensor<
     let mut ids = Vec::with_capacity(b * s);
     let mut labels = Vec::with_capacity(b);
     for row in 0..b {
-        let positive = (row + step) % 2 == 0;
+        let positive = (row + step).is_multiple_of(2);
         let tokens: Vec<i64> = (0..s).map(|t| 10 + ((row * 31 + t * 17 + step * 7) % 200) as i64).collect();
-        ids.extend(tokens.iter().enumerate().map(|(t, &x)| if positive && (t + row + step) % 3 == 0 { 7 } else { x }));
+        ids.extend(tokens.iter().enumerate().map(|(t, &x)| if positive && (t + row + step).is_multiple_of(3) { 7 } else { x }));
         labels.push(positive as i64);
     }
     (ModelInput::new(ids, b, s), Tensor::from_data(TensorData::new(labels, [b]), device))

@@ -263,7 +263,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         if cache.is_empty() {
             return Err(ModelError::Input { name: "cache".into(), message: "decode_step before prefill: the cache holds no prompt".into() });
         }
-        if ids.is_empty() || ids.len() % batch != 0 {
+        if ids.is_empty() || !ids.len().is_multiple_of(batch) {
             return Err(ModelError::Input { name: "input_ids".into(), message: format!("{} ids for {batch} rows", ids.len()) });
         }
         self.check_ids(ids)?;

@@ -254,7 +254,7 @@ pub fn check_inputs(inputs: &PlanInputs) -> Result<(), PlanInputError> {
     if inputs.seq == 0 {
         return bad("seq", 0, "a packed sequence holds at least one token".into());
     }
-    if inputs.seq % cp != 0 {
+    if !inputs.seq.is_multiple_of(cp) {
         return bad("seq", inputs.seq, format!("does not split into cp {cp} equal shards (context parallelism needs a multiple of cp)"));
     }
     if inputs.micro_batches == 0 {
@@ -271,16 +271,16 @@ pub fn check_inputs(inputs: &PlanInputs) -> Result<(), PlanInputError> {
 /// The expert-parallel size a sweep gives a world of `world` ranks: the largest divisor of
 /// both the world and the expert count.
 pub fn largest_ep(world: usize, experts: usize) -> usize {
-    (1..=world).rev().find(|x| world % x == 0 && experts % x == 0).unwrap_or(1)
+    (1..=world).rev().find(|x| world.is_multiple_of(*x) && experts.is_multiple_of(*x)).unwrap_or(1)
 }
 
 /// Errors of a plan: the mesh does not fit the config.
 pub fn check_mesh(config: &Glm5Config, mesh: Mesh) -> Result<(), String> {
     let e = config.text_config.n_routed_experts;
-    if mesh.world() % mesh.ep != 0 {
+    if !mesh.world().is_multiple_of(mesh.ep) {
         return Err(format!("ep {} does not divide the {} ranks (dp {} × cp {})", mesh.ep, mesh.world(), mesh.dp, mesh.cp));
     }
-    if e % mesh.ep != 0 {
+    if !e.is_multiple_of(mesh.ep) {
         return Err(format!("ep {} does not divide n_routed_experts {e}", mesh.ep));
     }
     Ok(())

@@ -31,7 +31,7 @@ pub struct ExpertShard {
 impl ExpertShard {
     /// This rank's experts of `n_experts`; an error unless the size divides them.
     pub fn range(&self, n_experts: usize) -> Result<Range<usize>, CheckpointError> {
-        if self.size == 0 || n_experts % self.size != 0 || self.rank >= self.size {
+        if self.size == 0 || !n_experts.is_multiple_of(self.size) || self.rank >= self.size {
             return Err(CheckpointError::ExpertShard { rank: self.rank, size: self.size, experts: n_experts });
         }
         let per = n_experts / self.size;

@@ -21,7 +21,7 @@ impl TextConfig {
         if self.index_kpool < 1 {
             return err("index_kpool", format!("index_kpool must be positive, got {}", self.index_kpool));
         }
-        if self.index_topk % self.index_kpool != 0 {
+        if !self.index_topk.is_multiple_of(self.index_kpool) {
             return err("index_topk", format!("index_topk ({}) must be divisible by index_kpool ({})", self.index_topk, self.index_kpool));
         }
         if self.qk_rope_head_dim > 0 {
@@ -60,7 +60,7 @@ impl TextConfig {
             }
         }
         if self.mlp_layer_types[..n].contains(&MlpType::Sparse) {
-            if self.n_routed_experts == 0 || self.n_group == 0 || self.n_routed_experts % self.n_group != 0 {
+            if self.n_routed_experts == 0 || self.n_group == 0 || !self.n_routed_experts.is_multiple_of(self.n_group) {
                 return err(
                     "n_group",
                     format!("n_routed_experts ({}) must be a positive multiple of n_group ({})", self.n_routed_experts, self.n_group),
@@ -106,7 +106,7 @@ impl VisionConfig {
     }
 
     pub(crate) fn validate_with_prefix(&self, p: &str) -> Result<(), ConfigError> {
-        if self.num_heads == 0 || self.hidden_size % self.num_heads != 0 {
+        if self.num_heads == 0 || !self.hidden_size.is_multiple_of(self.num_heads) {
             return Err(ConfigError::invalid(
                 format!("{p}num_heads"),
                 format!("hidden_size ({}) must be a multiple of num_heads ({})", self.hidden_size, self.num_heads),

@@ -275,7 +275,7 @@ mod tests {
                 let mut k = 0;
                 for j in 0..=t {
                     state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    if (state >> 33) % 2 == 0 && k < w {
+                    if (state >> 33).is_multiple_of(2) && k < w {
                         row[k] = j as i64;
                         k += 1;
                     }

@@ -84,7 +84,7 @@ impl ShardDocs {
     /// ranks. An error when `size` does not divide `len` or the documents do not cover the row.
     pub fn of(docs: &[Range<usize>], len: usize, rank: usize, size: usize) -> Result<(Range<usize>, Self), DistError> {
         let bad = |message: String| Err(DistError::Counts { op: "context parallelism", message });
-        if size == 0 || len % size != 0 {
+        if size == 0 || !len.is_multiple_of(size) {
             return bad(format!("a packed row of {len} tokens does not split into {size} equal shards (cp_size must divide the pack length)"));
         }
         let mut at = 0;

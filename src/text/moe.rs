@@ -166,7 +166,7 @@ impl ExpertParallel {
     /// `E / P` experts per rank; an error naming both when `P` does not divide `E`.
     pub fn new(group: Group, n_experts: usize) -> Result<Self, crate::distributed::DistError> {
         let p = group.size();
-        if p == 0 || n_experts % p != 0 {
+        if p == 0 || !n_experts.is_multiple_of(p) {
             return Err(crate::distributed::DistError::Counts {
                 op: "expert parallelism",
                 message: format!("ep_size {p} does not divide n_routed_experts {n_experts}"),

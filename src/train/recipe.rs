@@ -489,7 +489,7 @@ impl Recipe {
     fn validate(&self, source: &str) -> Result<(), RecipeError> {
         let bad = |key: &str, message: String| Err(RecipeError::Key { source_name: source.into(), key: key.into(), message });
         let s = &self.step_scheduler;
-        if s.local_batch_size == 0 || s.global_batch_size == 0 || s.global_batch_size % s.local_batch_size != 0 {
+        if s.local_batch_size == 0 || s.global_batch_size == 0 || !s.global_batch_size.is_multiple_of(s.local_batch_size) {
             return bad("step_scheduler.global_batch_size", format!("must be a positive multiple of local_batch_size ({})", s.local_batch_size));
         }
         if s.max_steps == 0 {
@@ -509,13 +509,13 @@ impl Recipe {
             }
         }
         // the mesh: the world is dp × cp ranks, expert parallelism spans a divisor of it
-        if (d.dp_size * d.cp_size) % d.ep_size != 0 {
+        if !(d.dp_size * d.cp_size).is_multiple_of(d.ep_size) {
             return bad(
                 "distributed.ep_size",
                 format!("({}) must divide the world size distributed.dp_size × distributed.cp_size ({} × {})", d.ep_size, d.dp_size, d.cp_size),
             );
         }
-        if s.global_batch_size % (s.local_batch_size * d.dp_size) != 0 {
+        if !s.global_batch_size.is_multiple_of(s.local_batch_size * d.dp_size) {
             return bad(
                 "step_scheduler.global_batch_size",
                 format!(
