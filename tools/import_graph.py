@@ -175,7 +175,7 @@ class Crate:
         if path[0] == "self":
             return tuple(list(m) + path[1:])
         # a child module named without `self::` (2018 paths: `use child::Item` in a mod.rs)
-        if m + (path[0],) in self.files or any(n == path[0] for _, _, n in self._inline_mods(m) if m in self.files):
+        if m + (path[0],) in self.files or (m in self.files and any(n == path[0] for _, _, n in self._inline_mods(m))):
             return tuple(list(m) + path)
         return None
 

@@ -22,7 +22,10 @@
 
 use burn::tensor::{backend::Backend, Tensor};
 
-use super::host::par_rows;
+use half::bf16;
+
+use super::gemm_bf16::{gemm_bf16, Bf16Operand};
+use super::host::{par_rows, par_zeros};
 
 /// Reference forward: `x` `[N, K]`, `w` `[K, M]`, `b` `[M]` → `[N, M]` (Burn's `linear`).
 pub fn reference_forward<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tensor<B, 1>>) -> Tensor<B, 2> {
@@ -132,78 +135,52 @@ pub(crate) fn host_forward(x: &[f32], w: &[f32], b: Option<&[f32]>, n: usize, k:
     y
 }
 
-/// Weight columns per task of [`host_forward_bf16`]: a panel of `K × PANEL_COLS` weights in
-/// f32 stays within a core's L2 for `K` up to ~4,096 (the model's widths).
-const PANEL_COLS: usize = 128;
-
 /// Host forward with BF16 operands, as PyTorch's BF16 `nn.Linear` computes it: products
-/// accumulated in f32, the output rounded to BF16 once. `x` `[n, k]`, `w` `[k, m]`, `b` `[m]`
-/// → `[n, m]`.
-///
-/// Flex's own BF16 matmul converts both operands to f32 in full on one thread for every
-/// product (burn-flex 0.21 `matmul_bf16`) — for a layer 4,096 wide that is slower than the
-/// f32 product itself, and the LM head's transient would be 2.5 GB. Here each task widens one
-/// panel of `PANEL_COLS` weight columns and multiplies it straight into its columns of the
-/// f32 output: the weights are read once, as BF16, and the transient is one panel per thread.
-pub(crate) fn host_forward_bf16(x: &[half::bf16], w: &[half::bf16], b: Option<&[half::bf16]>, n: usize, k: usize, m: usize) -> Vec<half::bf16> {
+/// accumulated in f32 ([`gemm_bf16`]), the bias added and the output rounded to BF16 once.
+/// `x` `[n, k]`, `w` `[k, m]`, `b` `[m]` → `[n, m]`.
+pub(crate) fn host_forward_bf16(x: &[bf16], w: &[bf16], b: Option<&[bf16]>, n: usize, k: usize, m: usize) -> Vec<bf16> {
     use rayon::prelude::*;
     assert!(x.len() == n * k && w.len() == k * m && b.is_none_or(|b| b.len() == m), "linear: operands do not match [{n}, {k}]·[{k}, {m}]");
-    let xf: Vec<f32> = x.par_iter().map(|v| v.to_f32()).collect();
-    let mut y = vec![0f32; n * m];
-    if n * m > 0 && k > 0 {
-        let out = SharedOut(y.as_mut_ptr());
-        (0..m.div_ceil(PANEL_COLS)).into_par_iter().for_each_init(Vec::new, |panel: &mut Vec<f32>, p| {
-            let (c0, c1) = (p * PANEL_COLS, ((p + 1) * PANEL_COLS).min(m));
-            let width = c1 - c0;
-            panel.clear();
-            for row in w.chunks_exact(m) {
-                panel.extend(row[c0..c1].iter().map(|v| v.to_f32()));
-            }
-            // SAFETY: `xf` is `[n, k]` and `panel` `[k, width]`, both row-major; the task
-            // writes only columns `c0..c1` of the `[n, m]` output (row stride `m`), which no
-            // other task touches, and `y` outlives the parallel loop.
-            unsafe {
-                gemm::gemm(
-                    n,
-                    width,
-                    k,
-                    out.at(c0),
-                    1,
-                    m as isize,
-                    false,
-                    xf.as_ptr(),
-                    1,
-                    k as isize,
-                    panel.as_ptr(),
-                    1,
-                    width as isize,
-                    1.0f32,
-                    1.0f32,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-        });
-    }
-    let round = |(i, v): (usize, &f32)| half::bf16::from_f32(v + b.map_or(0.0, |b| b[i % m].to_f32()));
+    let mut y = par_zeros(n * m);
+    gemm_bf16(&mut y, false, Bf16Operand::plain(x, k), Bf16Operand::plain(w, m), n, m, k);
+    let round = |(i, v): (usize, &f32)| bf16::from_f32(v + b.map_or(0.0, |b| b[i % m].to_f32()));
     y.par_iter().enumerate().map(round).collect()
 }
 
-/// The output of [`host_forward_bf16`], written by tasks that own disjoint columns.
-struct SharedOut(*mut f32);
-
-// SAFETY: the tasks sharing it write disjoint elements (module docs of its one user).
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// The address of column `c` of row 0. A method, so that closures capture the wrapper
-    /// (which is `Sync`), not the raw pointer field.
-    fn at(&self, c: usize) -> *mut f32 {
-        // SAFETY: callers pass a column inside the row-major output.
-        unsafe { self.0.add(c) }
-    }
+/// Host backward with BF16 operands: `grad` `[n, m]`, `x` `[n, k]`, `w` `[k, m]` →
+/// `(∂x, ∂W, ∂b)` as [`reference_backward`], each product and the bias sum accumulated in f32
+/// and rounded to BF16 once (PyTorch's BF16 `addmm` backward).
+#[allow(clippy::type_complexity)]
+pub(crate) fn host_backward_bf16(
+    x: Option<&[bf16]>,
+    w: Option<&[bf16]>,
+    grad: &[bf16],
+    (n, k, m): (usize, usize, usize),
+    bias: bool,
+) -> (Option<Vec<bf16>>, Option<Vec<bf16>>, Option<Vec<bf16>>) {
+    let round = |v: Vec<f32>| -> Vec<bf16> {
+        use rayon::prelude::*;
+        v.par_iter().map(|&v| bf16::from_f32(v)).collect()
+    };
+    let dx = w.map(|w| {
+        let mut dx = par_zeros(n * k);
+        gemm_bf16(&mut dx, false, Bf16Operand::plain(grad, m), Bf16Operand::transposed(w, m), n, k, m);
+        round(dx)
+    });
+    let dw = x.map(|x| {
+        let mut dw = par_zeros(k * m);
+        gemm_bf16(&mut dw, false, Bf16Operand::transposed(x, k), Bf16Operand::plain(grad, m), k, m, n);
+        round(dw)
+    });
+    let db = bias.then(|| {
+        round(par_rows(m, BIAS_COLS, |ci, acc| {
+            let lo = ci * BIAS_COLS;
+            for row in grad.chunks_exact(m) {
+                acc.iter_mut().zip(&row[lo..]).for_each(|(a, g)| *a += g.to_f32());
+            }
+        }))
+    });
+    (dx, dw, db)
 }
 
 /// Columns per parallel block of the bias gradient.
@@ -258,18 +235,44 @@ mod tests {
         (0..rows * cols).map(|ij| a[(ij % rows) * cols + ij / rows]).collect()
     }
 
+    fn bf(v: Vec<f32>) -> Vec<bf16> {
+        v.into_iter().map(|v| bf16::from_f32(v / 8.0)).collect()
+    }
+
+    fn f(v: &[bf16]) -> Vec<f32> {
+        v.iter().map(|v| v.to_f32()).collect()
+    }
+
+    /// Every element the BF16 rounding of the exact value (eighths of small integers: exact
+    /// in f32 whatever the order of the sums).
+    fn assert_rounded(got: &[bf16], exact: &[f32], what: &str) {
+        assert_eq!(got.len(), exact.len(), "{what}");
+        for (i, (g, e)) in got.iter().zip(exact).enumerate() {
+            assert_eq!(*g, bf16::from_f32(*e), "{what}: element {i}");
+        }
+    }
+
     #[test]
     fn bf16_forward_accumulates_in_f32_and_rounds_once() {
-        // more than one panel, and a remainder panel
-        let (n, k, m) = (7, 300, 2 * PANEL_COLS + 5);
-        let bf = |v: Vec<f32>| v.into_iter().map(|v| half::bf16::from_f32(v / 8.0)).collect::<Vec<_>>();
+        // tails in every dimension of the product's tiles, k over more than one block
+        let (n, k, m) = (7, 300, 2 * 64 + 5);
         let (x, w, b) = (bf(data(n * k, 1)), bf(data(k * m, 2)), bf(data(m, 3)));
-        let f = |v: &[half::bf16]| v.iter().map(|v| v.to_f32()).collect::<Vec<_>>();
-        let exact = naive(&f(&x), &f(&w), n, k, m);
-        let got = host_forward_bf16(&x, &w, Some(&b), n, k, m);
-        for (i, (g, e)) in got.iter().zip(&exact).enumerate() {
-            assert_eq!(*g, half::bf16::from_f32(e + b[i % m].to_f32()), "element {i}");
-        }
+        let mut exact = naive(&f(&x), &f(&w), n, k, m);
+        exact.iter_mut().enumerate().for_each(|(i, e)| *e += b[i % m].to_f32());
+        assert_rounded(&host_forward_bf16(&x, &w, Some(&b), n, k, m), &exact, "y");
+    }
+
+    #[test]
+    fn bf16_backward_accumulates_in_f32_and_rounds_once() {
+        let (n, k, m) = (9, 130, 70);
+        let (x, w, g) = (bf(data(n * k, 1)), bf(data(k * m, 2)), bf(data(n * m, 4)));
+        let (dx, dw, db) = host_backward_bf16(Some(&x), Some(&w), &g, (n, k, m), true);
+        assert_rounded(&dx.unwrap(), &naive(&f(&g), &transpose(&f(&w), k, m), n, m, k), "dx");
+        assert_rounded(&dw.unwrap(), &naive(&transpose(&f(&x), n, k), &f(&g), k, n, m), "dw");
+        let colsum: Vec<f32> = (0..m).map(|j| (0..n).map(|i| g[i * m + j].to_f32()).sum()).collect();
+        assert_rounded(&db.unwrap(), &colsum, "db");
+        let only_x = host_backward_bf16(None, Some(&w), &g, (n, k, m), false);
+        assert!(only_x.0.is_some() && only_x.1.is_none() && only_x.2.is_none());
     }
 
     #[test]

@@ -27,6 +27,7 @@ pub mod backend;
 pub mod block_attn;
 pub mod conv;
 pub mod cross_entropy;
+mod gemm_bf16;
 pub mod hc_streams;
 mod host;
 pub mod kda;

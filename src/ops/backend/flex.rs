@@ -1,8 +1,9 @@
 //! Flex's fused bodies: host loops over contiguous fp32 buffers, in parallel (rayon), for
 //! fp32 inputs; other dtypes take the reference ops, keeping their rounding. Two exceptions:
-//! the linear layers' BF16 forward has its own body (`ops::linear::host_forward_bf16`: f32
-//! accumulation, one rounding, as the reference's), and the sparse latent attention runs its
-//! f32 body on widened BF16/F16 inputs.
+//! the linear layers' BF16 forward and backward have their own bodies
+//! (`ops::linear::host_{forward,backward}_bf16` on the BF16 matrix product `ops::gemm_bf16`:
+//! f32 accumulation, one rounding, as the reference's), and the sparse latent attention runs
+//! its f32 body on widened BF16/F16 inputs.
 
 use burn::backend::Flex;
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -44,6 +45,12 @@ fn host_bf16<const D: usize>(t: FloatTensor<Flex>) -> (burn_flex::FlexTensor, [u
     let t = t.to_contiguous();
     let dims = t.shape().dims::<D>();
     (t, dims)
+}
+
+/// A Flex tensor owning host BF16 data (no copy).
+fn flex_bf16(v: Vec<half::bf16>, dims: Vec<usize>) -> FloatTensor<Flex> {
+    debug_assert_eq!(v.len(), dims.iter().product::<usize>());
+    burn_flex::FlexTensor::new(burn::tensor::Bytes::from_elems(v), burn_flex::Layout::contiguous(dims.into()), DType::BF16)
 }
 
 fn bf16_slice(t: &burn_flex::FlexTensor) -> &[half::bf16] {
@@ -196,7 +203,7 @@ impl Glm5Backend for Flex {
             let ((x, [n, k]), (w, [_, m])) = (host_bf16::<2>(x), host_bf16::<2>(w));
             let b = b.map(|b| host_bf16::<1>(b).0);
             let y = linear::host_forward_bf16(bf16_slice(&x), bf16_slice(&w), b.as_ref().map(bf16_slice), n, k, m);
-            return burn_flex::FlexTensor::new(burn::tensor::Bytes::from_elems(y), burn_flex::Layout::contiguous([n, m].into()), DType::BF16);
+            return flex_bf16(y, vec![n, m]);
         }
         if !all_f32(&[Some(&x), Some(&w), b.as_ref()]) {
             return linear::reference_forward(f2::<Self>(x), f2(w), b.map(f1)).into_primitive().tensor();
@@ -212,6 +219,19 @@ impl Glm5Backend for Flex {
         grad: FloatTensor<Self>,
         bias: bool,
     ) -> (Option<FloatTensor<Self>>, Option<FloatTensor<Self>>, Option<FloatTensor<Self>>) {
+        if all_dtype(&[x.as_ref(), w.as_ref(), Some(&grad)], DType::BF16) {
+            let (g, [n, m]) = host_bf16::<2>(grad);
+            let (x, w) = (x.map(host_bf16::<2>), w.map(host_bf16::<2>));
+            let k = x.as_ref().map(|(_, [_, k])| *k).or(w.as_ref().map(|(_, [k, _])| *k)).unwrap_or(0);
+            let (dx, dw, db) = linear::host_backward_bf16(
+                x.as_ref().map(|(x, _)| bf16_slice(x)),
+                w.as_ref().map(|(w, _)| bf16_slice(w)),
+                bf16_slice(&g),
+                (n, k, m),
+                bias,
+            );
+            return (dx.map(|v| flex_bf16(v, vec![n, k])), dw.map(|v| flex_bf16(v, vec![k, m])), db.map(|v| flex_bf16(v, vec![m])));
+        }
         if !all_f32(&[x.as_ref(), w.as_ref(), Some(&grad)]) {
             return super::linear_reference_backward::<Self>(x, w, grad, bias);
         }

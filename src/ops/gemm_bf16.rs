@@ -1,0 +1,482 @@
+//! The BF16 matrix product with f32 accumulation, as PyTorch's BF16 `matmul` computes it on a
+//! CPU (oneDNN): `C = A·B` (or `C += A·B`) for BF16 `A` `[m, k]` and `B` `[k, n]` read with
+//! any strides, into a row-major f32 `C` `[m, n]`. The callers round `C` to BF16 once.
+//!
+//! Two bodies, the same sums up to their order:
+//!
+//! * **AVX512-BF16** (x86-64 Zen 4 and later, Cooper Lake / Sapphire Rapids and later;
+//!   detected at run time). `vdpbf16ps` multiplies 16 pairs of BF16 values from each operand
+//!   and adds both products into 16 f32 lanes — 32 multiply-adds per instruction, twice an
+//!   f32 FMA's, on operands half the size. The products of BF16 values are exact in f32; the
+//!   instruction treats subnormal inputs and results as zero (values below 1.2·10⁻³⁸, which
+//!   PyTorch's oneDNN path on the same instruction flushes alike). The loop nest is the
+//!   GotoBLAS one: blocks of `KC` inner-dimension elements; `B` packed per block as `k`-pairs
+//!   of `NR` columns (one 32-bit lane per pair), so the `MR × NR` micro-kernel reads one
+//!   cache line per pair per 16 columns; `A` read in place where its rows are contiguous
+//!   (each pair one 32-bit broadcast), packed alike otherwise. `NR = 64` columns × `MR = 6`
+//!   rows keep 24 accumulator registers of the 32.
+//! * **Portable**: the operands widened to f32 (`B` one panel of columns per task) and
+//!   multiplied by the `gemm` crate, the f32 matmul Flex itself uses.
+//!
+//! Burn-flex 0.21's own BF16 matmul converts both whole operands to f32 on one thread per
+//! product (`matmul_bf16`), then runs the f32 product: slower than f32 throughout.
+
+use half::bf16;
+use rayon::prelude::*;
+
+/// A BF16 matrix operand as used in the product: element `(r, c)` is
+/// `data[r·row_stride + c·col_stride]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Bf16Operand<'a> {
+    pub data: &'a [bf16],
+    pub row_stride: usize,
+    pub col_stride: usize,
+}
+
+impl<'a> Bf16Operand<'a> {
+    /// Row-major `[_, cols]` data.
+    pub fn plain(data: &'a [bf16], cols: usize) -> Self {
+        Bf16Operand { data, row_stride: cols, col_stride: 1 }
+    }
+
+    /// The transpose of row-major `[_, cols]` data, read in place.
+    pub fn transposed(data: &'a [bf16], cols: usize) -> Self {
+        Bf16Operand { data, row_stride: 1, col_stride: cols }
+    }
+
+    /// The index of the last element of a `[rows, cols]` view (0 for an empty one).
+    fn last(&self, rows: usize, cols: usize) -> usize {
+        (rows.max(1) - 1) * self.row_stride + (cols.max(1) - 1) * self.col_stride
+    }
+}
+
+/// `c` `[m, n]` (row-major) `= a·b`, or `+= a·b` with `accumulate`, `k` the inner dimension;
+/// sums in f32.
+///
+/// # Panics
+/// If an operand or `c` is shorter than its shape needs (a bug of the caller: every caller
+/// passes buffers of the shapes it checked).
+pub(crate) fn gemm_bf16(c: &mut [f32], accumulate: bool, a: Bf16Operand, b: Bf16Operand, m: usize, n: usize, k: usize) {
+    assert!(m * k == 0 || a.last(m, k) < a.data.len(), "gemm_bf16: lhs buffer shorter than [{m}, {k}]");
+    assert!(k * n == 0 || b.last(k, n) < b.data.len(), "gemm_bf16: rhs buffer shorter than [{k}, {n}]");
+    assert_eq!(c.len(), m * n, "gemm_bf16: output of {} elements for [{m}, {n}]", c.len());
+    if m * n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c.fill(0.0);
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // SAFETY: the CPU has the instructions (checked just above); the operands' extents
+        // were checked against their buffers.
+        unsafe { avx512::gemm(c, accumulate, a, b, m, n, k) };
+        return;
+    }
+    portable(c, accumulate, a, b, m, n, k);
+}
+
+/// Columns of `B` widened per task of [`portable`]: `k × PANEL_COLS` f32 stay within a core's
+/// L2 for `k` up to ~4,096 (the model's widths).
+const PANEL_COLS: usize = 128;
+
+/// Below this many multiply-adds a product runs on the calling thread.
+const PARALLEL_FLOPS: usize = 192 * 192 * 192;
+
+/// The portable body: `A` widened whole (it is the activation side in every caller), `B` one
+/// panel of columns per task, each panel multiplied into its columns of `C` by `gemm`.
+fn portable(c: &mut [f32], accumulate: bool, a: Bf16Operand, b: Bf16Operand, m: usize, n: usize, k: usize) {
+    let af: Vec<f32> = (0..m * k).into_par_iter().map(|i| a.data[(i / k) * a.row_stride + (i % k) * a.col_stride].to_f32()).collect();
+    let out = SharedOut(c.as_mut_ptr());
+    let panels = n.div_ceil(PANEL_COLS);
+    let serial = m.saturating_mul(n).saturating_mul(k) < PARALLEL_FLOPS;
+    let run = |panel: &mut Vec<f32>, p: usize| {
+        let (c0, c1) = (p * PANEL_COLS, ((p + 1) * PANEL_COLS).min(n));
+        let width = c1 - c0;
+        panel.clear();
+        panel.extend((0..k * width).map(|i| b.data[(i / width) * b.row_stride + (c0 + i % width) * b.col_stride].to_f32()));
+        // SAFETY: `af` is `[m, k]` and `panel` `[k, width]`, both row-major; the task writes
+        // only columns `c0..c1` of the `[m, n]` output (row stride `n`), which no other task
+        // touches, and `c` outlives the loop.
+        unsafe {
+            gemm::gemm(
+                m,
+                width,
+                k,
+                out.at(c0),
+                1,
+                n as isize,
+                accumulate,
+                af.as_ptr(),
+                1,
+                k as isize,
+                panel.as_ptr(),
+                1,
+                width as isize,
+                1.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    };
+    if serial {
+        let mut panel = Vec::new();
+        (0..panels).for_each(|p| run(&mut panel, p));
+    } else {
+        (0..panels).into_par_iter().for_each_init(Vec::new, run);
+    }
+}
+
+/// An f32 output written by tasks that own disjoint elements.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+
+// SAFETY: the tasks sharing it write disjoint elements (each user says which).
+unsafe impl Sync for SharedOut {}
+unsafe impl Send for SharedOut {}
+
+impl SharedOut {
+    /// The address `i` elements in. A method, so that closures capture the wrapper (which is
+    /// `Sync`), not the raw pointer field.
+    fn at(&self, i: usize) -> *mut f32 {
+        // SAFETY: callers pass an index inside the output.
+        unsafe { self.0.add(i) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    use half::bf16;
+    use rayon::prelude::*;
+
+    use super::{Bf16Operand, SharedOut, PARALLEL_FLOPS};
+
+    /// Rows of the micro-kernel's tile.
+    const MR: usize = 6;
+    /// Columns of the micro-kernel's tile: four registers of 16 f32 lanes.
+    const NR: usize = 64;
+    const NV: usize = NR / 16;
+    /// Inner-dimension elements per block (even: blocks start on a pair). Measured on this
+    /// project's 2-core AVX512-BF16 host (`bench --matmul --dtype bf16`): 512 beat 128 and 256
+    /// at every model shape (fewer passes over the f32 accumulators of `C`); the packed
+    /// `KC × NR` slice of `B` a row tile streams is 64 KB, read from L2.
+    const KC: usize = 512;
+    /// Rows per block of the loop over `A`.
+    const MC: usize = 192;
+    /// Most columns per task: the task's packed `KC × NC` block of `B` (1 MB) stays in L2.
+    const NC: usize = 1024;
+
+    pub(super) fn available() -> bool {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16"))
+    }
+
+    /// A pair of BF16 bit patterns as one 32-bit lane: the even-`k` element in the low half,
+    /// as it sits in memory, which is how `vdpbf16ps` pairs its operands.
+    #[inline(always)]
+    fn pair(lo: bf16, hi: bf16) -> u32 {
+        lo.to_bits() as u32 | (hi.to_bits() as u32) << 16
+    }
+
+    /// Packs `outer` indices `o0..o1` (rows of `A`, or columns of `B`) by inner indices
+    /// `t0..t1` of `src` (`element(o, t) = data[o·outer + t·inner]`) into `dst`: groups of `g`
+    /// outer indices, each `pairs × g` lanes, pair-major; past `o1` or `t1` the lanes are 0.
+    fn pack(dst: &mut Vec<u32>, src: &[bf16], outer: usize, inner: usize, (o0, o1): (usize, usize), (t0, t1): (usize, usize), g: usize) {
+        let pairs = (t1 - t0).div_ceil(2);
+        let groups = (o1 - o0).div_ceil(g);
+        dst.clear();
+        dst.resize(groups * pairs * g, 0);
+        let at = |o: usize, t: usize| src[o * outer + t * inner];
+        for gi in 0..groups {
+            let (go, width) = (o0 + gi * g, g.min(o1 - o0 - gi * g));
+            let block = &mut dst[gi * pairs * g..(gi + 1) * pairs * g];
+            for p in 0..pairs {
+                let t = t0 + 2 * p;
+                let lanes = &mut block[p * g..p * g + width];
+                if t + 1 < t1 {
+                    if outer == 1 {
+                        // two contiguous runs (row-major B's rows, or a transposed A's)
+                        let (r0, r1) = (&src[go + t * inner..go + t * inner + width], &src[go + (t + 1) * inner..go + (t + 1) * inner + width]);
+                        lanes.iter_mut().zip(r0.iter().zip(r1)).for_each(|(l, (&lo, &hi))| *l = pair(lo, hi));
+                    } else {
+                        lanes.iter_mut().enumerate().for_each(|(i, l)| *l = pair(at(go + i, t), at(go + i, t + 1)));
+                    }
+                } else {
+                    lanes.iter_mut().enumerate().for_each(|(i, l)| *l = pair(at(go + i, t), bf16::ZERO));
+                }
+            }
+        }
+    }
+
+    /// See [`super::gemm_bf16`].
+    ///
+    /// # Safety
+    /// The CPU must have AVX512F and AVX512-BF16 ([`available`]); `a` and `b` must cover their
+    /// `[m, k]` and `[k, n]` extents and `c` hold `m·n` elements.
+    pub(super) unsafe fn gemm(c: &mut [f32], accumulate: bool, a: Bf16Operand, b: Bf16Operand, m: usize, n: usize, k: usize) {
+        // A is read in place when each row's inner elements are contiguous and every pair
+        // starts on an even element; otherwise (a transposed activation, an odd k) it is packed once, whole —
+        // every caller's A is activation-sized.
+        let direct = a.col_stride == 1 && k.is_multiple_of(2) && a.row_stride.is_multiple_of(2);
+        let mut a_packed = Vec::new();
+        if !direct {
+            a_packed = pack_a_whole(a, m, k);
+        }
+        let threads = rayon::current_num_threads().max(1);
+        // task columns: at most NC, few enough tasks for every thread to get two when n allows
+        let tw = n.div_ceil(2 * threads).next_multiple_of(NR).clamp(NR, NC);
+        let col_tasks = n.div_ceil(tw);
+        // split rows too when the columns alone leave threads idle
+        let row_tasks = if col_tasks >= 2 * threads { 1 } else { (2 * threads).div_ceil(col_tasks).min(m.div_ceil(MR)) };
+        let th = m.div_ceil(row_tasks).next_multiple_of(MR);
+        let row_tasks = m.div_ceil(th);
+        let out = SharedOut(c.as_mut_ptr());
+        let a_packed = &a_packed[..];
+        let task = |b_pack: &mut Vec<u32>, t: usize| {
+            let (ri, ci) = (t / col_tasks, t % col_tasks);
+            let (r0, r1) = (ri * th, ((ri + 1) * th).min(m));
+            let (c0, c1) = (ci * tw, ((ci + 1) * tw).min(n));
+            for k0 in (0..k).step_by(KC) {
+                let k1 = (k0 + KC).min(k);
+                pack(b_pack, b.data, b.col_stride, b.row_stride, (c0, c1), (k0, k1), NR);
+                // SAFETY: the task writes rows r0..r1 × columns c0..c1 of `c`, which no other
+                // task touches; the reads stay inside the operands (checked by the caller).
+                unsafe { block(out, n, accumulate || k0 > 0, a, a_packed, direct, m, (r0, r1), (c0, c1), (k0, k1), b_pack) };
+            }
+        };
+        let tasks = row_tasks * col_tasks;
+        if m.saturating_mul(n).saturating_mul(k) < PARALLEL_FLOPS || tasks == 1 {
+            let mut b_pack = Vec::new();
+            (0..tasks).for_each(|t| task(&mut b_pack, t));
+        } else {
+            (0..tasks).into_par_iter().for_each_init(Vec::new, task);
+        }
+    }
+
+    /// `A` `[m, k]` packed whole: for each block of `KC` inner elements, for each group of `MR`
+    /// rows, `pairs × MR` lanes (the layout [`block`] reads at `a_offset`).
+    fn pack_a_whole(a: Bf16Operand, m: usize, k: usize) -> Vec<u32> {
+        let groups = m.div_ceil(MR);
+        let blocks: Vec<(usize, usize)> = (0..k).step_by(KC).map(|k0| (k0, (k0 + KC).min(k))).collect();
+        let parts: Vec<Vec<u32>> = blocks
+            .par_iter()
+            .map(|&(k0, k1)| {
+                let mut v = Vec::new();
+                pack(&mut v, a.data, a.row_stride, a.col_stride, (0, m), (k0, k1), MR);
+                debug_assert_eq!(v.len(), groups * (k1 - k0).div_ceil(2) * MR);
+                v
+            })
+            .collect();
+        parts.concat()
+    }
+
+    /// One `KC` block of a task: rows `r0..r1` × columns `c0..c1` of `c` (row stride `ldc`)
+    /// `(+)= A[rows, k0..k1] · B[k0..k1, cols]`, `b_pack` holding that block of `B` packed.
+    ///
+    /// # Safety
+    /// As [`gemm`]; the caller owns the output rectangle.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn block(
+        out: SharedOut,
+        ldc: usize,
+        accumulate: bool,
+        a: Bf16Operand,
+        a_packed: &[u32],
+        direct: bool,
+        m: usize,
+        (r0, r1): (usize, usize),
+        (c0, c1): (usize, usize),
+        (k0, k1): (usize, usize),
+        b_pack: &[u32],
+    ) {
+        let pairs = (k1 - k0).div_ceil(2);
+        let a_words = a.data.as_ptr() as *const u32;
+        // packed A: the blocks before k0 hold `groups · pairs_of_block · MR` lanes each
+        let groups = m.div_ceil(MR);
+        let a_block = groups * (k0 / 2) * MR;
+        for i0 in (r0..r1).step_by(MC) {
+            let i1 = (i0 + MC).min(r1);
+            for (jp, j0) in (c0..c1).step_by(NR).enumerate() {
+                let cols = NR.min(c1 - j0);
+                let bp = b_pack.as_ptr().add(jp * pairs * NR);
+                for r in (i0..i1).step_by(MR) {
+                    let rows = MR.min(i1 - r);
+                    let (rows_at, step) = if direct {
+                        // rows past the end repeat the last one: computed, never stored
+                        let at: [*const u32; MR] = std::array::from_fn(|i| a_words.add(((r + i.min(rows - 1)) * a.row_stride + k0) / 2));
+                        (at, 1)
+                    } else {
+                        debug_assert!(r % MR == 0);
+                        let base = a_packed.as_ptr().add(a_block + (r / MR) * pairs * MR);
+                        (std::array::from_fn(|i| base.add(i)), MR)
+                    };
+                    kernel(pairs, rows_at, step, bp, out.at(r * ldc + j0), ldc, rows, cols, accumulate);
+                }
+            }
+        }
+    }
+
+    /// The `MR × NR` tile at `c` (row stride `ldc`, of which `rows × cols` are stored)
+    /// `(+)= Σ_p a_i[p] · b[p]`: `a[i]` points at row `i`'s pairs (`step` lanes apart), `b` at
+    /// `pairs × NR` packed lanes.
+    ///
+    /// # Safety
+    /// As [`gemm`]; the pointers cover `pairs` steps.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn kernel(
+        pairs: usize,
+        a: [*const u32; MR],
+        step: usize,
+        b: *const u32,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+        for p in 0..pairs {
+            let bp = b.add(p * NR);
+            let bv: [__m512bh; NV] = std::array::from_fn(|v| std::mem::transmute(_mm512_loadu_si512(bp.add(16 * v) as *const _)));
+            for i in 0..MR {
+                let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(a[i].add(p * step).read_unaligned() as i32));
+                for v in 0..NV {
+                    acc[i][v] = _mm512_dpbf16_ps(acc[i][v], av, bv[v]);
+                }
+            }
+        }
+        if rows == MR && cols == NR {
+            for (i, row) in acc.iter().enumerate() {
+                for (v, &x) in row.iter().enumerate() {
+                    let dst = c.add(i * ldc + 16 * v);
+                    let x = if accumulate { _mm512_add_ps(_mm512_loadu_ps(dst), x) } else { x };
+                    _mm512_storeu_ps(dst, x);
+                }
+            }
+        } else {
+            let mut tile = [[0f32; NR]; MR];
+            for (i, row) in acc.iter().enumerate() {
+                for (v, &x) in row.iter().enumerate() {
+                    _mm512_storeu_ps(tile[i].as_mut_ptr().add(16 * v), x);
+                }
+            }
+            for (i, row) in tile.iter().enumerate().take(rows) {
+                let dst = std::slice::from_raw_parts_mut(c.add(i * ldc), cols);
+                if accumulate {
+                    dst.iter_mut().zip(row).for_each(|(d, x)| *d += x);
+                } else {
+                    dst.copy_from_slice(&row[..cols]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic BF16 values in [−2, 2) with all 8 mantissa bits in play.
+    fn data(len: usize, seed: u64) -> Vec<bf16> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                bf16::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0)
+            })
+            .collect()
+    }
+
+    /// The product in f64 over the operands' exact values: an independent oracle.
+    fn naive(a: Bf16Operand, b: Bf16Operand, m: usize, n: usize, k: usize) -> Vec<f64> {
+        let at = |o: &Bf16Operand, r: usize, c: usize| o.data[r * o.row_stride + c * o.col_stride].to_f64();
+        (0..m * n).map(|i| (0..k).map(|t| at(&a, i / n, t) * at(&b, t, i % n)).sum()).collect()
+    }
+
+    /// f32 sums of `k` products of magnitude ≤ 4: each within `k · 4 · 2⁻²³ · k`-ish of the
+    /// exact value; the bound below is loose against ordering but fails any wrong element.
+    fn check(c: &[f32], want: &[f64], k: usize, what: &str) {
+        let tol = 4.0 * k as f64 * k as f64 * f32::EPSILON as f64 + 1e-6;
+        for (i, (&got, &w)) in c.iter().zip(want).enumerate() {
+            assert!((got as f64 - w).abs() <= tol, "{what}: element {i}: {got} vs {w} (tolerance {tol:e})");
+        }
+    }
+
+    fn shapes() -> Vec<(usize, usize, usize)> {
+        // tiles, tails in every dimension, an odd k, k across blocks, one row, one column
+        vec![
+            (1, 1, 1),
+            (6, 64, 2),
+            (7, 65, 3),
+            (13, 130, 257),
+            (1, 300, 512),
+            (300, 1, 33),
+            (37, 2100, 70),
+            (200, 70, 600),
+            (9, 130, 1101),
+            (64, 64, 0),
+        ]
+    }
+
+    fn run(f: impl Fn(&mut [f32], bool, Bf16Operand, Bf16Operand, usize, usize, usize), what: &str) {
+        for (m, n, k) in shapes() {
+            let (a, b) = (data(m * k, 1 + m as u64), data(k * n, 7 + n as u64));
+            let layouts = [
+                (Bf16Operand::plain(&a, k), Bf16Operand::plain(&b, n), "A·B"),
+                (Bf16Operand::transposed(&a, m), Bf16Operand::transposed(&b, k), "Aᵀ·Bᵀ"),
+                (Bf16Operand::plain(&a, k), Bf16Operand::transposed(&b, k), "A·Bᵀ"),
+            ];
+            for (ao, bo, form) in layouts {
+                let want = naive(ao, bo, m, n, k);
+                let mut c = vec![f32::NAN; m * n];
+                f(&mut c, false, ao, bo, m, n, k);
+                check(&c, &want, k, &format!("{what} {form} [{m}, {k}]·[{k}, {n}]"));
+                // accumulate onto a known start
+                let mut c: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32).collect();
+                let want: Vec<f64> = want.iter().enumerate().map(|(i, w)| w + (i % 5) as f64).collect();
+                f(&mut c, true, ao, bo, m, n, k);
+                check(&c, &want, k, &format!("{what} {form} += [{m}, {k}]·[{k}, {n}]"));
+            }
+        }
+    }
+
+    #[test]
+    fn portable_matches_f64_products() {
+        run(portable, "portable");
+    }
+
+    #[test]
+    fn dispatched_matches_f64_products() {
+        // the AVX512-BF16 body where the CPU has it (said, so a run shows which body it tested)
+        #[cfg(target_arch = "x86_64")]
+        eprintln!("avx512-bf16: {}", avx512::available());
+        run(gemm_bf16, "dispatched");
+    }
+
+    #[test]
+    fn sums_are_f32_not_bf16() {
+        // 1 + 256 · 2⁻⁹: every partial sum has more bits than BF16 holds (8); rounding the
+        // accumulator to BF16 on the way would lose the small terms entirely.
+        let k = 257;
+        let mut a = vec![bf16::from_f32(2f32.powi(-9)); k];
+        a[0] = bf16::ONE;
+        let b = vec![bf16::ONE; k];
+        let mut c = [0f32];
+        gemm_bf16(&mut c, false, Bf16Operand::plain(&a, k), Bf16Operand::plain(&b, 1), 1, 1, k);
+        assert_eq!(c[0], 1.5);
+    }
+}
