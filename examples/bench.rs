@@ -71,10 +71,10 @@ enum Attention {
 #[derive(Parser)]
 struct Args {
     /// HF config.json (nested or flat).
-    #[arg(long)]
-    config: std::path::PathBuf,
+    #[arg(long, required_unless_present = "matmul")]
+    config: Option<std::path::PathBuf>,
     /// Tokens per row (≥ 1).
-    #[arg(long)]
+    #[arg(long, required_unless_present = "matmul", default_value_t = 0)]
     seq: usize,
     /// Rows (≥ 1).
     #[arg(long, default_value_t = 1)]
@@ -117,27 +117,49 @@ struct Args {
     /// of the release config keep its widths and vocabulary.
     #[arg(long = "set", value_name = "PATH=JSON")]
     set: Vec<String>,
-    /// Instead: measure this backend's f32 matmul rate at 512×256×768 (the model's FFN shape
-    /// at seq 512) and 2048³, printed as `{"gflops": {...}}`.
+    /// Instead: measure the linear layers' product (`Glm5Backend::linear_layer`, the op every
+    /// projection runs through) in `--dtype` at the shapes of `MATMUL_SHAPES`, printed as
+    /// `{"dtype", "gflops": {...}}` (`tests/reference/bench_matmul.py` measures PyTorch's).
     #[arg(long)]
     matmul: bool,
 }
 
-/// f32 matmul GFLOP/s of Flex at `[m, k] × [k, n]` (best of ~1 s of repetitions).
-fn matmul_gflops(m: usize, k: usize, n: usize) -> f64 {
-    use burn::tensor::Distribution;
+/// `(name, tokens, in, out)`: the real width at 512 tokens (`configs/glm5_3_flash.json`: FFN
+/// 4,096 → 12,288 → 4,096, the KDA q/k/v projections 4,096 → 64 × 128, a routed expert's
+/// gate+up at 512 · 8 / 16 rows, the LM head at vocabulary 154,880), the small bench model's
+/// FFN and a square.
+const MATMUL_SHAPES: [(&str, usize, usize, usize); 7] = [
+    ("ffn_up 512x4096x12288", 512, 4096, 12288),
+    ("ffn_down 512x12288x4096", 512, 12288, 4096),
+    ("kda_qkv 512x4096x8192", 512, 4096, 8192),
+    ("expert 256x4096x4096", 256, 4096, 4096),
+    ("lm_head 512x4096x154880", 512, 4096, 154880),
+    ("small 512x256x768", 512, 256, 768),
+    ("square 2048x2048x2048", 2048, 2048, 2048),
+];
+
+/// GFLOP/s of Flex's linear layer at `x` `[n, k]` · `w` `[k, m]` in `dtype`: the best of
+/// timed calls after two warm-up calls, repeated for ~2 s (at least three timed calls).
+fn matmul_gflops(n: usize, k: usize, m: usize, dtype: Dtype) -> f64 {
+    use burn::tensor::{Distribution, TensorPrimitive};
     let device = Default::default();
-    let a = Tensor::<Flex, 2>::random([m, k], Distribution::Default, &device);
-    let b = Tensor::<Flex, 2>::random([k, n], Distribution::Default, &device);
-    for _ in 0..3 {
-        let _: f32 = a.clone().matmul(b.clone()).slice([0..1, 0..1]).into_scalar();
-    }
-    let (mut reps, t0) = (0u64, Instant::now());
-    while t0.elapsed().as_secs_f64() < 1.0 {
-        let _: f32 = a.clone().matmul(b.clone()).slice([0..1, 0..1]).into_scalar();
+    let cast = |t: Tensor<Flex, 2>| if dtype == Dtype::Bf16 { t.cast(burn::tensor::DType::BF16) } else { t };
+    let x = cast(Tensor::<Flex, 2>::random([n, k], Distribution::Default, &device));
+    let w = cast(Tensor::<Flex, 2>::random([k, m], Distribution::Default, &device));
+    let call = || {
+        let y = <Flex as Glm5Backend>::linear_layer(x.clone().into_primitive().tensor(), w.clone().into_primitive().tensor(), None);
+        let _ = Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(y)).slice([0..1, 0..1]).into_data();
+    };
+    call();
+    call();
+    let (mut best, mut reps, t0) = (f64::INFINITY, 0, Instant::now());
+    while reps < 3 || t0.elapsed().as_secs_f64() < 2.0 {
+        let t = Instant::now();
+        call();
+        best = best.min(t.elapsed().as_secs_f64());
         reps += 1;
     }
-    2.0 * (m * k * n) as f64 * reps as f64 / t0.elapsed().as_secs_f64() / 1e9
+    2.0 * (n * k * m) as f64 / best / 1e9
 }
 
 /// `path` (an HF config.json) with the `--set PATH=JSON` overrides applied, resolved.
@@ -190,7 +212,9 @@ fn main() -> Result<()> {
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("rayon thread pool")?;
     }
     if a.matmul {
-        println!("{}", json!({"gflops": {"512x256x768": matmul_gflops(512, 256, 768), "2048x2048x2048": matmul_gflops(2048, 2048, 2048)}}));
+        let rates: serde_json::Map<String, serde_json::Value> =
+            MATMUL_SHAPES.iter().map(|&(name, n, k, m)| (name.to_string(), json!((matmul_gflops(n, k, m, a.dtype) * 10.0).round() / 10.0))).collect();
+        println!("{}", json!({"impl": "burn", "dtype": format!("{:?}", a.dtype).to_lowercase(), "gflops": rates}));
         return Ok(());
     }
     for (name, v) in [("--seq", a.seq), ("--batch", a.batch), ("--steps", a.steps)] {
@@ -198,7 +222,7 @@ fn main() -> Result<()> {
             bail!("{name} 0: must be at least 1");
         }
     }
-    let config = read_config(&a.config, &a.set)?;
+    let config = read_config(a.config.as_deref().context("--config is required")?, &a.set)?;
     // active parameters per token without the input embedding (a lookup, no FLOPs); the LM
     // head is a matmul and counts
     let counts = glm5_burn::checkpoint::inventory::ParamCounts::of(&config);
