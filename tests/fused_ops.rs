@@ -22,6 +22,10 @@
 //! * `linear` (`ops::linear`): rank-3 inputs with and without bias, a product above the
 //!   parallel threshold, a frozen layer and an untracked input (only the tracked inputs get
 //!   gradients), against Burn's own `Linear` and its backward.
+//! * `grouped_matmul` (`ops::grouped_matmul`): empty experts first, inside and last, a group
+//!   above the parallel threshold, frozen weights and an untracked input, against Burn's
+//!   `matmul` on each group's slices under autodiff; BF16 against the fp32 product of the
+//!   same BF16 values, rounded once.
 //! * `cross_entropy_sum` (`ops::cross_entropy`): labelled, −100 and out-of-vocabulary targets,
 //!   peaked rows (logits up to ±40), a one-word vocabulary; unlabelled rows take no gradient;
 //!   forward and backward the same bits on one thread and on all.
@@ -31,8 +35,8 @@
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Tensor, TensorPrimitive};
 use glm5_burn::ops::backend::{
-    causal_conv1d, cross_entropy_sum, hc_collapse, hc_post, hc_sinkhorn, kda_forget_gate, linear, rms_norm, silu, sparse_latent_attention, swiglu,
-    Glm5Backend,
+    causal_conv1d, cross_entropy_sum, grouped_matmul, hc_collapse, hc_post, hc_sinkhorn, kda_forget_gate, linear, rms_norm, silu,
+    sparse_latent_attention, swiglu, Glm5Backend,
 };
 use glm5_burn::ops::sinkhorn::{reference_backward, reference_forward};
 use glm5_burn::ops::sparse_attn::{latent_reference, latent_reference_backward};
@@ -460,6 +464,99 @@ fn fused_linear_matches_burn_linear_and_autodiff() {
             }
         }
     }
+}
+
+/// Each group's rows times its expert's weight, as Burn's own `slice` and `matmul` compute it
+/// (and differentiate it under autodiff): the independent form the op replaces.
+fn grouped_by_slices<B: burn::tensor::backend::Backend>(x: Tensor<B, 2>, w: Tensor<B, 3>, sizes: &[usize]) -> Tensor<B, 2> {
+    let ([_, k], [_, _, n]) = (x.dims(), w.dims());
+    let mut start = 0;
+    let mut outs = Vec::new();
+    for (g, &c) in sizes.iter().enumerate() {
+        if c > 0 {
+            outs.push(x.clone().slice([start..start + c, 0..k]).matmul(w.clone().slice([g..g + 1, 0..k, 0..n]).reshape([k, n])));
+        }
+        start += c;
+    }
+    Tensor::cat(outs, 0)
+}
+
+#[test]
+fn fused_grouped_matmul_matches_sliced_matmuls_and_autodiff() {
+    // (group sizes, K, N, weights trained, input tracked): a group above Flex's parallel
+    // threshold, frozen experts (∂x only), a constant input (∂W only)
+    for (sizes, k, n, train, track_x, seed) in [
+        (vec![0, 5, 0, 17, 1, 0], 24, 40, true, true, 1),
+        (vec![300, 2, 0], 256, 96, true, true, 2),
+        (vec![3, 3, 3, 3], 16, 8, false, true, 3),
+        (vec![1, 0, 9], 32, 16, true, false, 4),
+    ] {
+        let (m, g) = (sizes.iter().sum::<usize>(), sizes.len());
+        let mut r = Rng(seed);
+        let (x, w, up) = (r.vec(m * k, 1.0), r.vec(g * k * n, 1.0), r.vec(m * n, 1.0));
+        let what = format!("grouped_matmul {sizes:?} [{k} → {n}] trained {train} input tracked {track_x}");
+        let want = host(grouped_by_slices(t::<Flex, 2>(&x, [m, k]), t::<Flex, 3>(&w, [g, k, n]), &sizes));
+        check(&format!("{what}: forward"), &host(grouped_matmul(t::<Flex, 2>(&x, [m, k]), t::<Flex, 3>(&w, [g, k, n]), &sizes)), &want);
+
+        // gradients of Σ y ⊙ up: autodiff through the slices against the op's backward
+        let grads = |ours: bool| {
+            let wa = t::<A, 3>(&w, [g, k, n]);
+            let wa = if train { wa.require_grad() } else { wa };
+            let xa = t::<A, 2>(&x, [m, k]);
+            let xa = if track_x { xa.require_grad() } else { xa };
+            let y = if ours { grouped_matmul(xa.clone(), wa.clone(), &sizes) } else { grouped_by_slices(xa.clone(), wa.clone(), &sizes) };
+            let gr = (y * t::<A, 2>(&up, [m, n])).sum().backward();
+            [xa.grad(&gr).map(host), wa.grad(&gr).map(host)]
+        };
+        let (want, got) = (grads(false), grads(true));
+        for (i, name) in ["∂x", "∂W"].iter().enumerate() {
+            let expected = [track_x, train][i];
+            assert_eq!(got[i].is_some(), expected, "{what}: {name} present");
+            assert_eq!(want[i].is_some(), expected, "{what}: {name} present in Burn's");
+            if let (Some(gv), Some(wv)) = (&got[i], &want[i]) {
+                check(&format!("{what}: {name}"), gv, wv);
+            }
+        }
+
+        // BF16: the fp32 products of the same BF16 values, rounded once (the op sums in f32)
+        use burn::tensor::DType;
+        let (xb, ub) = (t::<Flex, 2>(&x, [m, k]).cast(DType::BF16), t::<Flex, 2>(&up, [m, n]).cast(DType::BF16));
+        let wb = t::<Flex, 3>(&w, [g, k, n]).cast(DType::BF16);
+        let widen = |t: Tensor<Flex, 2>| t.cast(DType::F32);
+        let round = |v: Tensor<Flex, 2>| host(v.cast(DType::BF16).cast(DType::F32));
+        let y = grouped_matmul(xb.clone(), wb.clone(), &sizes);
+        assert_eq!(y.dtype(), DType::BF16, "{what}: bf16 output dtype");
+        let want = round(grouped_matmul(widen(xb.clone()), wb.clone().cast(DType::F32), &sizes));
+        check_bf16(&format!("{what}: bf16 forward"), &host(y.cast(DType::F32)), &want);
+        let (dx, dw) = Flex::grouped_matmul_backward(
+            Some(xb.clone().into_primitive().tensor()),
+            Some(wb.clone().into_primitive().tensor()),
+            ub.clone().into_primitive().tensor(),
+            &sizes,
+        );
+        let (wdx, wdw) = Flex::grouped_matmul_backward(
+            Some(widen(xb).into_primitive().tensor()),
+            Some(wb.cast(DType::F32).into_primitive().tensor()),
+            widen(ub).into_primitive().tensor(),
+            &sizes,
+        );
+        let (dx, wdx) = (from_prim::<2>(dx.unwrap()), Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(wdx.unwrap())));
+        check_bf16(&format!("{what}: bf16 ∂x"), &dx, &round(wdx));
+        let wdw = Tensor::<Flex, 3>::from_primitive(TensorPrimitive::Float(wdw.unwrap())).reshape([g * k, n]);
+        check_bf16(&format!("{what}: bf16 ∂W"), &from_prim::<3>(dw.unwrap()), &round(wdw));
+    }
+}
+
+/// BF16 results against the BF16 rounding of the f32 result: each element within one BF16
+/// ulp of it (the sums' order differs, so a value near a rounding boundary may round the
+/// other way; nothing more).
+fn check_bf16(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let off = got.iter().zip(want).filter(|(g, w)| (*g - *w).abs() > w.abs() * 2f32.powi(-7) + 1e-30).count();
+    let exact = got.iter().zip(want).filter(|(g, w)| g == w).count();
+    println!("{what}: {exact} of {} elements equal, {off} beyond one ulp", got.len());
+    assert_eq!(off, 0, "{what}: {off} elements beyond one BF16 ulp");
+    assert!(exact * 10 >= got.len() * 9, "{what}: only {exact} of {} elements equal the rounded f32 result", got.len());
 }
 
 #[test]

@@ -54,7 +54,7 @@ const PARALLEL_FLOPS: usize = 192 * 192 * 192;
 
 /// A row-major `[rows, cols]` operand, or its transpose read in place.
 #[derive(Clone, Copy)]
-struct Operand<'a> {
+pub(super) struct Operand<'a> {
     data: &'a [f32],
     /// Element stride between rows and between columns of the operand as used.
     row_stride: usize,
@@ -62,14 +62,51 @@ struct Operand<'a> {
 }
 
 impl<'a> Operand<'a> {
-    fn plain(data: &'a [f32], cols: usize) -> Self {
+    pub(super) fn plain(data: &'a [f32], cols: usize) -> Self {
         Operand { data, row_stride: cols, col_stride: 1 }
     }
 
     /// The transpose of row-major `[_, cols]` data.
-    fn transposed(data: &'a [f32], cols: usize) -> Self {
+    pub(super) fn transposed(data: &'a [f32], cols: usize) -> Self {
         Operand { data, row_stride: 1, col_stride: cols }
     }
+}
+
+/// Panics unless both operands cover their `[m, k]`, `[k, n]` extents.
+fn check_operands(lhs: Operand, rhs: Operand, m: usize, n: usize, k: usize) {
+    let last = |o: Operand, rows: usize, cols: usize| (rows.max(1) - 1) * o.row_stride + (cols.max(1) - 1) * o.col_stride;
+    assert!(m * k == 0 || last(lhs, m, k) < lhs.data.len(), "linear: lhs buffer shorter than [{m}, {k}]");
+    assert!(k * n == 0 || last(rhs, k, n) < rhs.data.len(), "linear: rhs buffer shorter than [{k}, {n}]");
+}
+
+/// `dst` (row-major `[m, n]`) `= lhs·rhs` (`read_dst`: `+=`) through the `gemm` crate.
+///
+/// # Safety
+/// The operands cover their extents ([`check_operands`]), `m·n > 0`, `k > 0`, and `dst` is
+/// valid for `m·n` writes (and reads, with `read_dst`).
+unsafe fn gemm_raw(dst: *mut f32, read_dst: bool, lhs: Operand, rhs: Operand, m: usize, n: usize, k: usize) {
+    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_FLOPS { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        n as isize,
+        read_dst,
+        lhs.data.as_ptr(),
+        lhs.col_stride as isize,
+        lhs.row_stride as isize,
+        rhs.data.as_ptr(),
+        rhs.col_stride as isize,
+        rhs.row_stride as isize,
+        1.0f32,
+        1.0f32,
+        false,
+        false,
+        false,
+        parallelism,
+    );
 }
 
 /// `dst` `[m, n]` (row-major, `m·n` elements) `= lhs·rhs` (`read_dst`: `+=`), with `k` the
@@ -79,11 +116,8 @@ impl<'a> Operand<'a> {
 /// If an operand is shorter than its shape needs (a bug of the caller: every caller passes
 /// buffers of the shapes it checked).
 fn gemm_into(dst: &mut Vec<f32>, read_dst: bool, lhs: Operand, rhs: Operand, m: usize, n: usize, k: usize) {
-    let last = |o: Operand, rows: usize, cols: usize| (rows.max(1) - 1) * o.row_stride + (cols.max(1) - 1) * o.col_stride;
-    assert!(m * k == 0 || last(lhs, m, k) < lhs.data.len(), "linear: lhs buffer shorter than [{m}, {k}]");
-    assert!(k * n == 0 || last(rhs, k, n) < rhs.data.len(), "linear: rhs buffer shorter than [{k}, {n}]");
+    check_operands(lhs, rhs, m, n, k);
     assert!(dst.capacity() >= m * n && (!read_dst || dst.len() == m * n));
-    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_FLOPS { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
     if m * n == 0 {
         return;
     }
@@ -96,29 +130,30 @@ fn gemm_into(dst: &mut Vec<f32>, read_dst: bool, lhs: Operand, rhs: Operand, m: 
     // `m·n` elements, and with `read_dst == false` gemm writes every one of them without
     // reading, so `set_len` exposes only initialised memory.
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            read_dst,
-            lhs.data.as_ptr(),
-            lhs.col_stride as isize,
-            lhs.row_stride as isize,
-            rhs.data.as_ptr(),
-            rhs.col_stride as isize,
-            rhs.row_stride as isize,
-            1.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            parallelism,
-        );
+        gemm_raw(dst.as_mut_ptr(), read_dst, lhs, rhs, m, n, k);
         dst.set_len(m * n);
     }
+}
+
+/// [`gemm_into`] on an existing `[m, n]` slice (one block of a larger output: the grouped
+/// products of `ops::grouped_matmul`).
+///
+/// # Panics
+/// If an operand or `dst` is shorter than its shape needs (a bug of the caller).
+pub(super) fn gemm_f32(dst: &mut [f32], read_dst: bool, lhs: Operand, rhs: Operand, m: usize, n: usize, k: usize) {
+    check_operands(lhs, rhs, m, n, k);
+    assert_eq!(dst.len(), m * n, "linear: output of {} elements for [{m}, {n}]", dst.len());
+    if m * n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !read_dst {
+            dst.fill(0.0);
+        }
+        return;
+    }
+    // SAFETY: extents checked above; `dst` holds exactly `m·n` initialised elements.
+    unsafe { gemm_raw(dst.as_mut_ptr(), read_dst, lhs, rhs, m, n, k) }
 }
 
 /// Rows per parallel block when broadcasting the bias.

@@ -15,6 +15,7 @@
 //!   clamped SiLU gate, each a
 //!   reference tensor-op form with a closed-form backward and a fused host form for Flex.
 //! * [`linear`]: the linear layers' `x·W + b` and its backward as one op.
+//! * [`grouped_matmul`]: the routed experts' products, each expert's rows times its weight.
 //! * [`cross_entropy`]: the summed token cross-entropy (the LM loss) and its backward.
 //! * [`adamw`]: one AdamW update of a parameter tensor, the optimizer's fused step.
 //! * [`backend`]: [`backend::Glm5Backend`], the custom-op trait: ops whose default bodies are
@@ -28,6 +29,7 @@ pub mod block_attn;
 pub mod conv;
 pub mod cross_entropy;
 mod gemm_bf16;
+pub mod grouped_matmul;
 pub mod hc_streams;
 mod host;
 pub mod kda;

@@ -11,7 +11,8 @@
 //! ```
 //!
 //! Dispatch: the selection is read back to the host, token slots are sorted by expert, each
-//! expert that received tokens runs one matmul over its gathered rows, and the weighted rows
+//! projection runs as one grouped product of every expert's gathered rows with its weight
+//! (`ops::grouped_matmul`), and the weighted rows
 //! are scattered back with an add (HF `Glm5NextTextExperts.forward` does the same per expert).
 //!
 //! Expert parallelism ([`ExpertParallel`], `distributed.ep_size = P`): rank `r` of the expert
@@ -36,6 +37,7 @@ use super::mlp::{clamped_swiglu, Mlp};
 use crate::config::{Activation, TextConfig};
 use crate::distributed::collective::all_to_all_rows;
 use crate::distributed::{typed, Group};
+use crate::ops::backend::grouped_matmul;
 
 /// Router (`mlp.gate`).
 #[derive(Module, Debug)]
@@ -230,73 +232,34 @@ impl<B: Backend> Experts<B> {
     }
 
     /// The local experts on rows: row `j` is `x[src[j]]`, computed with (local) expert
-    /// `expert[j]`; returns `[M, D]` in that row order. Rows are grouped by expert: each
-    /// expert runs one matmul per projection over its rows.
+    /// `expert[j]`; returns `[M, D]` in that row order. Rows are sorted by expert (stably) and
+    /// each projection is one grouped product over the experts' row groups
+    /// ([`grouped_matmul`]: no padding to the largest group, one whole weight gradient).
     fn grouped(&self, x: Tensor<B, 2>, src: &[i64], expert: &[usize]) -> Tensor<B, 2>
     where
         B: crate::ops::backend::Glm5Backend,
     {
-        let [n, d] = x.dims();
         let m = src.len();
-        let [e, _, i] = self.gate_proj.dims();
+        let e = self.gate_proj.dims()[0];
         let device = x.device();
-        // rows sorted by expert (stable: row order inside an expert)
         let mut order: Vec<usize> = (0..m).collect();
         order.sort_by_key(|&r| expert[r]);
-        let mut counts = vec![0usize; e];
+        let mut sizes = vec![0usize; e];
         for &x in expert {
-            counts[x] += 1;
+            sizes[x] += 1;
         }
-        let cap = counts.iter().copied().max().unwrap_or(0);
-        if e * cap <= 2 * m {
-            // Near-balanced routing: every expert's rows padded to the largest group and run as
-            // one batched matmul per projection, [E, cap, D] × [E, D, I]. The padding rows are
-            // zeros (a zero row appended to x) and are never read back. The weights' gradients
-            // come out whole, instead of one full-size zero tensor per expert slice.
-            let mut pad_src = vec![n as i64; e * cap]; // row of x (n = the zero row)
-            let mut back = vec![0i64; m]; // padded row of each input row
-            let mut start = 0;
-            for (ex, &c) in counts.iter().enumerate() {
-                for j in 0..c {
-                    let r = order[start + j];
-                    pad_src[ex * cap + j] = src[r];
-                    back[r] = (ex * cap + j) as i64;
-                }
-                start += c;
-            }
-            let pad_src = Tensor::<B, 1, Int>::from_data(TensorData::new(pad_src, [e * cap]), &device);
-            let back = Tensor::<B, 1, Int>::from_data(TensorData::new(back, [m]), &device);
-            let dtype = x.dtype();
-            let x_pad = Tensor::cat(vec![x, Tensor::zeros([1, d], (&device, dtype))], 0);
-            let rows = x_pad.select(0, pad_src).reshape([e, cap, d]);
-            let gate = rows.clone().matmul(self.gate_proj.val());
-            let up = rows.matmul(self.up_proj.val());
-            let h = clamped_swiglu(gate, up, self.limit, Activation::Silu);
-            h.matmul(self.down_proj.val()).reshape([e * cap, d]).select(0, back)
-        } else {
-            // skewed routing: one group at a time, so padding never multiplies the work
-            let sorted_src: Vec<i64> = order.iter().map(|&r| src[r]).collect();
-            let xs = x.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(sorted_src, [m]), &device)); // [M, D] by expert
-            let mut outs = Vec::new();
-            let mut start = 0;
-            for (ex, &count) in counts.iter().enumerate() {
-                if count == 0 {
-                    continue;
-                }
-                let rows = xs.clone().slice([start..start + count, 0..d]);
-                let gate = rows.clone().matmul(self.gate_proj.val().slice([ex..ex + 1, 0..d, 0..i]).reshape([d, i]));
-                let up = rows.matmul(self.up_proj.val().slice([ex..ex + 1, 0..d, 0..i]).reshape([d, i]));
-                let h = clamped_swiglu(gate, up, self.limit, Activation::Silu);
-                outs.push(h.matmul(self.down_proj.val().slice([ex..ex + 1, 0..i, 0..d]).reshape([i, d])));
-                start += count;
-            }
-            // back to row order: row r sits at its rank in `order`
-            let mut inverse = vec![0i64; m];
-            for (j, &r) in order.iter().enumerate() {
-                inverse[r] = j as i64;
-            }
-            Tensor::cat(outs, 0).select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(inverse, [m]), &device))
+        let sorted_src: Vec<i64> = order.iter().map(|&r| src[r]).collect();
+        let rows = x.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(sorted_src, [m]), &device)); // [M, D] by expert
+        let gate = grouped_matmul(rows.clone(), self.gate_proj.val(), &sizes);
+        let up = grouped_matmul(rows, self.up_proj.val(), &sizes);
+        let h = clamped_swiglu(gate, up, self.limit, Activation::Silu);
+        let y = grouped_matmul(h, self.down_proj.val(), &sizes);
+        // back to row order: row r sits at its rank in `order`
+        let mut inverse = vec![0i64; m];
+        for (j, &r) in order.iter().enumerate() {
+            inverse[r] = j as i64;
         }
+        y.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(inverse, [m]), &device))
     }
 
     /// These experts split over `ep`'s ranks: this rank keeps its `E/P` experts (their

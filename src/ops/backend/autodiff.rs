@@ -135,6 +135,28 @@ impl<B: Glm5Backend, const N: usize> Backward<B, N> for LinearBackward {
     }
 }
 
+/// The routed experts' grouped product; checkpoints `x` only when `w` is tracked and `w` only
+/// when `x` is, as [`LinearBackward`] (a sharded expert weight is re-gathered, not kept).
+#[derive(Debug)]
+struct GroupedMatmulBackward;
+
+impl<B: Glm5Backend> Backward<B, 2> for GroupedMatmulBackward {
+    type State = (Option<NodeId>, Option<NodeId>, Vec<usize>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, w, sizes) = ops.state;
+        let x = x.map(|id| checkpointer.retrieve_node_output::<FloatTensor<B>>(id));
+        let w = w.map(|id| checkpointer.retrieve_node_output::<FloatTensor<B>>(id));
+        let (dx, dw) = B::grouped_matmul_backward(x, w, grad, &sizes);
+        for (node, g) in ops.parents.into_iter().zip([dx, dw]) {
+            if let (Some(node), Some(g)) = (node, g) {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
 /// The summed cross-entropy; holds the logits and the targets.
 #[derive(Debug)]
 struct CrossEntropyBackward;
@@ -416,6 +438,18 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
     fn kda_forget_gate(f: FloatTensor<Self>, dt_bias: FloatTensor<Self>, a_log: FloatTensor<Self>, bound: Option<f64>) -> FloatTensor<Self> {
         let out = B::kda_forget_gate(f.primitive.clone(), dt_bias.primitive.clone(), a_log.primitive.clone(), bound);
         record!(KdaGateBackward, [f, dt_bias, a_log], (f.primitive, dt_bias.primitive, a_log.primitive, bound), out)
+    }
+
+    fn grouped_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>, sizes: &[usize]) -> FloatTensor<Self> {
+        let out = B::grouped_matmul(x.primitive.clone(), w.primitive.clone(), sizes);
+        let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
+        match GroupedMatmulBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(mut prep) => {
+                let state = (w_tracked.then(|| prep.checkpoint(&x)), x_tracked.then(|| prep.checkpoint(&w)), sizes.to_vec());
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
     }
 
     fn linear_layer(x: FloatTensor<Self>, w: FloatTensor<Self>, b: Option<FloatTensor<Self>>) -> FloatTensor<Self> {

@@ -1,8 +1,9 @@
 //! Flex's fused bodies: host loops over contiguous fp32 buffers, in parallel (rayon), for
 //! fp32 inputs; other dtypes take the reference ops, keeping their rounding. Two exceptions:
-//! the linear layers' BF16 forward and backward have their own bodies
-//! (`ops::linear::host_{forward,backward}_bf16` on the BF16 matrix product `ops::gemm_bf16`:
-//! f32 accumulation, one rounding, as the reference's), and the sparse latent attention runs
+//! the linear layers' and the routed experts' BF16 products have their own bodies
+//! (`ops::linear::host_{forward,backward}_bf16`, `ops::grouped_matmul::host_*_bf16`, on the
+//! BF16 matrix product `ops::gemm_bf16`: f32 accumulation, one rounding, as the
+//! reference's), and the sparse latent attention runs
 //! its f32 body on widened BF16/F16 inputs.
 
 use burn::backend::Flex;
@@ -15,7 +16,7 @@ use crate::ops::adamw::{self, AdamWScalars};
 use crate::ops::backend::ScanInputs;
 use crate::ops::OpImpl;
 use crate::ops::{conv, hc_streams, kda_gate, kda_host, kda_pairs, rms, sinkhorn, sparse_attn, swiglu};
-use crate::ops::{cross_entropy, linear};
+use crate::ops::{cross_entropy, grouped_matmul, linear};
 
 /// A Flex tensor as contiguous fp32 host memory — the tensor's own buffer when it already
 /// is one (no copy), a converted copy otherwise.
@@ -240,6 +241,43 @@ impl Glm5Backend for Flex {
         let k = x.as_ref().map(|(_, [_, k])| *k).or(w.as_ref().map(|(_, [k, _])| *k)).unwrap_or(0);
         let (dx, dw, db) = linear::host_backward(x.as_ref().map(|(x, _)| &x[..]), w.as_ref().map(|(w, _)| &w[..]), &g, (n, k, m), bias);
         (dx.map(|v| flex_tensor(v, [n, k])), dw.map(|v| flex_tensor(v, [k, m])), db.map(|v| flex_tensor(v, [m])))
+    }
+
+    fn grouped_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>, sizes: &[usize]) -> FloatTensor<Self> {
+        if all_dtype(&[Some(&x), Some(&w)], DType::BF16) {
+            let ((x, [m, k]), (w, [_, _, n])) = (host_bf16::<2>(x), host_bf16::<3>(w));
+            return flex_bf16(grouped_matmul::host_forward_bf16(bf16_slice(&x), bf16_slice(&w), sizes, k, n), vec![m, n]);
+        }
+        if !all_f32(&[Some(&x), Some(&w)]) {
+            return grouped_matmul::reference_forward(f2::<Self>(x), f3(w), sizes).into_primitive().tensor();
+        }
+        let ((x, [m, k]), (w, [_, _, n])) = (host_n::<2>(x), host_n::<3>(w));
+        flex_tensor(grouped_matmul::host_forward(&x, &w, sizes, k, n), [m, n])
+    }
+
+    fn grouped_matmul_backward(
+        x: Option<FloatTensor<Self>>,
+        w: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        sizes: &[usize],
+    ) -> (Option<FloatTensor<Self>>, Option<FloatTensor<Self>>) {
+        use burn::tensor::TensorMetadata;
+        let k = x.as_ref().map(|x| x.shape()[1]).or(w.as_ref().map(|w| w.shape()[1])).unwrap_or(0);
+        let g = sizes.len();
+        if all_dtype(&[x.as_ref(), w.as_ref(), Some(&grad)], DType::BF16) {
+            let (gr, [m, n]) = host_bf16::<2>(grad);
+            let (x, w) = (x.map(|x| host_bf16::<2>(x).0), w.map(|w| host_bf16::<3>(w).0));
+            let (dx, dw) = grouped_matmul::host_backward_bf16(x.as_ref().map(bf16_slice), w.as_ref().map(bf16_slice), bf16_slice(&gr), sizes, (k, n));
+            return (dx.map(|v| flex_bf16(v, vec![m, k])), dw.map(|v| flex_bf16(v, vec![g, k, n])));
+        }
+        if !all_f32(&[x.as_ref(), w.as_ref(), Some(&grad)]) {
+            let (dx, dw) = grouped_matmul::reference_backward(x.map(f2::<Self>), w.map(f3::<Self>), f2::<Self>(grad), sizes);
+            return (dx.map(|t| t.into_primitive().tensor()), dw.map(|t| t.into_primitive().tensor()));
+        }
+        let (gr, [m, n]) = host_n::<2>(grad);
+        let (x, w) = (x.map(|x| host_n::<2>(x).0), w.map(|w| host_n::<3>(w).0));
+        let (dx, dw) = grouped_matmul::host_backward(x.as_deref(), w.as_deref(), &gr, sizes, (k, n));
+        (dx.map(|v| flex_tensor(v, [m, k])), dw.map(|v| flex_tensor(v, [g, k, n])))
     }
 
     fn cross_entropy_sum(logits: FloatTensor<Self>, targets: &[i64]) -> FloatTensor<Self> {

@@ -22,6 +22,7 @@
 //! | `silu` (+ backward; KDA's activation after the short conv) | `ops::swiglu` | fused host loops | reference | hand-written backward |
 //! | `kda_forget_gate` (+ backward; KDA's log-space gate) | `ops::kda_gate` | fused host loops | reference | hand-written backward |
 //! | `linear_layer` (+ backward; every `Linear` layer's `x·W + b`) | `ops::linear`: Burn's `linear` | `gemm` on the strided operands | reference | hand-written backward (only the tracked inputs' gradients) |
+//! | `grouped_matmul` (+ backward; the routed experts' `x_g·W[g]`) | `ops::grouped_matmul`: a loop of `matmul`s | `gemm` / BF16 GEMM per group | reference | hand-written backward (only the tracked inputs' gradients) |
 //! | `cross_entropy_sum` (+ backward; the LM loss) | `ops::cross_entropy`: `log_softmax` + `gather` | fused host loops | reference | hand-written backward |
 //! | `adamw_step` (the optimizer's update) | `ops::adamw` | fused host loop | reference | the inner backend's (no gradient) |
 //! | `hc_collapse`, `hc_post` (+ backwards) | `ops::hc_streams` | fused host loops | reference | hand-written backward |
@@ -70,7 +71,7 @@ use super::adamw::{self, AdamWScalars};
 use super::kpool::{self, KpoolSelect};
 use super::OpImpl;
 use super::{block_attn, conv, hc_streams, kda_gate, kda_pairs, kda_scan, rms, sinkhorn, sparse_attn, swiglu};
-use super::{cross_entropy, linear};
+use super::{cross_entropy, grouped_matmul, linear};
 use prim::*;
 
 mod autodiff;
@@ -359,6 +360,26 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         linear_reference_backward::<Self>(x, w, grad, bias)
     }
 
+    /// The routed experts' products (`ops::grouped_matmul`): rows `x` `[M, K]` in consecutive
+    /// groups of `sizes[g]` rows (`Σ sizes = M`, one group per local expert), `w` `[G, K, N]`
+    /// → `[M, N]`, each group's rows times its `w[g]`. Default: the reference loop.
+    fn grouped_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>, sizes: &[usize]) -> FloatTensor<Self> {
+        grouped_matmul::reference_forward(f2::<Self>(x), f3(w), sizes).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::grouped_matmul`]: `(∂x, ∂w)` — `∂x` when `w` is given, `∂w` when `x`
+    /// is. Default: the reference products.
+    #[allow(clippy::type_complexity)]
+    fn grouped_matmul_backward(
+        x: Option<FloatTensor<Self>>,
+        w: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        sizes: &[usize],
+    ) -> (Option<FloatTensor<Self>>, Option<FloatTensor<Self>>) {
+        let (dx, dw) = grouped_matmul::reference_backward(x.map(f2::<Self>), w.map(f3::<Self>), f2::<Self>(grad), sizes);
+        (dx.map(|t| t.into_primitive().tensor()), dw.map(|t| t.into_primitive().tensor()))
+    }
+
     /// The summed cross-entropy of `logits` `[N, V]` (fp32) against `targets` (`N` of them;
     /// one outside `0..V`, such as −100, is not a label) → `[1]` (`ops::cross_entropy`).
     /// Panics when `targets` does not hold `N` (a caller's bug: the wrapper
@@ -538,6 +559,23 @@ pub fn cross_entropy_sum<B: Glm5Backend>(logits: Tensor<B, 2>, targets: &[i64]) 
 /// [`Glm5Backend::linear_layer`] on tensors: `x` `[N, K]` · `w` `[K, M]` (+ `b` `[M]`) → `[N, M]`.
 pub(crate) fn matmul_bias<B: Glm5Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tensor<B, 1>>) -> Tensor<B, 2> {
     f2(B::linear_layer(x.into_primitive().tensor(), w.into_primitive().tensor(), b.map(|b| b.into_primitive().tensor())))
+}
+
+/// [`Glm5Backend::grouped_matmul`] on tensors: rows `x` `[M, K]` in groups of `sizes` (one per
+/// expert of `w` `[G, K, N]`) → `[M, N]`.
+///
+/// # Panics
+/// If `sizes` does not hold one count per expert summing to `M`, or the inner widths differ
+/// (a bug of the caller: the MoE layer builds both from its routing).
+pub fn grouped_matmul<B: Glm5Backend>(x: Tensor<B, 2>, w: Tensor<B, 3>, sizes: &[usize]) -> Tensor<B, 2> {
+    let ([m, k], [g, wk, _]) = (x.dims(), w.dims());
+    assert!(
+        sizes.len() == g && sizes.iter().sum::<usize>() == m && k == wk,
+        "grouped_matmul: {} group sizes summing to {} for {m} rows of width {k} and {g} experts of width {wk}",
+        sizes.len(),
+        sizes.iter().sum::<usize>()
+    );
+    f2(B::grouped_matmul(x.into_primitive().tensor(), w.into_primitive().tensor(), sizes))
 }
 
 /// A Burn `Linear` layer applied through [`Glm5Backend::linear_layer`]: `x` `[..., K]` →
