@@ -142,6 +142,11 @@ fn logits_match_reference_recurrent_kda() {
 #[test]
 fn bf16_parity_report() {
     let hot: Vec<&str> = CASES.iter().copied().filter(|c| *c != "bf16_release_like").collect();
+    println!("| case | ours mean KL | HF mean KL | ours P95 KL | HF P95 KL | ours top-1 | HF top-1 |");
+    for case in CASES {
+        let (ours, hf) = bf16_stats(&[case]);
+        println!("| {case} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2}% | {:.2}% |", ours.0, hf.0, ours.1, hf.1, ours.4 * 100.0, hf.4 * 100.0);
+    }
     for (label, cases) in [("release-like", vec!["bf16_release_like"]), ("ill-conditioned fixtures", hot)] {
         let (ours, hf) = bf16_stats(&cases);
         println!("| {label}: ours, bf16 | {:.2e} | {:.2e} | {:.2e} | {:.4} | {:.2}% ({}) |", ours.0, ours.1, ours.2, ours.3, ours.4 * 100.0, ours.5);

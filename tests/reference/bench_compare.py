@@ -3,7 +3,7 @@ by side, at steady state, with the ratios and model FLOP utilisation.
 
     python tests/reference/bench_compare.py [--config configs/bench_small.json] \
         [--seqs 512,2048,8192] [--threads 2] [--warmup 10] [--steps 5] [--rounds 3] \
-        [--ref-max-seq 2048] [--matmul]
+        [--ref-max-seq 2048] [--matmul] [--dtype f32|bf16] [--set PATH=JSON ...] [--compile]
 
 For every (sequence length, mode) it runs `target/release/examples/bench` (built first with
 `cargo build --release --example bench`) and `bench_reference.py`, each in its own process (so
@@ -12,21 +12,25 @@ slow drift of the machine (thermal, other load) falls on both. Each process runs
 untimed iterations, then `--steps` timed ones, and reports their median. Per (seq, mode) the
 table gives the median over rounds of each side's tokens/s, the median of the per-round ratios
 and their spread (min–max), peak RSS (max over rounds), and MFU — 6 × (active non-embedding
-parameters) × tokens/s for a train step, 2 × for a forward, over the backend's own f32 matmul
-rate at the model's shapes (`--matmul` measures it: ours with `bench --matmul`, PyTorch with
-torch.mm). `--ref-max-seq` skips the reference above that length (its dense S×S masks make
+parameters) × tokens/s for a train step, 2 × for a forward, over the backend's own matmul
+rate at one of the model's shapes, `--mfu-shape` (`--matmul` measures both sides with
+`bench --matmul` and `bench_matmul.py`, in `--dtype`). `--ref-max-seq` skips the reference above that length (its dense S×S masks make
 8192 slow); `--json FILE` also writes every run's raw line.
 
 `--modes decode` compares token-by-token decoding with caches after a `seq`-token prompt:
 tok/s are decoded tokens per second (one row), s/step the median decode step, the last column
 adds our cache bytes per position (DSA latents and indexer keys; KDA states are constant).
+
+At the real width: `--set` cuts the config for both sides (`--set text_config.num_hidden_layers=4
+--set text_config.n_routed_experts=16` on `configs/glm5_3_flash.json`), `--dtype bf16` runs both
+in bf16, and `--compile` adds a third side per round, HF under `torch.compile`, with its own row
+(`HF compiled`); a compiled run that fails is reported as such and the eager rows stand.
 """
 
 import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,22 +41,6 @@ def run_json(cmd):
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
     return [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
-
-
-def torch_matmul_gflops(threads, shapes):
-    import torch
-    torch.set_num_threads(threads)
-    rates = {}
-    for (m, k, n) in shapes:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        for _ in range(3):
-            a @ b
-        reps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 1.0:
-            a @ b
-            reps += 1
-        rates[f"{m}x{k}x{n}"] = 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9
-    return rates
 
 
 def median(xs):
@@ -72,58 +60,82 @@ def main():
     ap.add_argument("--ref-max-seq", type=int, default=2048)
     ap.add_argument("--matmul", action="store_true")
     ap.add_argument("--json", help="also write every run's JSON line here")
+    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    ap.add_argument("--set", action="append", default=[], metavar="PATH=JSON")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--mfu-shape", default="small 512x256x768",
+                    help="the bench --matmul shape whose rate MFU is taken against (real width: 'ffn_up 512x4096x12288')")
     a = ap.parse_args()
     if a.rounds < 1 or a.steps < 1 or a.warmup < 0:
         raise SystemExit("--rounds and --steps must be at least 1, --warmup at least 0")
     subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "bench"], cwd=ROOT, check=True)
+    sets = [x for item in a.set for x in ("--set", item)]
     n_active = run_json(["target/release/examples/bench", "--config", a.config, "--seq", "8", "--mode", "forward",
-                         "--warmup", "0", "--steps", "1", "--threads", str(a.threads)])[0]["active_non_embedding"]
+                         "--warmup", "0", "--steps", "1", "--threads", str(a.threads)] + sets)[0]["active_non_embedding"]
     ours_mm = ref_mm = None
     if a.matmul:
-        shapes = [(512, 256, 768), (2048, 2048, 2048)]
-        ours_mm = run_json(["target/release/examples/bench", "--config", a.config, "--seq", "1", "--matmul",
+        # both sides at the same shapes, in the benchmark's dtype (bench --matmul, bench_matmul.py)
+        ours_mm = run_json(["target/release/examples/bench", "--matmul", "--dtype", a.dtype,
                             "--threads", str(a.threads)])[0]["gflops"]
-        ref_mm = torch_matmul_gflops(a.threads, shapes)
-        print(f"f32 matmul GFLOP/s ({a.threads} threads): ours {ours_mm}, PyTorch {ref_mm}")
+        ref_mm = run_json([sys.executable, "tests/reference/bench_matmul.py", "--threads", str(a.threads),
+                           "--dtype", a.dtype])[0]["gflops"]
+        if a.mfu_shape not in ours_mm:
+            raise SystemExit(f"--mfu-shape {a.mfu_shape!r}: bench --matmul measures {sorted(ours_mm)}")
+        print(f"{a.dtype} matmul GFLOP/s ({a.threads} threads): ours {ours_mm}, PyTorch {ref_mm}")
     print(f"active non-embedding parameters: {n_active / 1e6:.2f} M; warm-up {a.warmup}, {a.steps} timed steps, "
           f"{a.rounds} alternating rounds")
     print("| seq | mode | ours tok/s | HF tok/s | ratio (median) | ratio spread | ours s/step | HF s/step "
           "| ours peak RSS MB | HF peak RSS MB | ours MFU |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     raw = []
-    common = ["--config", a.config, "--warmup", str(a.warmup), "--steps", str(a.steps), "--threads", str(a.threads)]
+    common = ["--config", a.config, "--warmup", str(a.warmup), "--steps", str(a.steps), "--threads", str(a.threads),
+              "--dtype", a.dtype] + sets
     for seq in [int(s) for s in a.seqs.split(",")]:
         for mode in a.modes.split(","):
             ours_cmd = ["target/release/examples/bench", "--seq", str(seq), "--mode", mode] + common
-            ref_cmd = None
+            order = [("ours", ours_cmd)]
             if seq <= a.ref_max_seq:
                 ref_cmd = [sys.executable, "tests/reference/bench_reference.py", "--seq", str(seq), "--mode", mode] + common
-            ours, ref = [], []
+                order.append(("ref", ref_cmd))
+                if a.compile:
+                    order.append(("compiled", ref_cmd + ["--compile"]))
+            sides = {side: [] for side, _ in order}
+            failed = set()
             for r in range(a.rounds):
-                order = [("ours", ours_cmd), ("ref", ref_cmd)]
-                if r % 2:
-                    order.reverse()
-                for side, cmd in order:
-                    if cmd is None:
+                for side, cmd in (order if r % 2 == 0 else order[::-1]):
+                    if side in failed:
                         continue
-                    line = run_json(cmd)[0]
+                    try:
+                        line = run_json(cmd)[0]
+                    except SystemExit as e:
+                        if side != "compiled":
+                            raise
+                        print(f"HF compiled, seq {seq} {mode}: did not complete ({str(e)[-300:]})", flush=True)
+                        failed.add(side)
+                        continue
                     line.update({"seq": seq, "round": r})
                     raw.append(line)
-                    (ours if side == "ours" else ref).append(line)
+                    sides[side].append(line)
+            ours = sides["ours"]
             o_tps = median([x["tokens_per_s"] for x in ours])
             o_s = median([x["median_s"] for x in ours])
             o_rss = max(x["peak_rss_mb"] for x in ours)
             flops = (6 if mode == "train" else 2) * n_active * o_tps / 1e9
-            mfu = f"{flops:.1f} GFLOP/s" + (f" ({100 * flops / ours_mm['512x256x768']:.0f}% of 512x256x768)" if ours_mm else "")
+            mfu = f"{flops:.1f} GFLOP/s"
+            if ours_mm:
+                mfu += (f" ({100 * flops / ours_mm[a.mfu_shape]:.0f}% of ours, "
+                        f"{100 * flops / ref_mm[a.mfu_shape]:.0f}% of PyTorch's at {a.mfu_shape})")
             if mode == "decode":
                 mfu += f"; cache {median([x['cache_bytes_per_token'] for x in ours]):.0f} B/position, prefill {median([x['prefill_s'] for x in ours]):.2f} s"
-            if ref:
+            refs = [(label, sides.get(side)) for side, label in (("ref", ""), ("compiled", " (HF compiled)"))]
+            refs = [(label, ref) for label, ref in refs if ref]
+            for label, ref in refs:
                 ratios = [o["tokens_per_s"] / h["tokens_per_s"] for o, h in zip(ours, ref)]
                 r_tps = median([x["tokens_per_s"] for x in ref])
-                print(f"| {seq} | {mode} | {o_tps:.0f} | {r_tps:.0f} | {median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x "
+                print(f"| {seq} | {mode}{label} | {o_tps:.0f} | {r_tps:.0f} | {median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x "
                       f"| {o_s:.3f} | {median([x['median_s'] for x in ref]):.3f} | {o_rss:.0f} "
                       f"| {max(x['peak_rss_mb'] for x in ref):.0f} | {mfu} |", flush=True)
-            else:
+            if not refs:
                 print(f"| {seq} | {mode} | {o_tps:.0f} | - | - | - | {o_s:.3f} | - | {o_rss:.0f} | - | {mfu} |", flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -1,7 +1,8 @@
 """The HF reference on the same benchmark as our `bench` example, printing the same JSON lines.
 
     /opt/refenv/bin/python tests/reference/bench_reference.py --config configs/bench_small.json --seq 512 \
-        [--batch 1] [--mode forward|train|both|decode] [--warmup 10] [--steps 5] [--threads 2]
+        [--batch 1] [--mode forward|train|both|decode] [--warmup 10] [--steps 5] [--threads 2] \
+        [--dtype f32|bf16] [--set text_config.num_hidden_layers=4 ...] [--compile]
 
 Builds `Glm5NextForConditionalGeneration` from the config with seeded weights (PyTorch eager,
 its default SDPA attention, fp32), runs warm-up plus N timed iterations of a forward pass
@@ -15,9 +16,17 @@ process's `ru_maxrss` after the mode ran (forward runs first).
 and `--steps` timed single-token forwards with the returned `past_key_values` (the model's own
 cache: KDA conv/recurrent states, DSA latents and indexer keys), each feeding the greedy
 token, under `torch.no_grad`.
+
+`--set PATH=JSON` overrides a field the config has before it is built, as our `bench --set`
+does (a cut of the release config: `text_config.num_hidden_layers=4`,
+`text_config.n_routed_experts=16`). `--dtype bf16` casts the seeded model to bfloat16 after
+building it (forward and decode; HF keeps no fp32 masters of its own, so a bf16 train step is
+pure-bf16 AdamW and not comparable to ours). `--compile` wraps the forward in `torch.compile`
+(Inductor); the warm-up then includes the compilation.
 """
 
 import argparse
+import copy
 import json
 import resource
 import statistics
@@ -26,6 +35,28 @@ import time
 import torch
 from transformers import Glm5NextForConditionalGeneration
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
+
+
+def apply_sets(raw, sets):
+    """`PATH=JSON` overrides of fields the config has (dotted paths into nested sections)."""
+    raw = copy.deepcopy(raw)
+    for item in sets:
+        path, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected PATH=JSON")
+        *parents, leaf = path.split(".")
+        node = raw
+        for key in parents:
+            if not isinstance(node.get(key), dict):
+                raise SystemExit(f"--set {item!r}: the config has no section {key!r}")
+            node = node[key]
+        if leaf not in node:
+            raise SystemExit(f"--set {item!r}: the config has no field {path!r}")
+        try:
+            node[leaf] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--set {item!r}: the value is not JSON ({e})")
+    return raw
 
 
 def main():
@@ -37,12 +68,19 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    ap.add_argument("--set", action="append", default=[], metavar="PATH=JSON")
+    ap.add_argument("--compile", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    config = Glm5NextConfig(**json.load(open(a.config)))
+    raw = apply_sets(json.load(open(a.config)), a.set)
+    config = Glm5NextConfig(**raw)
     config._attn_implementation = "sdpa"
     model = Glm5NextForConditionalGeneration(config).float()
+    if a.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    run = torch.compile(model) if a.compile else model
     vocab = config.text_config.vocab_size
     ids = torch.randint(1, vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(1))
     tokens = a.batch * a.seq
@@ -76,7 +114,7 @@ def main():
             for i in range(a.warmup + a.steps):
                 t0 = time.perf_counter()
                 with torch.no_grad():
-                    model(input_ids=ids).logits.sum().item()
+                    run(input_ids=ids).logits.float().sum().item()
                 if i >= a.warmup:
                     times.append(time.perf_counter() - t0)
         else:
@@ -84,7 +122,7 @@ def main():
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
             for i in range(a.warmup + a.steps):
                 t0 = time.perf_counter()
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = run(input_ids=ids, labels=ids).loss
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -92,7 +130,8 @@ def main():
                     times.append(time.perf_counter() - t0)
         med = statistics.median(times)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(json.dumps({"impl": "hf-pytorch", "mode": mode, "tokens": tokens, "median_s": med,
+        print(json.dumps({"impl": "hf-pytorch" + ("-compiled" if a.compile else ""), "mode": mode, "tokens": tokens,
+                          "median_s": med, "dtype": a.dtype,
                           "min_s": min(times), "max_s": max(times), "warmup": a.warmup,
                           "tokens_per_s": tokens / med, "peak_rss_mb": peak}), flush=True)
 
