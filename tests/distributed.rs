@@ -315,7 +315,7 @@ mod mpi_engine {
             .map(|i| {
                 let seq = 24 + 3 * i;
                 let ids: Vec<i64> = (0..seq).map(|t| ((t * 37 + i * 101 + 5) as i64) % v).collect();
-                let labels: Vec<i64> = ids.iter().enumerate().map(|(t, &x)| if (t + i) % 5 == 0 { -100 } else { x }).collect();
+                let labels: Vec<i64> = ids.iter().enumerate().map(|(t, &x)| if (t + i).is_multiple_of(5) { -100 } else { x }).collect();
                 MicroBatch::text(ids, labels, 1, seq, None)
             })
             .collect();
@@ -378,7 +378,7 @@ mod mpi_engine {
         let batch = |step: usize, i: usize| {
             let seq = 16 + (3 * i + step) % 9;
             let ids: Vec<i64> = (0..seq).map(|t| ((t * 37 + i * 101 + step * 13 + 5) as i64) % v).collect();
-            let labels: Vec<i64> = ids.iter().enumerate().map(|(t, &x)| if (t + i) % 5 == 0 { -100 } else { x }).collect();
+            let labels: Vec<i64> = ids.iter().enumerate().map(|(t, &x)| if (t + i).is_multiple_of(5) { -100 } else { x }).collect();
             MicroBatch::text(ids, labels, 1, seq, None)
         };
 
@@ -1240,7 +1240,7 @@ mod mpi_engine {
         let batch = |step: usize, i: usize| {
             let seq = 16 + (3 * i + step) % 9;
             let ids: Vec<i64> = (0..seq).map(|t| ((t * 37 + i * 101 + step * 13 + 5) as i64) % v).collect();
-            let labels: Vec<i64> = ids.iter().enumerate().map(|(t, &x)| if (t + i) % 5 == 0 { -100 } else { x }).collect();
+            let labels: Vec<i64> = ids.iter().enumerate().map(|(t, &x)| if (t + i).is_multiple_of(5) { -100 } else { x }).collect();
             MicroBatch::text(ids, labels, 1, seq, None)
         };
         let global = |step: usize| -> (Vec<MicroBatch>, Vec<MicroBatch>) {
@@ -1741,7 +1741,7 @@ mod mpi_engine {
         let s = 48;
         let packed = |step: usize, i: usize| {
             let ids: Vec<i64> = (0..s).map(|t| ((t * 37 + i * 101 + step * 13 + 5) as i64) % v).collect();
-            let labels: Vec<i64> = ids.iter().enumerate().map(|(t, &x)| if (t + i) % 5 == 0 { -100 } else { x }).collect();
+            let labels: Vec<i64> = ids.iter().enumerate().map(|(t, &x)| if (t + i).is_multiple_of(5) { -100 } else { x }).collect();
             let mut m = MicroBatch::text(ids, labels, 1, s, None);
             // documents crossing the shard edges differently at every step
             let a = 1 + (step * 7 + i * 3) % 20;
