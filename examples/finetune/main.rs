@@ -31,7 +31,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
@@ -294,32 +294,44 @@ fn data_parallel_group(recipe: &Recipe) -> Result<Option<Group>> {
     if dp > 1 || launched > 1 {
         use glm5_burn::distributed::{MpiGroup, ProcessGroup};
         let world = MpiGroup::world()?;
-        if world.size() != dp {
+        let refusal = if world.size() != dp {
             let d = &recipe.distributed;
-            if d.cp_size > 1 {
-                bail!(
+            Some(if d.cp_size > 1 {
+                anyhow!(
                     "distributed.dp_size × distributed.cp_size is {} × {} = {dp} but mpirun started {} processes: launch with `mpirun -np {dp}`",
                     d.dp_size,
                     d.cp_size,
                     world.size()
-                );
+                )
+            } else {
+                anyhow!(
+                    "distributed.dp_size is {dp} but mpirun started {} processes: launch with `mpirun -np {dp}`, or pass --distributed.dp_size={}",
+                    world.size(),
+                    world.size()
+                )
+            })
+        } else {
+            // every rank must run the same recipe (batch sizes, seed, data): compare a hash of it
+            let text = serde_json::to_string(recipe)?;
+            let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+            let hashes = all_gather(&world, &[hash])?;
+            hashes.iter().position(|&h| h != hashes[0]).map(|r| {
+                anyhow!(
+                    "rank {r} runs a different recipe than rank 0 (recipe hash {:016x} vs {:016x}): give every rank the same recipe and overrides",
+                    hashes[r],
+                    hashes[0]
+                )
+            })
+        };
+        if let Some(e) = refusal {
+            // Every rank reached this refusal alike: rank 0 prints it, and no rank exits before
+            // it has — the launcher kills the job at the first non-zero exit, which would
+            // otherwise race rank 0's message.
+            if world.rank() == 0 {
+                eprintln!("Error: {e:?}");
             }
-            bail!(
-                "distributed.dp_size is {dp} but mpirun started {} processes: launch with `mpirun -np {dp}`, or pass --distributed.dp_size={}",
-                world.size(),
-                world.size()
-            );
-        }
-        // every rank must run the same recipe (batch sizes, seed, data): compare a hash of it
-        let text = serde_json::to_string(recipe)?;
-        let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-        let hashes = all_gather(&world, &[hash])?;
-        if let Some(r) = hashes.iter().position(|&h| h != hashes[0]) {
-            bail!(
-                "rank {r} runs a different recipe than rank 0 (recipe hash {:016x} vs {:016x}): give every rank the same recipe and overrides",
-                hashes[r],
-                hashes[0]
-            );
+            all_gather(&world, &[0u64])?;
+            return Err(ReportedByAnotherRank.into());
         }
         // debug: every collective checked to be the same on every rank (distributed::checked)
         if std::env::var("GLM5_CHECK_COLLECTIVES").is_ok_and(|v| v == "1") {
