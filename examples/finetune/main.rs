@@ -31,7 +31,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
@@ -297,14 +297,14 @@ fn data_parallel_group(recipe: &Recipe) -> Result<Option<Group>> {
         let refusal = if world.size() != dp {
             let d = &recipe.distributed;
             Some(if d.cp_size > 1 {
-                anyhow!(
+                anyhow::anyhow!(
                     "distributed.dp_size × distributed.cp_size is {} × {} = {dp} but mpirun started {} processes: launch with `mpirun -np {dp}`",
                     d.dp_size,
                     d.cp_size,
                     world.size()
                 )
             } else {
-                anyhow!(
+                anyhow::anyhow!(
                     "distributed.dp_size is {dp} but mpirun started {} processes: launch with `mpirun -np {dp}`, or pass --distributed.dp_size={}",
                     world.size(),
                     world.size()
@@ -316,7 +316,7 @@ fn data_parallel_group(recipe: &Recipe) -> Result<Option<Group>> {
             let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
             let hashes = all_gather(&world, &[hash])?;
             hashes.iter().position(|&h| h != hashes[0]).map(|r| {
-                anyhow!(
+                anyhow::anyhow!(
                     "rank {r} runs a different recipe than rank 0 (recipe hash {:016x} vs {:016x}): give every rank the same recipe and overrides",
                     hashes[r],
                     hashes[0]
