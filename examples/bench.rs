@@ -13,8 +13,9 @@
 //!
 //! Steady state: `--warmup` untimed iterations first (default 10), then the median of the
 //! `--steps` timed ones. Prints one JSON line per mode: `{"impl", "mode", "tokens", "median_s",
-//! "min_s", "max_s", "tokens_per_s", "peak_rss_mb"}` (peak RSS: Linux `VmHWM` after the mode
-//! ran; forward runs first), the same
+//! "min_s", "max_s", "tokens_per_s", "peak_rss_mb", "run_peak_rss_mb"}` (peak RSS: Linux
+//! `VmHWM` after the mode ran, forward first; `run_peak_rss_mb`, forward only: the peak since
+//! the model existed, without building it — a bf16 model is built in f32 and cast), the same
 //! shape as `tests/reference/bench_reference.py`, which runs the HF reference on the same config.
 //! A train step is forward, cross-entropy over all tokens, backward and the AdamW update
 //! (the library's `Trainer` with fp32 weights, no clipping). `--profile` adds the time per
@@ -177,6 +178,13 @@ fn read_config(path: &std::path::Path, overrides: &[String]) -> Result<Glm5Confi
     Glm5Config::from_hf_value(&json).with_context(|| format!("{} with {overrides:?}", path.display()))
 }
 
+/// Restarts the kernel's peak-RSS count (`VmHWM`) from the current RSS (Linux: `5` to
+/// `/proc/self/clear_refs`), so a later [`peak_rss_mb`] is the peak of what ran since; false
+/// where it cannot.
+fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 fn peak_rss_mb() -> Option<f64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
     let kb: f64 = s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
@@ -232,14 +240,21 @@ fn main() -> Result<()> {
     let mut rng = SplitMix64(1);
     let ids: Vec<i64> = (0..tokens).map(|_| 1 + (rng.next_u64() % (vocab as u64 - 1)) as i64).collect();
     let threads = a.threads.unwrap_or_else(rayon::current_num_threads);
-    let report = |mode: &str, times: Vec<f64>| {
+    // whether VmHWM was restarted once the model existed: the run's own peak (a bf16 model is
+    // built in f32 and cast, a transient the process peak includes)
+    let run_peak = std::cell::Cell::new(false);
+    // `before`: the process peak up to the restart of the count (building the model)
+    let report = |mode: &str, times: Vec<f64>, before: Option<f64>| {
+        let run = peak_rss_mb();
+        let process = before.into_iter().chain(run).reduce(f64::max);
         let (min, max) = (times.iter().copied().fold(f64::INFINITY, f64::min), times.iter().copied().fold(0.0, f64::max));
         let med = median(times);
         println!(
             "{}",
             json!({"impl": "glm5-burn-flex", "mode": mode, "tokens": tokens, "median_s": med, "min_s": min, "max_s": max,
                    "warmup": a.warmup, "dtype": format!("{:?}", a.dtype).to_lowercase(), "tokens_per_s": tokens as f64 / med,
-                   "peak_rss_mb": peak_rss_mb(), "threads": threads, "active_non_embedding": active_non_embedding})
+                   "peak_rss_mb": process, "run_peak_rss_mb": if run_peak.get() { run } else { None },
+                   "threads": threads, "active_non_embedding": active_non_embedding})
         );
     };
     let mut opts = ForwardOptions::default();
@@ -253,12 +268,15 @@ fn main() -> Result<()> {
         let device = Default::default();
         Flex::seed(&device, 0);
         let model = weights(Glm5ForCausalLM::<Flex>::try_new(&config, &device)?, a.dtype);
+        let process_peak = peak_rss_mb();
+        run_peak.set(reset_peak_rss());
         let times = timed(&a, "forward", || {
             let out = model.forward(ModelInput::new(ids.clone(), a.batch, a.seq), &opts, Outputs::default())?;
             let _: f32 = out.logits.sum().into_scalar();
             Ok(())
         })?;
-        report("forward", times);
+        report("forward", times, process_peak);
+        run_peak.set(false);
     }
 
     if a.mode == Mode::Decode {
@@ -298,7 +316,7 @@ fn main() -> Result<()> {
         } else {
             train::<Autodiff<Flex>>(&a, &config, &ids, opts)?
         };
-        report(if a.checkpointing { "train (activation checkpointing)" } else { "train" }, times);
+        report(if a.checkpointing { "train (activation checkpointing)" } else { "train" }, times, None);
     }
     Ok(())
 }

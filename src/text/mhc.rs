@@ -90,16 +90,16 @@ impl<B: Glm5Backend> HyperConnection<B> {
         // softmax + Sinkhorn as one op (`ops::sinkhorn`; Flex: fused per-token loops)
         let comb = hc_sinkhorn(comb_w * sc(2).reshape([1, 1, 1]) + comb_b, self.iters, self.hc_eps);
 
-        let x = streams.reshape([bs, n, d]).cast(DType::F32);
-        let collapsed = hc_collapse(x, pre).reshape([b, s, d]).cast(dtype);
+        // Σ pre_i X_i in fp32 (as HF's), rounded once to the streams' dtype inside the op
+        let collapsed = hc_collapse(streams.reshape([bs, n, d]), pre).reshape([b, s, d]);
+        debug_assert_eq!(collapsed.dtype(), dtype);
         (HcWeights { post, comb }, collapsed)
     }
 
-    /// `X' = post ⊗ y + Cᵀ X` (in the activation dtype, like the reference).
+    /// `X' = post ⊗ y + Cᵀ X` in the streams' dtype (the reference rounds `post` and `C` to
+    /// it, like HF's update; Flex's fused body keeps them fp32 and rounds once).
     pub fn post(weights: HcWeights<B>, y: Tensor<B, 3>, residual: Tensor<B, 4>) -> Tensor<B, 4> {
         let [b, s, n, d] = residual.dims();
-        let dtype = residual.dtype();
-        let (post, comb) = (weights.post.cast(dtype), weights.comb.cast(dtype));
-        hc_post(post, comb, y.reshape([b * s, d]), residual.reshape([b * s, n, d])).reshape([b, s, n, d])
+        hc_post(weights.post, weights.comb, y.reshape([b * s, d]), residual.reshape([b * s, n, d])).reshape([b, s, n, d])
     }
 }

@@ -285,10 +285,15 @@ impl<B: Backend> MlaAttention<B> {
         let sparse = match opts.attention {
             AttentionImpl::Dense => false,
             AttentionImpl::Sparse => true,
-            // Flex's fused sparse op beats the dense form at every length (bench train step at
-            // 512 tokens: 0.567 vs 0.607 s); elsewhere dense up to the threshold
+            // Flex's fused sparse op beats the dense form wherever it does less work (bench,
+            // small model, train step at 512 tokens: 0.567 vs 0.607 s; release width, forward
+            // at 512 tokens: DSA 1.34 vs 1.00 s in f32, 1.57 vs 0.94 s in bf16, where
+            // the absorbed form costs 2.1× the dense one); elsewhere dense up to the threshold
             AttentionImpl::Auto { dense_max_len } => {
-                s > dense_max_len || (opts.attn_path == PathKind::Op && B::sparse_attention_impl() == OpImpl::Fused)
+                s > dense_max_len
+                    || (opts.attn_path == PathKind::Op
+                        && B::sparse_attention_impl() == OpImpl::Fused
+                        && absorbed_macs(h, dq, dv, r, width) <= dense_macs(h, dq, dv, r, s))
             }
         };
         let o = if sparse {
@@ -303,6 +308,18 @@ impl<B: Backend> MlaAttention<B> {
         };
         (linear(&self.o_proj, o.reshape([b, s, h * dv])), indices, margin, latent)
     }
+}
+
+/// Multiply-adds per query of the absorbed sparse form over `width` entries: `q̃ = W_UKᵀ q`,
+/// scores and output over the `R`-wide latent, `o = W_UV õ` (all per head).
+fn absorbed_macs(h: usize, dq: usize, dv: usize, r: usize, width: usize) -> usize {
+    h * (dq * r + 2 * width * r + r * dv)
+}
+
+/// Multiply-adds per query of the dense form over `s` positions: that position's `kv_b_proj`
+/// row (`R → H·(dq + dv)`), then `S` scores and `S` values per head.
+fn dense_macs(h: usize, dq: usize, dv: usize, r: usize, s: usize) -> usize {
+    r * h * (dq + dv) + h * s * (dq + dv)
 }
 
 /// Absorbed-latent sparse form, processed in blocks of `block` queries: `q` `[B, S, H, dq]`,

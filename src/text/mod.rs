@@ -29,8 +29,11 @@ pub enum AttentionImpl {
     Dense,
     /// Absorbed-latent attention over the selected indices.
     Sparse,
-    /// Dense up to `dense_max_len` tokens, sparse above — and sparse at every length where
-    /// the sparse op runs as fused host loops (Flex) on the `op` path.
+    /// Dense up to `dense_max_len` tokens, sparse above — and, where the sparse op runs as
+    /// fused host loops (Flex) on the `op` path, sparse at every length at which it costs
+    /// fewer multiply-adds than the dense form (the tiny and small models; not the release
+    /// width's 64 heads × 512-wide latent at 512 tokens, where the absorbed form does twice
+    /// the dense form's work).
     Auto {
         /// Longest sequence run densely.
         dense_max_len: usize,

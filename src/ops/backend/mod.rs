@@ -32,7 +32,8 @@
 //! The ops from `causal_conv1d` to `hc_sinkhorn` exist for the CPU path: as tensor ops they
 //! are chains of small broadcasting ops whose autodiff backward dominated Flex's train step;
 //! Flex runs each (and the sparse attention) as one pass (fp32
-//! inputs; other dtypes take the reference ops, keeping their rounding). Every fused form is
+//! inputs; other dtypes take the reference ops, keeping their rounding — except the mHC
+//! stream products, which widen BF16/F16, run the f32 pass and round once). Every fused form is
 //! tested against its reference and against autodiff through it (`tests/fused_ops.rs`,
 //! `tests/kda_scan.rs`).
 //!
@@ -407,8 +408,9 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         (p.into_primitive().tensor(), m.into_primitive().tensor(), v.into_primitive().tensor())
     }
 
-    /// mHC's collapse `h = Σ_i pre_i X_i` (`ops::hc_streams`): `x` `[X, n, d]`, `pre` `[X, n]`
-    /// → `[X, d]`. Default: the reference tensor ops.
+    /// mHC's collapse `h = Σ_i pre_i X_i` (`ops::hc_streams`): `x` `[X, n, d]` (the streams'
+    /// dtype), `pre` `[X, n]` fp32 → `[X, d]` in `x`'s dtype, summed in fp32. Default: the
+    /// reference tensor ops.
     fn hc_collapse(x: FloatTensor<Self>, pre: FloatTensor<Self>) -> FloatTensor<Self> {
         hc_streams::reference_collapse(f3::<Self>(x), f2::<Self>(pre)).into_primitive().tensor()
     }
@@ -420,8 +422,8 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
     }
 
     /// mHC's stream update `X'_j = post_j y + Σ_i C_ij X_i` (`ops::hc_streams`): `post`
-    /// `[X, n]`, `comb` `[X, n, n]`, `y` `[X, d]`, `res` `[X, n, d]` → `[X, n, d]`. Default:
-    /// the reference tensor ops.
+    /// `[X, n]` and `comb` `[X, n, n]` (fp32), `y` `[X, d]`, `res` `[X, n, d]` → `[X, n, d]` in
+    /// `res`'s dtype. Default: the reference tensor ops (in `res`'s dtype, as HF's).
     fn hc_post(post: FloatTensor<Self>, comb: FloatTensor<Self>, y: FloatTensor<Self>, res: FloatTensor<Self>) -> FloatTensor<Self> {
         hc_streams::reference_post(f2::<Self>(post), f3::<Self>(comb), f2::<Self>(y), f3::<Self>(res)).into_primitive().tensor()
     }
