@@ -240,20 +240,20 @@ fn main() -> Result<()> {
     let mut rng = SplitMix64(1);
     let ids: Vec<i64> = (0..tokens).map(|_| 1 + (rng.next_u64() % (vocab as u64 - 1)) as i64).collect();
     let threads = a.threads.unwrap_or_else(rayon::current_num_threads);
-    // whether VmHWM was restarted once the model existed: the run's own peak (a bf16 model is
-    // built in f32 and cast, a transient the process peak includes)
-    let run_peak = std::cell::Cell::new(false);
-    // `before`: the process peak up to the restart of the count (building the model)
+    // `before`: the process peak when VmHWM was restarted once the model existed (a bf16 model
+    // is built in f32 and cast, a transient the process peak includes); the current VmHWM is
+    // then the run's own peak
     let report = |mode: &str, times: Vec<f64>, before: Option<f64>| {
-        let run = peak_rss_mb();
-        let process = before.into_iter().chain(run).reduce(f64::max);
+        let current = peak_rss_mb();
+        let process = before.into_iter().chain(current).reduce(f64::max);
+        let run = before.and(current);
         let (min, max) = (times.iter().copied().fold(f64::INFINITY, f64::min), times.iter().copied().fold(0.0, f64::max));
         let med = median(times);
         println!(
             "{}",
             json!({"impl": "glm5-burn-flex", "mode": mode, "tokens": tokens, "median_s": med, "min_s": min, "max_s": max,
                    "warmup": a.warmup, "dtype": format!("{:?}", a.dtype).to_lowercase(), "tokens_per_s": tokens as f64 / med,
-                   "peak_rss_mb": process, "run_peak_rss_mb": if run_peak.get() { run } else { None },
+                   "peak_rss_mb": process, "run_peak_rss_mb": run,
                    "threads": threads, "active_non_embedding": active_non_embedding})
         );
     };
@@ -268,15 +268,13 @@ fn main() -> Result<()> {
         let device = Default::default();
         Flex::seed(&device, 0);
         let model = weights(Glm5ForCausalLM::<Flex>::try_new(&config, &device)?, a.dtype);
-        let process_peak = peak_rss_mb();
-        run_peak.set(reset_peak_rss());
+        let before = peak_rss_mb().filter(|_| reset_peak_rss());
         let times = timed(&a, "forward", || {
             let out = model.forward(ModelInput::new(ids.clone(), a.batch, a.seq), &opts, Outputs::default())?;
             let _: f32 = out.logits.sum().into_scalar();
             Ok(())
         })?;
-        report("forward", times, process_peak);
-        run_peak.set(false);
+        report("forward", times, before);
     }
 
     if a.mode == Mode::Decode {

@@ -547,12 +547,48 @@ fn fused_grouped_matmul_matches_sliced_matmuls_and_autodiff() {
     }
 }
 
+/// mHC's stream products on BF16 streams (Flex reads them in place, `pre`/`post`/`C` fp32):
+/// the reference ops in f32 on the same BF16 values, rounded once.
+#[test]
+fn fused_hc_collapse_and_post_on_bf16_streams_round_the_f32_result_once() {
+    use burn::tensor::DType;
+    for (x, n, d, seed) in [(37, 4, 64, 11), (64, 4, 4096, 12)] {
+        let mut g = Rng(seed);
+        let (xs, pre, post, comb, y) = (g.vec(x * n * d, 1.0), g.vec(x * n, 1.0), g.vec(x * n, 2.0), g.vec(x * n * n, 1.0), g.vec(x * d, 1.0));
+        let (xb, yb) = (t::<Flex, 3>(&xs, [x, n, d]).cast(DType::BF16), t::<Flex, 2>(&y, [x, d]).cast(DType::BF16));
+        // the same BF16 values, widened: the oracle's inputs
+        let (xw, yw) = (xb.clone().cast(DType::F32), yb.clone().cast(DType::F32));
+        let round = |v: Tensor<Flex, 3>| host(v.cast(DType::BF16).cast(DType::F32));
+
+        let h = hc_collapse::<Flex>(xb.clone(), t::<Flex, 2>(&pre, [x, n]));
+        assert_eq!(h.dtype(), DType::BF16, "collapse: output dtype");
+        let want = round(hc_streams::reference_collapse(xw.clone(), t::<Flex, 2>(&pre, [x, n])).reshape([x, 1, d]));
+        check_bf16(&format!("collapse [{x}, {n}, {d}] bf16"), &host(h.cast(DType::F32)), &want);
+
+        let o = hc_post::<Flex>(t::<Flex, 2>(&post, [x, n]), t::<Flex, 3>(&comb, [x, n, n]), yb, xb);
+        assert_eq!(o.dtype(), DType::BF16, "post: output dtype");
+        let want = round(hc_streams::reference_post(t::<Flex, 2>(&post, [x, n]), t::<Flex, 3>(&comb, [x, n, n]), yw.clone(), xw.clone()));
+        // Σ|terms| per element: where the n + 1 terms cancel, the two f32 sums (different
+        // order) may differ by a few f32 ulps of it and round to neighbouring BF16 values
+        let abs = |v: &[f32]| v.iter().map(|e| e.abs()).collect::<Vec<_>>();
+        let terms = host(hc_streams::reference_post(t::<Flex, 2>(&abs(&post), [x, n]), t::<Flex, 3>(&abs(&comb), [x, n, n]), yw.abs(), xw.abs()));
+        let slack: Vec<f32> = terms.iter().map(|s| (n + 1) as f32 * f32::EPSILON * s).collect();
+        check_bf16_slack(&format!("post [{x}, {n}, {d}] bf16"), &host(o.cast(DType::F32)), &want, &slack);
+    }
+}
+
 /// BF16 results against the BF16 rounding of the f32 result: each element within one BF16
 /// ulp of it (the sums' order differs, so a value near a rounding boundary may round the
 /// other way; nothing more).
 fn check_bf16(what: &str, got: &[f32], want: &[f32]) {
+    check_bf16_slack(what, got, want, &vec![0.0; want.len()]);
+}
+
+/// [`check_bf16`] with a per-element allowance for the f32 sums' own order error (`slack`,
+/// bounded from the sum of the terms' magnitudes) on top of the one BF16 ulp.
+fn check_bf16_slack(what: &str, got: &[f32], want: &[f32], slack: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
-    let off = got.iter().zip(want).filter(|(g, w)| (*g - *w).abs() > w.abs() * 2f32.powi(-7) + 1e-30).count();
+    let off = got.iter().zip(want).zip(slack).filter(|((g, w), s)| (*g - *w).abs() > w.abs() * 2f32.powi(-7) + *s + 1e-30).count();
     let exact = got.iter().zip(want).filter(|(g, w)| g == w).count();
     println!("{what}: {exact} of {} elements equal, {off} beyond one ulp", got.len());
     assert_eq!(off, 0, "{what}: {off} elements beyond one BF16 ulp");

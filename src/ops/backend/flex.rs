@@ -175,9 +175,8 @@ impl Glm5Backend for Flex {
         if !all_f32(&[Some(&gate), Some(&up)]) {
             return swiglu::reference_forward(f1::<Self>(gate), f1::<Self>(up), limit).into_primitive().tensor();
         }
-        let dtype = gate.dtype();
         let ((g, [n]), (u, _)) = (host_n::<1>(gate), host_n::<1>(up));
-        in_dtype(flex_tensor(swiglu::host_forward(&g, &u, limit as f32), [n]), dtype)
+        flex_tensor(swiglu::host_forward(&g, &u, limit as f32), [n])
     }
 
     fn swiglu_backward(
@@ -190,28 +189,25 @@ impl Glm5Backend for Flex {
             let (dg, du) = swiglu::reference_backward(f1::<Self>(gate), f1::<Self>(up), f1::<Self>(grad), limit);
             return (dg.into_primitive().tensor(), du.into_primitive().tensor());
         }
-        let (gt, ut) = (gate.dtype(), up.dtype());
         let ((g, [n]), (u, _), (gr, _)) = (host_n::<1>(gate), host_n::<1>(up), host_n::<1>(grad));
         let (dg, du) = swiglu::host_backward(&g, &u, &gr, limit as f32);
-        (in_dtype(flex_tensor(dg, [n]), gt), in_dtype(flex_tensor(du, [n]), ut))
+        (flex_tensor(dg, [n]), flex_tensor(du, [n]))
     }
 
     fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         if !all_f32(&[Some(&x)]) {
             return swiglu::reference_silu(f1::<Self>(x)).into_primitive().tensor();
         }
-        let dtype = x.dtype();
         let (x, [n]) = host_n::<1>(x);
-        in_dtype(flex_tensor(swiglu::host_silu(&x), [n]), dtype)
+        flex_tensor(swiglu::host_silu(&x), [n])
     }
 
     fn silu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         if !all_f32(&[Some(&x), Some(&grad)]) {
             return swiglu::reference_silu_backward(f1::<Self>(x), f1::<Self>(grad)).into_primitive().tensor();
         }
-        let dtype = x.dtype();
         let ((x, [n]), (g, _)) = (host_n::<1>(x), host_n::<1>(grad));
-        in_dtype(flex_tensor(swiglu::host_silu_backward(&x, &g), [n]), dtype)
+        flex_tensor(swiglu::host_silu_backward(&x, &g), [n])
     }
 
     fn linear_layer(x: FloatTensor<Self>, w: FloatTensor<Self>, b: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
