@@ -36,6 +36,7 @@ pub mod io;
 pub mod loss;
 pub mod model;
 pub mod ops;
+pub mod peft;
 pub mod plan;
 pub mod profile;
 pub mod text;

@@ -71,6 +71,8 @@ fn batched_and_looped_experts_match_the_per_slot_definition() {
                     up_proj: Param::from_tensor(ua.clone()),
                     down_proj: Param::from_tensor(da.clone()),
                     limit,
+                    lora_gate_up: None,
+                    lora_down: None,
                     parallel: None,
                 };
                 let routing = Routing { logits: Tensor::zeros([n, e], &Default::default()), weights: wa.clone(), experts: experts.clone() };

@@ -32,7 +32,7 @@ LAYERS = [
     ["distributed::decorator"],
     ["config"],
     ["text", "vision"],
-    ["model", "input", "loss"],
+    ["model", "input", "loss", "peft"],
     ["checkpoint", "data", "io"],
     ["generate", "train", "plan"],
     ["lib"],

@@ -182,6 +182,23 @@ pub enum CheckpointError {
         /// The encoder's error.
         message: String,
     },
+    /// A LoRA adapter's configuration is invalid or targets layers the model does not have.
+    #[error("{path}: {error}")]
+    Lora {
+        /// `adapter_config.json` (or the recipe's `peft` section).
+        path: PathBuf,
+        /// What is wrong.
+        #[source]
+        error: Box<crate::text::lora::LoraError>,
+    },
+    /// An adapter file's tensors do not match the adapters its config gives this model.
+    #[error("adapter {path} does not match the model:\n{report}")]
+    AdapterMismatch {
+        /// `adapter_model.safetensors`.
+        path: PathBuf,
+        /// Every missing, unexpected or mis-shaped key, one per line.
+        report: String,
+    },
     /// A broken invariant of this library, not of the input: please report it.
     #[error("internal error (a bug in glm5-burn; please report it): {0}")]
     Internal(String),

@@ -6,6 +6,7 @@
 //! missing, unexpected and mis-shaped key — and loads the weights through the name table
 //! in [`hf_map`]. [`save_causal_lm`] writes the same layout back, atomically.
 
+pub mod adapter;
 mod config_file;
 pub mod convert;
 pub mod dtype;
@@ -350,7 +351,9 @@ pub(crate) fn checkpoint_tensors(
 }
 
 /// Save the text model in the published HF layout: `dir/config.json` (the given JSON) and
-/// `dir/model.safetensors`, each written atomically. Tensors keep the module's dtype.
+/// `dir/model.safetensors`, each written atomically. Tensors keep the module's dtype. LoRA
+/// adapters are not part of it: [`adapter::save_adapter`] writes them, and
+/// [`crate::peft::merge`] folds them into the base first for a merged checkpoint.
 pub fn save_causal_lm<B: Backend>(model: &Glm5ForCausalLM<B>, config: &CheckpointConfig, dir: impl AsRef<Path>) -> Result<PathBuf, CheckpointError> {
     let dir = dir.as_ref();
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
@@ -359,6 +362,10 @@ pub fn save_causal_lm<B: Backend>(model: &Glm5ForCausalLM<B>, config: &Checkpoin
     let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
     for snap in model.collect(None, None, true) {
         let path = snap.full_path();
+        if crate::peft::is_adapter_path(&path) {
+            // adapters go to their own file (`adapter::save_adapter`); the base stays as it was
+            continue;
+        }
         let data = snap.to_data().map_err(|e| CheckpointError::ModuleTensor { path: path.to_string(), message: e.to_string() })?;
         let dtype = data.dtype;
         let shape = data.shape.clone();

@@ -19,16 +19,15 @@
 #![allow(non_snake_case)]
 
 use burn::module::{Initializer, Module, Param};
-use burn::nn::Linear;
 use burn::tensor::activation::sigmoid;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
-use super::mlp::new_linear;
+use super::linear::{linear, Linear};
 use super::norm::GatedRmsNorm;
 use super::{ForwardOptions, KdaImpl, PathKind, TokenMask};
 use crate::config::{Activation, TextConfig};
 use crate::distributed::{CollectiveBackend, DistError, Group};
-use crate::ops::backend::{causal_conv1d, kda_forget_gate, linear, Glm5Backend};
+use crate::ops::backend::{causal_conv1d, kda_forget_gate, Glm5Backend};
 use crate::ops::kda::{kda_chunked, kda_recurrent, KdaInputs};
 use crate::text::cache::KdaCache;
 use crate::text::context::{conv_halo, kda_context, Chain, ShardDocs};
@@ -111,21 +110,21 @@ impl<B: Backend> KdaAttention<B> {
         let conv =
             || DepthwiseConv { weight: Initializer::KaimingUniform { gain: 1.0, fan_out_only: false }.init_with([p, w], Some(w), None, device) };
         Self {
-            q_proj: new_linear(d, p, false, device),
-            k_proj: new_linear(d, p, false, device),
-            v_proj: new_linear(d, p, false, device),
+            q_proj: Linear::new(d, p, false, device),
+            k_proj: Linear::new(d, p, false, device),
+            v_proj: Linear::new(d, p, false, device),
             q_conv1d: conv(),
             k_conv1d: conv(),
             v_conv1d: conv(),
-            f_a_proj: new_linear(d, hd, false, device),
-            f_b_proj: new_linear(hd, p, false, device),
+            f_a_proj: Linear::new(d, hd, false, device),
+            f_b_proj: Linear::new(hd, p, false, device),
             dt_bias: Initializer::Zeros.init([p], device),
             A_log: Initializer::Zeros.init([h], device),
-            b_proj: new_linear(d, h, false, device),
-            g_a_proj: new_linear(d, hd, false, device),
-            g_b_proj: new_linear(hd, p, false, device),
+            b_proj: Linear::new(d, h, false, device),
+            g_a_proj: Linear::new(d, hd, false, device),
+            g_b_proj: Linear::new(hd, p, false, device),
             o_norm: GatedRmsNorm::new(hd, c.rms_norm_eps, device),
-            o_proj: new_linear(p, d, false, device),
+            o_proj: Linear::new(p, d, false, device),
             num_heads: h,
             head_dim: hd,
             act: c.hidden_act,

@@ -15,18 +15,17 @@
 //! [`crate::ops::sparse_attn`]; [`crate::text::AttentionImpl`] picks one.
 
 use burn::module::Module;
-use burn::nn::Linear;
 use burn::tensor::{backend::Backend, Bool, Int, Tensor, TensorData};
 
 use super::indexer::Indexer;
-use super::mlp::new_linear;
+use super::linear::{linear, Linear};
 use super::norm::RmsNorm;
 use super::{AttentionImpl, ForwardOptions, PathKind, TokenMask};
 use crate::config::TextConfig;
 use crate::distributed::collective::all_gather_rows;
 use crate::distributed::{CollectiveBackend, DistError};
 use crate::ops::backend::sparse_latent_attention;
-use crate::ops::backend::{linear, Glm5Backend};
+use crate::ops::backend::Glm5Backend;
 use crate::ops::sparse_attn::{dense_masked, masked_softmax};
 use crate::ops::OpImpl;
 use crate::text::cache::DsaCache;
@@ -72,13 +71,13 @@ impl<B: Backend> MlaAttention<B> {
         let (d, h) = (c.hidden_size, c.num_attention_heads);
         let dq = c.qk_nope_head_dim + c.qk_rope_head_dim;
         Self {
-            q_a_proj: new_linear(d, c.q_lora_rank, c.attention_bias, device),
+            q_a_proj: Linear::new(d, c.q_lora_rank, c.attention_bias, device),
             q_a_layernorm: RmsNorm::new(c.q_lora_rank, c.rms_norm_eps, device),
-            q_b_proj: new_linear(c.q_lora_rank, h * dq, false, device),
-            kv_a_proj_with_mqa: new_linear(d, c.kv_lora_rank + c.qk_rope_head_dim, c.attention_bias, device),
+            q_b_proj: Linear::new(c.q_lora_rank, h * dq, false, device),
+            kv_a_proj_with_mqa: Linear::new(d, c.kv_lora_rank + c.qk_rope_head_dim, c.attention_bias, device),
             kv_a_layernorm: RmsNorm::new(c.kv_lora_rank, c.rms_norm_eps, device),
-            kv_b_proj: new_linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), false, device),
-            o_proj: new_linear(h * c.v_head_dim, d, c.attention_bias, device),
+            kv_b_proj: Linear::new(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), false, device),
+            o_proj: Linear::new(h * c.v_head_dim, d, c.attention_bias, device),
             indexer: with_indexer.then(|| Indexer::new(c, device)),
             num_heads: h,
             qk_head_dim: dq,
@@ -183,7 +182,7 @@ impl<B: Backend> MlaAttention<B> {
             (None, Some(prev)) => (prev.to_vec(), None),
             (None, None) => panic!("shared DSA layer without a preceding full indexer (rejected by config validation)"),
         };
-        let w_ukv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]);
+        let w_ukv = self.kv_b_proj.effective_weight().reshape([r, h, dq + dv]).permute([1, 2, 0]);
         let scale = (dq as f64).powf(-0.5);
         let o = sparse_absorbed(q, latent, w_ukv, &indices, scale, opts.sparse_block, opts.attn_path);
         Ok((linear(&self.o_proj, o.reshape([1, t, h * dv])), indices, margin))
@@ -249,7 +248,7 @@ impl<B: Backend> MlaAttention<B> {
             (None, _, Some(prev)) => prev.to_vec(),
             _ => panic!("DSA cache and layer disagree (a cache built for another model)"),
         };
-        let w_ukv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]);
+        let w_ukv = self.kv_b_proj.effective_weight().reshape([r, h, dq + dv]).permute([1, 2, 0]);
         let scale = (dq as f64).powf(-0.5);
         let o = sparse_absorbed(q, cache.latent.clone(), w_ukv, &indices, scale, opts.sparse_block, opts.attn_path);
         (linear(&self.o_proj, o.reshape([b, t, h * dv])), indices)
@@ -298,7 +297,7 @@ impl<B: Backend> MlaAttention<B> {
         };
         let o = if sparse {
             // kv_b_proj weight is [R, H·(dq+dv)] (Burn layout): split per head
-            let w_ukv = self.kv_b_proj.weight.val().reshape([r, h, dq + dv]).permute([1, 2, 0]); // [H, dq+dv, R]
+            let w_ukv = self.kv_b_proj.effective_weight().reshape([r, h, dq + dv]).permute([1, 2, 0]); // [H, dq+dv, R]
             sparse_absorbed(q, latent.clone(), w_ukv, &indices, scale, opts.sparse_block, opts.attn_path)
         } else {
             let kv = linear(&self.kv_b_proj, latent.clone()).reshape([b, s, h, dq + dv]);

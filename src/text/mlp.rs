@@ -5,11 +5,11 @@
 //! HF: `Glm5NextTextMLP.forward` (and `Glm5NextVisionMLP.forward`, with biases). Shapes `[..., D] -> [..., D]`, hidden `[..., I]`.
 
 use burn::module::Module;
-use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{backend::Backend, Tensor};
 
+use super::linear::{linear, Linear};
 use crate::config::Activation;
-use crate::ops::backend::{linear, swiglu, Glm5Backend};
+use crate::ops::backend::{swiglu, Glm5Backend};
 
 /// Dense clamped SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`, no biases).
 #[derive(Module, Debug)]
@@ -26,11 +26,6 @@ pub struct Mlp<B: Backend> {
     pub limit: f64,
 }
 
-/// A Burn `Linear` `[d_in, d_out]` with Burn's default initialisation.
-pub(crate) fn new_linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Linear<B> {
-    LinearConfig::new(d_in, d_out).with_bias(bias).init(device)
-}
-
 /// `act(min(gate, L)) ⊙ clamp(up, −L, L)`: with `silu` (every GLM-5 config) the backend op
 /// [`Glm5Backend::swiglu`] (`ops::swiglu`; one fused pass on Flex), other activations as tensor
 /// ops.
@@ -39,6 +34,12 @@ pub fn clamped_swiglu<B: Glm5Backend, const D: usize>(gate: Tensor<B, D>, up: Te
         Activation::Silu => swiglu(gate, up, limit),
         _ => act.apply(gate.clamp_max(limit)) * up.clamp(-limit, limit),
     }
+}
+
+/// A Burn `Linear` `[d_in, d_out]` with Burn's default initialisation (the layers LoRA does
+/// not adapt: indexer, LM head, vision tower).
+pub(crate) fn new_linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> burn::nn::Linear<B> {
+    burn::nn::LinearConfig::new(d_in, d_out).with_bias(bias).init(device)
 }
 
 impl<B: Backend> Mlp<B> {
@@ -50,9 +51,9 @@ impl<B: Backend> Mlp<B> {
     /// With biases on all three projections (the vision tower's MLP when `attention_bias`).
     pub fn with_bias(hidden: usize, intermediate: usize, act: Activation, limit: f64, bias: bool, device: &B::Device) -> Self {
         Self {
-            gate_proj: new_linear(hidden, intermediate, bias, device),
-            up_proj: new_linear(hidden, intermediate, bias, device),
-            down_proj: new_linear(intermediate, hidden, bias, device),
+            gate_proj: Linear::new(hidden, intermediate, bias, device),
+            up_proj: Linear::new(hidden, intermediate, bias, device),
+            down_proj: Linear::new(intermediate, hidden, bias, device),
             act,
             limit,
         }

@@ -10,6 +10,8 @@ pub mod decoder;
 mod error;
 pub mod indexer;
 pub mod kda;
+pub mod linear;
+pub mod lora;
 pub mod mhc;
 pub mod mla;
 pub mod mlp;

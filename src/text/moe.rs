@@ -33,6 +33,7 @@ use burn::tensor::activation::sigmoid;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
+use super::lora::ExpertLora;
 use super::mlp::{clamped_swiglu, Mlp};
 use crate::config::{Activation, TextConfig};
 use crate::distributed::collective::all_to_all_rows;
@@ -131,6 +132,11 @@ pub struct Experts<B: Backend> {
     pub down_proj: Param<Tensor<B, 3>>,
     /// SwiGLU clamp limit.
     pub limit: f64,
+    /// LoRA on the fused `gate_up_proj` (HF `[E, 2I, D]`): stacks `[E, D, r]`, `[E, r, 2I]`,
+    /// gate columns first (PEFT `target_parameters`).
+    pub lora_gate_up: Option<ExpertLora<B>>,
+    /// LoRA on `down_proj`: stacks `[E, I, r]`, `[E, r, D]`.
+    pub lora_down: Option<ExpertLora<B>>,
     /// Set under expert parallelism: the stacks hold this rank's `E/P` experts only, and
     /// tokens travel to the ranks of their experts. Not part of the checkpoint.
     #[module(skip)]
@@ -250,10 +256,19 @@ impl<B: Backend> Experts<B> {
         }
         let sorted_src: Vec<i64> = order.iter().map(|&r| src[r]).collect();
         let rows = x.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(sorted_src, [m]), &device)); // [M, D] by expert
-        let gate = grouped_matmul(rows.clone(), self.gate_proj.val(), &sizes);
-        let up = grouped_matmul(rows, self.up_proj.val(), &sizes);
+        let mut gate = grouped_matmul(rows.clone(), self.gate_proj.val(), &sizes);
+        let mut up = grouped_matmul(rows.clone(), self.up_proj.val(), &sizes);
+        if let Some(lora) = &self.lora_gate_up {
+            let [_, i] = gate.dims();
+            let t = lora.forward(rows, &sizes).cast(gate.dtype());
+            gate = gate + t.clone().slice([0..m, 0..i]);
+            up = up + t.slice([0..m, i..2 * i]);
+        }
         let h = clamped_swiglu(gate, up, self.limit, Activation::Silu);
-        let y = grouped_matmul(h, self.down_proj.val(), &sizes);
+        let mut y = grouped_matmul(h.clone(), self.down_proj.val(), &sizes);
+        if let Some(lora) = &self.lora_down {
+            y = y.clone() + lora.forward(h, &sizes).cast(y.dtype());
+        }
         // back to row order: row r sits at its rank in `order`
         let mut inverse = vec![0i64; m];
         for (j, &r) in order.iter().enumerate() {
@@ -286,6 +301,9 @@ impl<B: Backend> Experts<B> {
             up_proj: local(self.up_proj),
             down_proj: local(self.down_proj),
             limit: self.limit,
+            // an expert's adapters live with the expert
+            lora_gate_up: self.lora_gate_up.map(|l| ExpertLora { a: local(l.a), b: local(l.b), scaling: l.scaling }),
+            lora_down: self.lora_down.map(|l| ExpertLora { a: local(l.a), b: local(l.b), scaling: l.scaling }),
             parallel: Some(ep),
         })
     }
@@ -441,6 +459,8 @@ impl<B: Backend> Moe<B> {
                 up_proj: std.init([e, d, i], device),
                 down_proj: std.init([e, i, d], device),
                 limit: c.swiglu_limit,
+                lora_gate_up: None,
+                lora_down: None,
                 parallel: None,
             },
             shared_experts: Mlp::new(d, i * c.n_shared_experts, c.hidden_act, c.swiglu_limit, device),

@@ -174,7 +174,9 @@ impl CastPlan {
 
     /// The dtype of the parameter at the current path (`None`: it stays as it is).
     fn target(&self) -> Option<DType> {
-        let keep = resolve(&self.tracker.current()).is_some_and(|r| r.rule.keep_f32);
+        let path = self.tracker.current();
+        // LoRA adapters stay fp32 over any base dtype (PEFT's `autocast_adapter_dtype`)
+        let keep = crate::peft::is_adapter_path(&path) || resolve(&path).is_some_and(|r| r.rule.keep_f32);
         (!keep).then_some(self.dtype)
     }
 }

@@ -1078,6 +1078,86 @@ def generate_fixture(name, new_tokens=8, margin=1e-3):
                **{k: v.float().contiguous() if v.is_floating_point() else v.contiguous() for k, v in images.items()}},
               str(d / "generate.safetensors"))
     print(f"{name}: generate {tuple(ids.shape)} -> {tuple(seqs.shape)}, eos {eos}, rows ended {finished.tolist()}")
+# LoRA adapters made by PEFT's own `get_peft_model` on the `base_k4` checkpoint (text): the
+# linear targets as a regex (every attention, MLP and shared-expert projection of the
+# language model) or as PEFT's name list, the routed experts' 3-D parameters through
+# `target_parameters` (PEFT's ParamWrapper: one adapter pair per expert), rsLoRA on and off.
+LORA_CASES = {
+    "lora_attn_experts": dict(
+        r=4, lora_alpha=8, use_rslora=False,
+        target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|f_a_proj|f_b_proj|b_proj|g_a_proj|g_b_proj"
+                       r"|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|gate_proj|up_proj|down_proj)",
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "lora_rslora": dict(
+        r=2, lora_alpha=4, use_rslora=True,
+        target_modules=["q_proj", "kv_a_proj_with_mqa", "o_proj", "shared_experts.up_proj"],
+        target_parameters=["experts.down_proj"]),
+}
+
+
+def peft_key(name):
+    """A PEFT model parameter name -> its key in `adapter_model.safetensors` (PEFT drops the
+    adapter name, `default`)."""
+    return name.replace(".default.", ".")
+
+
+def lora_fixture(name):
+    """Logits, loss and the LoRA parameters' gradients of HF + PEFT in float64 (the truth), for
+    an adapter saved with PEFT's `save_pretrained` (adapter_model.safetensors +
+    adapter_config.json). The adapters' B factors are drawn non-zero (PEFT initialises B = 0,
+    which would leave the logits those of the base)."""
+    from peft import LoraConfig, get_peft_model
+    import peft
+    spec = LORA_CASES[name]
+    base = OUT / "base_k4"
+    io = load_file(base / "io.safetensors")
+    ids, mask, labels = io["input_ids"], io["attention_mask"], io["labels"]
+    torch.manual_seed(20261205)
+    model = Glm5NextForConditionalGeneration.from_pretrained(base, dtype=torch.float32).eval()
+    cfg = LoraConfig(lora_dropout=0.0, init_lora_weights=True, **spec)
+    pm = get_peft_model(model, cfg)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if ".lora_A." in n:
+                bound = 1.0 / math.sqrt(p.shape[1])
+                p.copy_((torch.rand(p.shape, generator=gen, dtype=torch.float64) * 2 - 1) * bound)
+            elif ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.05)
+    d = OUT / name
+    shutil.rmtree(d, ignore_errors=True)
+    pm.save_pretrained(d)
+    (d / "README.md").unlink()  # PEFT's model card template
+    inner = pm.base_model.model
+    m64 = copy.deepcopy(inner).double().train()
+    eager_experts(m64)
+    orig = M.chunk_kimi_delta_attention
+    M.chunk_kimi_delta_attention = chunk_kda_f64
+    try:
+        out = m64(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        out.loss.backward()
+    finally:
+        M.chunk_kimi_delta_attention = orig
+    grads = {"grad." + peft_key("base_model.model." + n): p.grad.float().contiguous()
+             for n, p in m64.named_parameters() if "lora_" in n}
+    base64 = Glm5NextForConditionalGeneration.from_pretrained(base, dtype=torch.float64)
+    eager_experts(base64)
+    with torch.no_grad():
+        l32 = inner(input_ids=ids, attention_mask=mask).logits.double()
+        base_logits = base64(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()
+    l64 = out.logits.detach()[keep]
+
+    def kl(a, b):
+        return (a.log_softmax(-1).exp() * (a.log_softmax(-1) - b.log_softmax(-1))).sum(-1).mean().item()
+
+    tensors = {"logits": out.logits.detach().float().contiguous(), "loss": out.loss.detach().float().reshape(1),
+               "hf_f32_kl": torch.tensor([kl(l64, l32[keep])], dtype=torch.float32), **grads}
+    save_file(tensors, d / "io.safetensors", metadata={"transformers": transformers.__version__,
+                                                       "peft": peft.__version__, "torch": torch.__version__})
+    print(f"{name}: {len(grads)} LoRA tensors; logits moved from the base by mean KL {kl(l64, base_logits[keep]):.2e}; "
+          f"HF+PEFT fp32 vs fp64 mean KL {kl(l64, l32[keep]):.2e}; loss {out.loss.item():.6f}")
+
 
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
@@ -1110,6 +1190,9 @@ def main():
         config_defaults_fixture()
     if not only or "sampling" in only:
         sampling_fixture()
+    for name in LORA_CASES:
+        if not only or name in only:
+            lora_fixture(name)
     for name in ("base_k4", "leftpad", "vlm"):
         if not only or f"generate_{name}" in only:
             generate_fixture(name)
