@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --release --example convert -- --input FP8_DIR --output BF16_DIR [--dtype bf16|f32] [--max-shard-size 5GB]
 //! cargo run --release --example convert -- --inspect DIR      # DIR may hold only config.json
+//! cargo run --release --example convert -- --input BASE --merge-lora ADAPTER --output MERGED [--dtype bf16|f32]
 //! ```
 
 use std::collections::BTreeMap;
@@ -33,6 +34,11 @@ struct Args {
     /// Largest output shard, e.g. 5GB, 500MB.
     #[arg(long, default_value = "5GB")]
     max_shard_size: String,
+    /// Fold this LoRA adapter (HF PEFT format) into the `--input` checkpoint's weights and write
+    /// the merged checkpoint (HF layout, `--dtype`; PEFT's `merge_and_unload`). The model is
+    /// held in memory whole: for checkpoints that fit the host.
+    #[arg(long, value_name = "ADAPTER", conflicts_with = "inspect")]
+    merge_lora: Option<PathBuf>,
     /// Print the config summary, parameter counts, dtypes and FP8 tensors of DIR instead.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["input", "output"])]
     inspect: Option<PathBuf>,
@@ -64,6 +70,10 @@ fn run(args: Args) -> Result<()> {
         return inspect(dir);
     }
     let (input, output) = (args.input.expect("clap requires it"), args.output.expect("clap requires it"));
+    if let Some(adapter) = &args.merge_lora {
+        glm5_burn::io::check_output_dir("--output", &output, &[("--input", &input), ("--merge-lora", adapter)])?;
+        return merge_lora(&input, adapter, &output, if args.dtype == "f32" { burn::tensor::DType::F32 } else { burn::tensor::DType::BF16 });
+    }
     glm5_burn::io::check_output_dir("--output", &output, &[("--input", &input)])?;
     let opts =
         ConvertOptions { dtype: if args.dtype == "f32" { Dtype::F32 } else { Dtype::BF16 }, max_shard_bytes: parse_size(&args.max_shard_size)? };
@@ -91,6 +101,32 @@ fn run(args: Args) -> Result<()> {
     if !report.copied.is_empty() {
         println!("copied beside the weights: {}", report.copied.join(", "));
     }
+    Ok(())
+}
+
+/// `--merge-lora`: base + adapter → one HF checkpoint with `W + s·A·B` in every adapted weight.
+fn merge_lora(input: &Path, adapter: &Path, output: &Path, dtype: burn::tensor::DType) -> Result<()> {
+    use glm5_burn::checkpoint::{load_causal_lm, save_causal_lm, CheckpointError, LoadOptions};
+    type B = burn::backend::Flex;
+    let start = std::time::Instant::now();
+    let device = Default::default();
+    // keep the vision tower when the checkpoint has one (a merged VLM stays a VLM)
+    let loaded = match load_causal_lm::<B>(input, &device, &LoadOptions { vision: true, ..LoadOptions::with_dtype(dtype) }) {
+        Err(CheckpointError::NoVisionTower { .. }) => load_causal_lm::<B>(input, &device, &LoadOptions::with_dtype(dtype))?,
+        other => other?,
+    };
+    let (model, config, attached) = glm5_burn::checkpoint::adapter::load_adapter(loaded.model, adapter)?;
+    let merged = glm5_burn::peft::merge(model);
+    save_causal_lm(&merged, &loaded.config, output)?;
+    println!(
+        "wrote {}: {} merged with {} (r {}, alpha {}: {attached}) in {:.1?}",
+        output.display(),
+        input.display(),
+        adapter.display(),
+        config.r,
+        config.lora_alpha,
+        start.elapsed()
+    );
     Ok(())
 }
 

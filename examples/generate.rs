@@ -44,6 +44,10 @@ struct Args {
     /// Checkpoint directory (config.json + safetensors).
     #[arg(long)]
     checkpoint: PathBuf,
+    /// A LoRA adapter directory in HF PEFT's format (adapter_config.json +
+    /// adapter_model.safetensors), applied unmerged on top of the checkpoint.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     /// Input safetensors (`input_ids`, optional `attention_mask`, `pixel_values`, `image_grid_thw`).
     #[arg(long, required_unless_present = "prompt", conflicts_with = "prompt")]
     input: Option<PathBuf>,
@@ -184,7 +188,11 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
         return answer::<B>(args, question, dtype, eos, sampling, device);
     }
     let (input, output) = (args.input.clone().expect("clap requires it"), args.output.clone().expect("clap requires it"));
-    check_output_file("--output", &output, &[("--input", &input), ("--checkpoint", &args.checkpoint)])?;
+    let mut inputs_of = vec![("--input", input.as_path()), ("--checkpoint", args.checkpoint.as_path())];
+    if let Some(a) = &args.adapter {
+        inputs_of.push(("--adapter", a.as_path()));
+    }
+    check_output_file("--output", &output, &inputs_of)?;
     let inputs = TokenInputs::read(&input)?;
     check_left_padded(&inputs.mask, inputs.batch, inputs.seq, &input)?;
     if let Some(note) = inputs.placeholder_note(config.image_token_id) {
@@ -195,7 +203,8 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
         None => None,
     };
     let load = LoadOptions { vision: inputs.images.is_some(), ..LoadOptions::with_dtype(dtype) };
-    let loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
+    let mut loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
+    loaded.model = with_adapter(loaded.model, args.adapter.as_deref())?;
     let text = &loaded.config.resolved.text_config;
     let opts = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
@@ -221,6 +230,14 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
     Ok(())
 }
 
+/// `model` with the PEFT adapter in `dir` attached, when one is given.
+fn with_adapter<B: Glm5Backend>(model: glm5_burn::Glm5ForCausalLM<B>, dir: Option<&std::path::Path>) -> Result<glm5_burn::Glm5ForCausalLM<B>> {
+    let Some(dir) = dir else { return Ok(model) };
+    let (model, config, attached) = glm5_burn::checkpoint::adapter::load_adapter(model, dir)?;
+    eprintln!("adapter {}: r {}, alpha {}: {attached}", dir.display(), config.r, config.lora_alpha);
+    Ok(model)
+}
+
 fn answer<B: Glm5Backend>(args: &Args, question: &str, dtype: DType, eos: Vec<i64>, sampling: SamplingConfig, device: &B::Device) -> Result<()> {
     use glm5_burn::data::chat::ChatFormat;
     use glm5_burn::data::image_processor::{ImageProcessor, RgbImage};
@@ -229,7 +246,8 @@ fn answer<B: Glm5Backend>(args: &Args, question: &str, dtype: DType, eos: Vec<i6
     let chat = ChatFormat::from_dir(dir).with_context(|| format!("loading the tokenizer and chat template from {}", dir.display()))?;
     let images = args.images.iter().map(|p| RgbImage::open(p)).collect::<Result<Vec<_>, _>>()?;
     let p = glm5_burn::data::user_prompt(&chat, &ImageProcessor::default(), &images, question)?;
-    let loaded = load_causal_lm::<B>(&args.checkpoint, device, &LoadOptions { vision: !images.is_empty(), ..LoadOptions::with_dtype(dtype) })?;
+    let mut loaded = load_causal_lm::<B>(&args.checkpoint, device, &LoadOptions { vision: !images.is_empty(), ..LoadOptions::with_dtype(dtype) })?;
+    loaded.model = with_adapter(loaded.model, args.adapter.as_deref())?;
     let image_id = chat.tokenizer.token_to_id("<|image|>").map(|x| x as i64);
     if !images.is_empty() && image_id != Some(loaded.config.resolved.image_token_id) {
         bail!("the tokenizer's <|image|> id {image_id:?} differs from the checkpoint's image_token_id {}", loaded.config.resolved.image_token_id);

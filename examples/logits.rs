@@ -68,6 +68,10 @@ struct Args {
     /// Checkpoint directory (config.json + model.safetensors or a sharded index).
     #[arg(long)]
     checkpoint: PathBuf,
+    /// A LoRA adapter directory in HF PEFT's format (adapter_config.json +
+    /// adapter_model.safetensors), applied unmerged on top of the checkpoint.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     /// Input safetensors with `input_ids` (I64 [B, S]) and optional `attention_mask`.
     #[arg(long, required_unless_present = "prompt")]
     input: Option<PathBuf>,
@@ -112,7 +116,11 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
         return run_prompt::<B>(args, prompt, device);
     }
     let (input, output) = (args.input.clone().expect("clap requires it"), args.output.clone().expect("clap requires it"));
-    check_output_file("--output", &output, &[("--input", &input), ("--checkpoint", &args.checkpoint)])?;
+    let mut inputs_of = vec![("--input", input.as_path()), ("--checkpoint", args.checkpoint.as_path())];
+    if let Some(a) = &args.adapter {
+        inputs_of.push(("--adapter", a.as_path()));
+    }
+    check_output_file("--output", &output, &inputs_of)?;
     let inputs = TokenInputs::read(&input)?;
     if let Some(note) = glm5_burn::checkpoint::read_config(&args.checkpoint).ok().and_then(|c| inputs.placeholder_note(c.resolved.image_token_id)) {
         eprintln!("note: {note}");
@@ -125,8 +133,9 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
     // the vision tower is loaded only when the input carries images
     let load = LoadOptions { vision: inputs.images.is_some(), ..LoadOptions::with_dtype(dtype) };
     let start = std::time::Instant::now();
-    let loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
+    let mut loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
     eprintln!("loaded {} in {:.2?}", args.checkpoint.display(), start.elapsed());
+    loaded.model = with_adapter(loaded.model, args.adapter.as_deref())?;
     let opts = ForwardOptions {
         attention: match args.attention {
             Attention::Auto => ForwardOptions::default().attention,
@@ -166,6 +175,14 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
     Ok(())
 }
 
+/// `model` with the PEFT adapter in `dir` attached, when one is given.
+fn with_adapter<B: Glm5Backend>(model: glm5_burn::Glm5ForCausalLM<B>, dir: Option<&std::path::Path>) -> Result<glm5_burn::Glm5ForCausalLM<B>> {
+    let Some(dir) = dir else { return Ok(model) };
+    let (model, config, attached) = glm5_burn::checkpoint::adapter::load_adapter(model, dir)?;
+    eprintln!("adapter {}: r {}, alpha {}: {attached}", dir.display(), config.r, config.lora_alpha);
+    Ok(model)
+}
+
 fn run_prompt<B: Glm5Backend>(args: &Args, prompt: &str, device: &B::Device) -> Result<()> {
     use glm5_burn::data::chat::ChatFormat;
     use glm5_burn::data::image_processor::{ImageProcessor, RgbImage};
@@ -176,7 +193,8 @@ fn run_prompt<B: Glm5Backend>(args: &Args, prompt: &str, device: &B::Device) -> 
     let p = glm5_burn::data::user_prompt(&chat, &ImageProcessor::default(), &images, prompt)?;
     let dtype = if matches!(args.dtype, Precision::Bf16) { DType::BF16 } else { DType::F32 };
     let load = LoadOptions { vision: !images.is_empty(), ..LoadOptions::with_dtype(dtype) };
-    let loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
+    let mut loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
+    loaded.model = with_adapter(loaded.model, args.adapter.as_deref())?;
     let image_id = chat.tokenizer.token_to_id("<|image|>").map(|x| x as i64);
     if !images.is_empty() && image_id != Some(loaded.config.resolved.image_token_id) {
         anyhow::bail!(

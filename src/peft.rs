@@ -241,3 +241,9 @@ pub fn merge<B: Backend>(mut model: Glm5ForCausalLM<B>) -> Glm5ForCausalLM<B> {
     }
     model
 }
+
+impl std::fmt::Display for Attached {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} linear layers and {} expert parameters adapted, {} adapter weights", self.modules.len(), self.parameters.len(), self.trainable)
+    }
+}

@@ -250,3 +250,50 @@ fn export_trained_adapter() {
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &data).unwrap();
     safetensors::serialize_to_file([("logits", view)], None, &out.join("ours.safetensors")).unwrap();
 }
+
+fn example(name: &str) -> std::path::PathBuf {
+    static BUILD: std::sync::Once = std::sync::Once::new();
+    BUILD.call_once(|| {
+        let status = std::process::Command::new(env!("CARGO"))
+            .args(["build", "--example", "logits", "--example", "convert"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("run cargo");
+        assert!(status.success(), "building the examples failed");
+    });
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent().and_then(std::path::Path::parent).expect("target/<profile>/deps/..").join("examples").join(name)
+}
+
+fn run_ok(name: &str, args: &[&std::path::Path]) -> String {
+    let out = std::process::Command::new(example(name)).args(args).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name} {args:?}:\n{text}");
+    text
+}
+
+#[test]
+fn logits_with_adapter_equals_the_merged_checkpoint() {
+    let p = |s: &str| std::path::PathBuf::from(s);
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, adapter, io) = (fixtures().join("base_k4"), fixtures().join("lora_attn_experts"), fixtures().join("base_k4/io.safetensors"));
+    let merged = tmp.path().join("merged");
+    let text = run_ok("convert", &[&p("--input"), &base, &p("--merge-lora"), &adapter, &p("--output"), &merged, &p("--dtype"), &p("f32")]);
+    assert!(text.contains("44 linear layers and 6 expert parameters"), "{text}");
+    let (a, b) = (tmp.path().join("adapter.safetensors"), tmp.path().join("merged.safetensors"));
+    run_ok("logits", &[&p("--checkpoint"), &base, &p("--adapter"), &adapter, &p("--input"), &io, &p("--output"), &a]);
+    run_ok("logits", &[&p("--checkpoint"), &merged, &p("--input"), &io, &p("--output"), &b]);
+    let (la, lb) = (Io::open(&a).f32("logits"), Io::open(&b).f32("logits"));
+    // and the unmerged adapter gives PEFT's logits
+    let reference = Io::open(&adapter.join("io.safetensors")).f32("logits");
+    let mask = Io::open(&io).mask();
+    let (vs_merged, vs_peft) = (logit_stats(&la, &lb, 128, &mask), logit_stats(&reference, &la, 128, &mask));
+    println!(
+        "logits --adapter vs merged checkpoint: max|Δ| {:.2e}, mean KL {:.2e}; vs PEFT float64: mean KL {:.2e}",
+        vs_merged.max_abs, vs_merged.mean_kl, vs_peft.mean_kl
+    );
+    assert!(vs_merged.max_abs <= 1e-4 && vs_merged.mean_kl <= 1e-10, "{vs_merged:?}");
+    assert!(vs_peft.mean_kl <= 1e-10, "{vs_peft:?}");
+    // the merged checkpoint holds no adapter tensor and loads strictly as a plain checkpoint
+    assert!(read_all(&merged.join("model.safetensors")).keys().all(|k| !k.contains("lora")));
+}
