@@ -345,6 +345,7 @@ where
         freeze: FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false },
         forward: opts,
         parallel: ParallelLayout::default(),
+        peft: None,
     };
     let mut options = options;
     let mut micro = MicroBatch::text(ids.to_vec(), ids.to_vec(), a.batch, a.seq, None);

@@ -210,6 +210,15 @@ fn main() -> Result<()> {
         None => Glm5ForCausalLM::<B>::try_new_with_vision(&config, None, &device)?,
     };
     let model = freeze(model, &recipe.freeze_config);
+    // recipe `peft`: LoRA adapters on the frozen base, the only parameters the Learner trains
+    let model = match &options.peft {
+        Some(peft) => {
+            let (model, attached) = glm5_burn::peft::attach(model, &peft.config)?;
+            println!("LoRA r {} alpha {}: {attached}", peft.config.r, peft.config.lora_alpha);
+            model
+        }
+        None => model,
+    };
     let (trainable, frozen) = trainable_counts(&model);
     println!(
         "parameters: {:.2} M trainable, {:.2} M frozen; {} optimizer steps of {accum} micro-batches",
@@ -249,6 +258,11 @@ fn main() -> Result<()> {
             count += c;
         }
         println!("validation loss after {} steps (label-token mean, as finetune reports it): {:.4}", s.max_steps, sum / count.max(1) as f64);
+    }
+    if let Some(peft) = &options.peft {
+        let dir = args.dir.join("adapter");
+        glm5_burn::checkpoint::adapter::save_adapter(&result.model, &peft.config, &dir)?;
+        println!("adapters (HF PEFT format): {}", dir.display());
     }
     println!("burn-train's checkpoints and logs: {}", args.dir.display());
     Ok(())

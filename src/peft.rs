@@ -195,6 +195,14 @@ fn check_every_entry_matched(config: &LoraConfig, linear_names: &[String], repor
     Ok(())
 }
 
+/// Whether any layer of `model` carries an adapter.
+pub fn has_adapters<B: Backend>(model: &mut Glm5ForCausalLM<B>) -> bool {
+    sites(model).into_iter().any(|(_, s)| match s {
+        Site::Linear(l) => l.lora.is_some(),
+        Site::Experts(e) => e.lora_gate_up.is_some() || e.lora_down.is_some(),
+    })
+}
+
 /// Whether a module path (Burn's, `…q_proj.lora.a`) is an adapter tensor, not a base one.
 pub fn is_adapter_path(path: &str) -> bool {
     path.split('.').any(|s| s == "lora" || s == "lora_gate_up" || s == "lora_down")

@@ -1960,6 +1960,7 @@ fn distributed_flex_trains_bit_for_bit_like_flex() {
             freeze: FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false },
             forward: ForwardOptions::default(),
             parallel: ParallelLayout::default(),
+            peft: None,
         };
         let mut trainer = Trainer::<B>::new(model, options);
         let v = config.text_config.vocab_size as i64;

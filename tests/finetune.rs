@@ -355,3 +355,70 @@ fn generate_example_writes_hf_sequences() {
     };
     assert_eq!(read(&out_path), read(&fixture.join("generate.safetensors")), "{text}");
 }
+
+/// Recipe `peft`: LoRA on a frozen base checkpoint. Only the adapters train; each step
+/// directory holds the adapters in PEFT's format (no copy of the base); the base checkpoint is
+/// untouched; a run resumed from its adapters follows an uninterrupted one exactly.
+#[test]
+fn lora_run_trains_adapters_only_and_resumes_from_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base_run = tmp.path().join("base");
+    let mut args = overrides(&base_run);
+    args.extend(["--step_scheduler.max_steps=2".to_string(), "--validation_dataset=null".to_string()]);
+    run_with(&args);
+    let base = base_run.join("step_000002").join("model");
+    let base_bytes = std::fs::read(base.join("model.safetensors")).unwrap();
+    let lora = |dir: &Path, steps: usize| {
+        let mut a = overrides(dir);
+        a.extend([
+            format!("--model.checkpoint={}", base.display()),
+            format!("--step_scheduler.max_steps={steps}"),
+            "--step_scheduler.val_every_steps=100".into(),
+            "--peft.r=4".into(),
+            "--peft.lora_alpha=8".into(),
+            "--peft.target_modules=[q_proj, k_proj, v_proj, o_proj, q_a_proj, kv_b_proj, gate_proj, up_proj, down_proj]".into(),
+            "--peft.target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]".into(),
+        ]);
+        run_with(&a)
+    };
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let log = lora(&a, 6);
+    let trainable = log.lines().find(|l| l.starts_with("parameters:")).unwrap_or_default().to_string();
+    assert!(trainable.contains("M trainable"), "{log}");
+    println!("{trainable}");
+    let full = trace(&a);
+    assert_eq!(full.len(), 6, "{log}");
+    assert!(full[5].1 < full[0].1, "the loss falls: {full:?}");
+    let step = a.join("step_000006");
+    assert!(step.join("adapter/adapter_model.safetensors").is_file() && step.join("adapter/adapter_config.json").is_file());
+    assert!(!step.join("model").exists(), "a LoRA checkpoint references its base, it does not copy it");
+    assert_eq!(std::fs::read(base.join("model.safetensors")).unwrap(), base_bytes, "the base checkpoint is untouched");
+    let state: Value = serde_json::from_str(&std::fs::read_to_string(step.join("trainer_state.json")).unwrap()).unwrap();
+    assert_eq!(state["base_checkpoint"].as_str().map(PathBuf::from), Some(std::fs::canonicalize(&base).unwrap()));
+    // 4 steps, then resumed to 6 from the step-4 adapters and their AdamW moments
+    lora(&b, 4);
+    let log = lora(&b, 6);
+    assert!(log.contains("resumed from"), "{log}");
+    let resumed = trace(&b);
+    assert_eq!(resumed.len(), 6, "{resumed:?}");
+    for (x, y) in full.iter().zip(&resumed) {
+        assert_eq!(x, y, "step {}: uninterrupted {x:?} vs resumed {y:?}", x.0);
+    }
+    // the adapters run in the logits example on the base
+    let adapter = step.join("adapter");
+    let image = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/medpix_jsonl/images/train_0000.png");
+    let out = Command::new(example("logits"))
+        .args([
+            "--checkpoint",
+            base.to_str().unwrap(),
+            "--adapter",
+            adapter.to_str().unwrap(),
+            "--tokenizer",
+            base.join("tokenizer.json").to_str().unwrap(),
+        ])
+        .args(["--image", image.to_str().unwrap(), "--prompt", "Which imaging modality was used?"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.contains("adapter ") && text.contains("next token:"), "{text}");
+}

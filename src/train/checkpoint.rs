@@ -112,6 +112,10 @@ pub struct TrainerState {
     /// before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule: Option<super::schedule::LrSchedule>,
+    /// A LoRA run's base checkpoint (the step directory holds `adapter/`, not `model/`):
+    /// resuming loads the base from here and the adapters from the step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_checkpoint: Option<PathBuf>,
 }
 
 /// Errors of a training checkpoint directory (its run lock, staging, renames and state

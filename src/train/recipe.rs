@@ -325,6 +325,55 @@ pub struct Recipe {
     pub checkpoint: CheckpointSection,
     /// Seeds.
     pub rng: Rng,
+    /// LoRA adapters on a frozen base (`None`: train the parameters `freeze_config` leaves).
+    #[serde(default)]
+    pub peft: Option<PeftSection>,
+}
+
+/// `peft`: LoRA adapters with PEFT's key names (`LoraConfig`); with it, only the adapters
+/// train and checkpoints hold the adapters and their AdamW moments, the base referenced by
+/// `model.checkpoint`. See [`crate::text::lora`] for the semantics.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeftSection {
+    /// Rank `r`.
+    pub r: usize,
+    /// `lora_alpha` (α); the adapters scale by α/r (α/√r with `use_rslora`).
+    pub lora_alpha: f64,
+    /// Dropout on the adapters' input (0 with `target_parameters`).
+    #[serde(default)]
+    pub lora_dropout: f64,
+    /// Rank-stabilised scaling α/√r.
+    #[serde(default)]
+    pub use_rslora: bool,
+    /// Linear layers by HF module name: a list of names (`[q_proj, o_proj]`, matched as
+    /// suffixes) or one regex (matched against the whole name).
+    #[serde(default)]
+    pub target_modules: Option<crate::text::lora::TargetModules>,
+    /// Routed-expert parameters: `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`.
+    #[serde(default)]
+    pub target_parameters: Option<Vec<String>>,
+    /// Linear layers never adapted (same forms as `target_modules`).
+    #[serde(default)]
+    pub exclude_modules: Option<crate::text::lora::TargetModules>,
+}
+
+impl PeftSection {
+    /// The PEFT `LoraConfig` of this section (`base_model_name_or_path` the base checkpoint).
+    pub fn lora_config(&self, base: Option<&std::path::Path>) -> crate::text::lora::LoraConfig {
+        crate::text::lora::LoraConfig {
+            peft_type: "LORA".into(),
+            r: self.r,
+            lora_alpha: self.lora_alpha,
+            lora_dropout: self.lora_dropout,
+            use_rslora: self.use_rslora,
+            target_modules: self.target_modules.clone(),
+            target_parameters: self.target_parameters.clone(),
+            exclude_modules: self.exclude_modules.clone(),
+            base_model_name_or_path: base.map(|b| b.display().to_string()),
+            other: Default::default(),
+        }
+    }
 }
 
 fn single_device() -> DistributedSection {
@@ -355,7 +404,7 @@ fn override_yaml(dotted: &str, value: &str) -> String {
 pub const DEFAULT_RECIPE: &str = include_str!("../../configs/tiny_medpix.yaml");
 
 /// The recipe's top-level keys (sections, and `validation_dataset`, which may be `null`).
-pub const SECTIONS: [&str; 12] = [
+pub const SECTIONS: [&str; 13] = [
     "step_scheduler",
     "model",
     "distributed",
@@ -368,6 +417,7 @@ pub const SECTIONS: [&str; 12] = [
     "checkpoint",
     "moe",
     "rng",
+    "peft",
 ];
 
 /// Split command-line arguments into recipe overrides (`--section.key=value`, or
@@ -488,6 +538,11 @@ impl Recipe {
 
     fn validate(&self, source: &str) -> Result<(), RecipeError> {
         let bad = |key: &str, message: String| Err(RecipeError::Key { source_name: source.into(), key: key.into(), message });
+        if let Some(p) = &self.peft {
+            if let Err(crate::text::lora::LoraError::Config { field, message }) = p.lora_config(None).validate() {
+                return bad(&format!("peft.{field}"), message);
+            }
+        }
         let s = &self.step_scheduler;
         if s.local_batch_size == 0 || s.global_batch_size == 0 || !s.global_batch_size.is_multiple_of(s.local_batch_size) {
             return bad("step_scheduler.global_batch_size", format!("must be a positive multiple of local_batch_size ({})", s.local_batch_size));

@@ -87,6 +87,9 @@ pub enum TrainError {
     /// A collective of the data-parallel group failed.
     #[error(transparent)]
     Distributed(#[from] crate::distributed::DistError),
+    /// The recipe's `peft` adapters do not fit the model (unknown target, rank).
+    #[error("peft: {0}")]
+    Lora(Box<crate::text::lora::LoraError>),
     /// A combination of options this version does not support.
     #[error("not supported: {what}")]
     Unsupported {

@@ -121,6 +121,19 @@ pub struct TrainOptions {
     pub forward: ForwardOptions,
     /// How the ranks share the work.
     pub parallel: ParallelLayout,
+    /// LoRA adapters on a frozen base (recipe `peft`): [`Trainer::try_new`] attaches them
+    /// (unless the model already has adapters) and only they train.
+    pub peft: Option<PeftOptions>,
+}
+
+/// A LoRA run: its adapters, and the base checkpoint they sit on.
+#[derive(Debug, Clone)]
+pub struct PeftOptions {
+    /// The adapters (PEFT's `LoraConfig`).
+    pub config: crate::text::lora::LoraConfig,
+    /// The base checkpoint directory (`model.checkpoint`): checkpoints reference it and hold
+    /// the adapters only. `None` (seeded base weights): checkpoints hold the base too.
+    pub base: Option<PathBuf>,
 }
 
 impl TrainOptions {
@@ -154,6 +167,10 @@ impl TrainOptions {
                 expert_parallel: r.distributed.ep_size,
                 context_parallel: r.distributed.cp_size,
             },
+            peft: r.peft.as_ref().map(|p| PeftOptions {
+                config: p.lora_config(r.model.checkpoint.as_deref()),
+                base: r.model.checkpoint.as_ref().map(|b| std::fs::canonicalize(b).unwrap_or_else(|_| b.clone())),
+            }),
         }
     }
 }
@@ -235,6 +252,16 @@ where
     /// [`crate::checkpoint::LoadOptions::experts`] = [`Self::expert_shard`].
     pub fn try_new(model: Glm5ForCausalLM<B>, options: TrainOptions) -> Result<Self, TrainError> {
         let mut model = freeze(model, &options.freeze);
+        if let Some(peft) = &options.peft {
+            if options.parallel.data_parallel.as_ref().is_some_and(|g| g.size() > 1) {
+                return Err(TrainError::Unsupported {
+                    what: "LoRA (recipe `peft`) under data, expert or context parallelism (one process only for now)",
+                });
+            }
+            if !crate::peft::has_adapters(&mut model) {
+                model = crate::peft::attach(model, &peft.config).map_err(|e| TrainError::Lora(Box::new(e)))?.0;
+            }
+        }
         materialize(&model);
         let mut experts = None;
         let world = options.parallel.data_parallel.clone().filter(|g| g.size() > 1);
@@ -516,6 +543,7 @@ where
             param_ids: ids,
             data: self.data_fingerprint.clone(),
             schedule: Some(self.options.optimizer.lr),
+            base_checkpoint: self.options.peft.as_ref().and_then(|p| p.base.clone()),
         };
         let file = |path: &Path, message: String| TrainError::CheckpointFile { path: path.to_path_buf(), message };
         if let Some(plan) = plan_of(self.model()) {
@@ -536,8 +564,24 @@ where
             .map_err(|e| TrainError::Saving { step: self.step, source: Box::new(e) });
         }
         ckpt::write(root, &state, keep_last, |dir: &Path| -> Result<(), TrainError> {
-            let model_dir = dir.join("model");
-            save_causal_lm(self.model(), config, &model_dir).map_err(|source| TrainError::Checkpoint { dir: model_dir.clone(), source })?;
+            let model_dir = match &self.options.peft {
+                Some(peft) => {
+                    // the adapters (PEFT's format); the base only when no checkpoint holds it
+                    let adapter_dir = dir.join("adapter");
+                    crate::checkpoint::adapter::save_adapter(self.model(), &peft.config, &adapter_dir)
+                        .map_err(|source| TrainError::Checkpoint { dir: adapter_dir.clone(), source })?;
+                    if peft.base.is_none() {
+                        save_causal_lm(self.model(), config, &dir.join("model"))
+                            .map_err(|source| TrainError::Checkpoint { dir: dir.join("model"), source })?;
+                    }
+                    adapter_dir
+                }
+                None => {
+                    let model_dir = dir.join("model");
+                    save_causal_lm(self.model(), config, &model_dir).map_err(|source| TrainError::Checkpoint { dir: model_dir.clone(), source })?;
+                    model_dir
+                }
+            };
             for f in extra_files {
                 let name = f.file_name().ok_or_else(|| file(f, "not a file name".into()))?;
                 std::fs::copy(f, model_dir.join(name)).map_err(|e| file(f, e.to_string()))?;
@@ -562,8 +606,19 @@ where
         let file = |name: &str, message: String| TrainError::CheckpointFile { path: dir.join(name), message };
         let state = ckpt::read_state(dir)?;
         let load = LoadOptions { vision, experts: Self::expert_shard(&options), ..LoadOptions::default() };
-        let model_dir = dir.join("model");
-        let loaded = load_causal_lm::<B>(&model_dir, device, &load).map_err(|source| TrainError::Checkpoint { dir: model_dir.clone(), source })?;
+        // a LoRA step: the base from its checkpoint (or the step's model/), the adapters from adapter/
+        let adapter_dir = dir.join("adapter");
+        let model_dir = match &state.base_checkpoint {
+            Some(base) if adapter_dir.is_dir() => base.clone(),
+            _ => dir.join("model"),
+        };
+        let mut loaded =
+            load_causal_lm::<B>(&model_dir, device, &load).map_err(|source| TrainError::Checkpoint { dir: model_dir.clone(), source })?;
+        if adapter_dir.is_dir() {
+            loaded.model = crate::checkpoint::adapter::load_adapter(loaded.model, &adapter_dir)
+                .map_err(|source| TrainError::Checkpoint { dir: adapter_dir.clone(), source })?
+                .0;
+        }
         let ids: BTreeMap<String, ParamId> = state.param_ids.iter().map(|(k, &v)| (k.clone(), ParamId::from(v))).collect();
         let (model, missing) = assign_param_ids(loaded.model, &ids);
         if !missing.is_empty() {
