@@ -25,7 +25,7 @@ use burn::tensor::{backend::Backend, Tensor, TensorData};
 use safetensors::Dtype;
 
 use super::safetensors_io::{serialize, write_atomic, OwnedTensor, SafetensorsFiles};
-use super::CheckpointError;
+use super::{transpose, CheckpointError};
 use crate::model::Glm5ForCausalLM;
 use crate::peft::{attach_with, sites, Attached, Site};
 use crate::text::lora::LoraConfig;
@@ -53,17 +53,6 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig, CheckpointError> {
 struct Slot {
     key: String,
     peft_shape: Vec<usize>,
-}
-
-/// Row-major `[rows, cols]` → `[cols, rows]`.
-fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0f32; v.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = v[r * cols + c];
-        }
-    }
-    out
 }
 
 /// PEFT `lora_A.weight` `[E·r, K]` ↔ our `[E, K, r]`.

@@ -285,7 +285,7 @@ fn to_checkpoint_layout(t: Transform, values: &[f32], shape: &[usize]) -> Vec<Ve
 }
 
 /// Row-major `[rows, cols]` → `[cols, rows]`.
-fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+pub(crate) fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
     for r in 0..rows {
         for c in 0..cols {

@@ -522,6 +522,22 @@ impl Recipe {
         }
         let mut out = Vec::new();
         walk("", &serde_json::to_value(self).unwrap_or_default(), &mut out);
+        if self.peft.is_none() {
+            // LoRA is off by default: its keys, with examples
+            out.retain(|l| l != "  --peft=null");
+            out.extend(
+                [
+                    "--peft.r=16                 (LoRA rank; setting the peft keys trains adapters only on a frozen model.checkpoint)",
+                    "--peft.lora_alpha=32",
+                    "--peft.lora_dropout=0.0",
+                    "--peft.use_rslora=false",
+                    "--peft.target_modules=[q_proj, k_proj, v_proj, o_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj]",
+                    "--peft.target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]",
+                    "--peft.exclude_modules=null",
+                ]
+                .map(|k| format!("  {k}")),
+            );
+        }
         out.join("\n")
     }
 
