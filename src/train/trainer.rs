@@ -571,7 +571,7 @@ where
                     crate::checkpoint::adapter::save_adapter(self.model(), &peft.config, &adapter_dir)
                         .map_err(|source| TrainError::Checkpoint { dir: adapter_dir.clone(), source })?;
                     if peft.base.is_none() {
-                        save_causal_lm(self.model(), config, &dir.join("model"))
+                        save_causal_lm(self.model(), config, dir.join("model"))
                             .map_err(|source| TrainError::Checkpoint { dir: dir.join("model"), source })?;
                     }
                     adapter_dir
