@@ -124,7 +124,7 @@ pub(crate) fn attach_with<B: Backend>(
                     continue;
                 }
                 let (d_in, d_out) = l.in_out();
-                if check_rank && r > d_in.min(d_out) {
+                if r > rank_limit(check_rank, d_in, d_out) {
                     return Err(LoraError::RankTooLarge { module: name, r, d_in, d_out });
                 }
                 l.lora = Some(LoraAdapter::new(d_in, d_out, r, scaling, config.lora_dropout, &device));
@@ -139,7 +139,7 @@ pub(crate) fn attach_with<B: Backend>(
                         continue;
                     }
                     let (d_in, d_out) = if param == "gate_up_proj" { (d, 2 * i) } else { (i, d) };
-                    if check_rank && r > d_in.min(d_out) {
+                    if r > rank_limit(check_rank, d_in, d_out) {
                         return Err(LoraError::RankTooLarge { module: key, r, d_in, d_out });
                     }
                     let adapter = ExpertLora::new(e, d_in, d_out, r, scaling, &device);
@@ -156,6 +156,16 @@ pub(crate) fn attach_with<B: Backend>(
     }
     check_every_entry_matched(config, &linear_names, &report)?;
     Ok((model, report))
+}
+
+/// The largest rank accepted: `min(in, out)` for new adapters; for a PEFT-made adapter (which
+/// may exceed it) `max(in, out)`, so a corrupt config cannot ask for an absurd allocation.
+fn rank_limit(check_rank: bool, d_in: usize, d_out: usize) -> usize {
+    if check_rank {
+        d_in.min(d_out)
+    } else {
+        d_in.max(d_out)
+    }
 }
 
 fn short_names(names: &[String]) -> String {

@@ -65,10 +65,16 @@ pub fn linear<B: Glm5Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>
     let (k, m) = layer.in_out();
     let rows = dims[..D - 1].iter().product::<usize>();
     let x2 = x.reshape([rows, k]);
-    let mut out = matmul_bias(x2.clone(), layer.weight.val(), layer.bias.as_ref().map(|b| b.val()));
-    if let Some(lora) = &layer.lora {
-        out = out.clone() + lora.forward(x2).cast(out.dtype());
-    }
+    let bias = layer.bias.as_ref().map(|b| b.val());
+    // the input is kept for the adapter only when there is one
+    let out = match &layer.lora {
+        None => matmul_bias(x2, layer.weight.val(), bias),
+        Some(lora) => {
+            let base = matmul_bias(x2.clone(), layer.weight.val(), bias);
+            let dtype = base.dtype();
+            base + lora.forward(x2).cast(dtype)
+        }
+    };
     let mut out_dims = dims;
     out_dims[D - 1] = m;
     out.reshape(out_dims)

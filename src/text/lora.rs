@@ -192,7 +192,7 @@ pub enum LoraError {
         known: String,
     },
     /// The rank exceeds a targeted layer's width.
-    #[error("LoRA config: r = {r} is larger than {module} ([{d_in} -> {d_out}]); a rank above min(in, out) adds parameters without rank")]
+    #[error("LoRA config: r = {r} is larger than {module} ([{d_in} -> {d_out}]) allows (new adapters: at most min(in, out); a rank above it adds parameters without rank)")]
     RankTooLarge {
         /// HF module name.
         module: String,

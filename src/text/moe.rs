@@ -256,19 +256,25 @@ impl<B: Backend> Experts<B> {
         }
         let sorted_src: Vec<i64> = order.iter().map(|&r| src[r]).collect();
         let rows = x.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(sorted_src, [m]), &device)); // [M, D] by expert
+                                                                                                           // the inputs are kept for the adapters only when there are any
+        let lora_in = self.lora_gate_up.as_ref().map(|_| rows.clone());
         let mut gate = grouped_matmul(rows.clone(), self.gate_proj.val(), &sizes);
-        let mut up = grouped_matmul(rows.clone(), self.up_proj.val(), &sizes);
-        if let Some(lora) = &self.lora_gate_up {
+        let mut up = grouped_matmul(rows, self.up_proj.val(), &sizes);
+        if let (Some(lora), Some(rows)) = (&self.lora_gate_up, lora_in) {
             let [_, i] = gate.dims();
             let t = lora.forward(rows, &sizes).cast(gate.dtype());
             gate = gate + t.clone().slice([0..m, 0..i]);
             up = up + t.slice([0..m, i..2 * i]);
         }
         let h = clamped_swiglu(gate, up, self.limit, Activation::Silu);
-        let mut y = grouped_matmul(h.clone(), self.down_proj.val(), &sizes);
-        if let Some(lora) = &self.lora_down {
-            y = y.clone() + lora.forward(h, &sizes).cast(y.dtype());
-        }
+        let y = match &self.lora_down {
+            None => grouped_matmul(h, self.down_proj.val(), &sizes),
+            Some(lora) => {
+                let y = grouped_matmul(h.clone(), self.down_proj.val(), &sizes);
+                let dtype = y.dtype();
+                y + lora.forward(h, &sizes).cast(dtype)
+            }
+        };
         // back to row order: row r sits at its rank in `order`
         let mut inverse = vec![0i64; m];
         for (j, &r) in order.iter().enumerate() {

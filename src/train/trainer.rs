@@ -615,6 +615,12 @@ where
         let mut loaded =
             load_causal_lm::<B>(&model_dir, device, &load).map_err(|source| TrainError::Checkpoint { dir: model_dir.clone(), source })?;
         if adapter_dir.is_dir() {
+            if options.peft.is_none() {
+                return Err(file(
+                    "adapter",
+                    "this checkpoint is a LoRA run's (adapters on a base): resume it with the recipe's `peft` section".into(),
+                ));
+            }
             loaded.model = crate::checkpoint::adapter::load_adapter(loaded.model, &adapter_dir)
                 .map_err(|source| TrainError::Checkpoint { dir: adapter_dir.clone(), source })?
                 .0;
