@@ -5,7 +5,15 @@
 //! cargo run --release --example plan -- [--config configs/glm5_3_flash.json] [--mesh dp=36,ep=72,cp=2]
 //!     [--seq 2048] [--micro-batches N] [--param-bytes 2] [--grad-bytes 4] [--optim-bytes 8]
 //!     [--no-checkpointing] [--keep-gathered]
+//!     [--peft r=16,alpha=32,rslora,targets=attention+experts] [--base-dtype fp8|bf16|f32]
 //! ```
+//!
+//! `--peft` plans LoRA on a frozen base (PEFT's placement: the adapters, fp32, are the only
+//! trainable values). `targets` joins with `+` the groups `attention` (every KDA and MLA
+//! projection), `mlp` (dense MLPs and shared experts), `experts` (the routed experts'
+//! `gate_up_proj`, `down_proj`) and any HF module names (`q_proj`, `kv_b_proj`, …).
+//! `--base-dtype fp8` holds the frozen base's projections as the release checkpoint stores them
+//! (E4M3 codes + one f32 scale per 128×128 block); it needs `--peft`.
 //!
 //! Prints the mesh's memory by part and communication by collective, then the plan for the
 //! meshes NeMo AutoModel published measurements for (MedPix SFT, 2,048-token packs, global
@@ -14,7 +22,9 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
-use glm5_burn::plan::{check_inputs, check_mesh, largest_ep, plan, smallest_fitting, Mesh, PlanInputs};
+use glm5_burn::peft::target_group;
+use glm5_burn::plan::{check_inputs, check_mesh, largest_ep, param_split, plan, smallest_fitting, Mesh, PlanInputs};
+use glm5_burn::text::lora::{LoraConfig, TargetModules};
 use glm5_burn::Glm5Config;
 
 #[derive(Parser)]
@@ -31,9 +41,9 @@ struct Args {
     /// Micro-batches per rank per step (default: global batch 144 / dp).
     #[arg(long)]
     micro_batches: Option<usize>,
-    /// Bytes per parameter value (2: bf16).
-    #[arg(long, default_value_t = 2)]
-    param_bytes: usize,
+    /// Bytes per parameter value (default 2: bf16).
+    #[arg(long, conflicts_with = "base_dtype")]
+    param_bytes: Option<usize>,
     /// Bytes per gradient value (4: fp32 reduction).
     #[arg(long, default_value_t = 4)]
     grad_bytes: usize,
@@ -46,6 +56,50 @@ struct Args {
     /// Keep gathered weights until backward (FSDP `reshard_after_forward=False`).
     #[arg(long)]
     keep_gathered: bool,
+    /// LoRA on a frozen base: `r=…[,alpha=…][,rslora][,targets=group+name+…]`.
+    #[arg(long)]
+    peft: Option<String>,
+    /// The base weights' dtype: `fp8` (projections as E4M3 + block scales, the rest bf16;
+    /// with --peft only), `bf16` or `f32`.
+    #[arg(long)]
+    base_dtype: Option<String>,
+}
+
+/// `--peft r=16,alpha=32,rslora,targets=attention+experts` as a PEFT `LoraConfig`.
+fn parse_peft(spec: &str) -> Result<LoraConfig> {
+    let (mut r, mut alpha, mut rslora, mut targets) = (None, None, false, "attention".to_string());
+    for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (key, value) = item.split_once('=').unwrap_or((item, ""));
+        let number = |what: &str| value.parse::<f64>().map_err(|_| anyhow!("{key}={value:?}: {what}"));
+        match key {
+            "r" => r = Some(value.parse::<usize>().ok().filter(|&r| r > 0).ok_or_else(|| anyhow!("r={value:?}: the rank is a positive integer"))?),
+            "alpha" | "lora_alpha" => alpha = Some(number("lora_alpha is a number")?),
+            "rslora" | "use_rslora" => rslora = true,
+            "targets" => targets = value.to_string(),
+            _ => bail!("{item:?}: unknown key (r, alpha, rslora, targets)"),
+        }
+    }
+    let r = r.ok_or_else(|| anyhow!("the rank r=… is required"))?;
+    let (mut names, mut params) = (Vec::new(), Vec::new());
+    for t in targets.split('+').filter(|t| !t.is_empty()) {
+        match target_group(t) {
+            Some((n, p)) => (names.extend(n), params.extend(p)),
+            None if t.contains("experts.") && !t.contains("shared_experts") => ((), params.push(t.to_string())),
+            None => ((), names.push(t.to_string())),
+        };
+    }
+    if names.is_empty() && params.is_empty() {
+        bail!("targets={targets:?}: nothing to adapt");
+    }
+    let mut config = LoraConfig::new(r, alpha.unwrap_or(r as f64), TargetModules::Names(names.clone()));
+    config.use_rslora = rslora;
+    if names.is_empty() {
+        config.target_modules = None;
+    }
+    if !params.is_empty() {
+        config.target_parameters = Some(params);
+    }
+    Ok(config)
 }
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
@@ -69,11 +123,24 @@ fn main() -> Result<()> {
             mesh.dp
         );
     }
+    let peft = a.peft.as_deref().map(parse_peft).transpose().with_context(|| format!("--peft {}", a.peft.as_deref().unwrap_or_default()))?;
+    let (param_bytes, base_fp8) = match a.base_dtype.as_deref() {
+        None => (a.param_bytes.unwrap_or(2), false),
+        Some("fp8") if peft.is_none() => {
+            bail!("--base-dtype fp8: an FP8 base is a frozen one; give --peft (a fully trained weight is not held in FP8)")
+        }
+        Some("fp8") => (2, true),
+        Some("bf16") => (2, false),
+        Some("f32") => (4, false),
+        Some(other) => bail!("--base-dtype {other}: expected fp8, bf16 or f32"),
+    };
     let inputs = |mesh: Mesh| PlanInputs {
         mesh,
         seq: a.seq,
         micro_batches: a.micro_batches.unwrap_or((GLOBAL_BATCH / mesh.dp).max(1)),
-        param_bytes: a.param_bytes,
+        param_bytes,
+        peft: peft.clone(),
+        base_fp8,
         grad_bytes: a.grad_bytes,
         optim_bytes: a.optim_bytes,
         checkpointing: !a.no_checkpointing,
@@ -94,6 +161,7 @@ fn main() -> Result<()> {
         anyhow!("{flag} {}: {}", e.value, e.message)
     })?;
     check_mesh(&config, mesh).map_err(|e| anyhow!("--mesh {}: {e}", a.mesh))?;
+    let split = param_split(&config, &i).map_err(|e| anyhow!("--peft {}: {e}", a.peft.as_deref().unwrap_or_default()))?;
     let (m, comm) = plan(&config, &i).map_err(|e| anyhow!("--mesh {}: {e}", a.mesh))?;
     println!(
         "mesh dp={} ep={} cp={} ({} ranks), {} tokens per pack, {} micro-batches per rank, activation checkpointing {}",
@@ -105,6 +173,18 @@ fn main() -> Result<()> {
         i.micro_batches,
         if i.checkpointing { "on" } else { "off" }
     );
+    let trainable = split.trainable_dense + split.trainable_experts;
+    match &i.peft {
+        Some(p) => println!(
+            "LoRA r={} (fp32 adapters): {:.3} B trainable values ({:.3} B on routed experts), {:.2} B frozen base values held {}",
+            p.r,
+            trainable / 1e9,
+            split.trainable_experts / 1e9,
+            split.frozen / 1e9,
+            if base_fp8 { "as FP8 E4M3 + 128×128 block scales (projections), bf16 (the rest)" } else { "in --param-bytes" }
+        ),
+        None => println!("full fine-tune: {:.2} B trainable values, {:.2} B frozen", trainable / 1e9, split.frozen / 1e9),
+    }
     println!("\n| per rank | GiB |\n|---|---|");
     for (k, v) in [
         ("parameters", m.params),
@@ -133,7 +213,7 @@ fn main() -> Result<()> {
 
     // the published measurements of the same recipe (NeMo AutoModel, H100s), of the release
     // model only: another config is not what was measured
-    if config == Glm5Config::full() {
+    if config == Glm5Config::full() && i.peft.is_none() {
         println!("\n| published mesh | ranks | measured GiB per GPU | planned GiB | gap GiB |\n|---|---|---|---|---|");
         for (mesh, ranks, measured) in [
             (Mesh { dp: 36, ep: 72, cp: 2 }, 72, "57.2 mean / 57.7 peak"),
@@ -149,13 +229,15 @@ fn main() -> Result<()> {
             }
         }
     } else {
-        println!("\n(published measurements are of the GLM-5.3-Flash release config; this config differs, so they are not compared)");
+        println!(
+            "\n(published measurements are of a full fine-tune of the GLM-5.3-Flash release config; this plan differs, so they are not compared)"
+        );
     }
 
     println!("\n| GPU memory | smallest mesh that fits (per cp) | planned GiB |\n|---|---|---|");
     let cps = [1, 2, 4, 8];
     for (label, limit) in [("80 GiB (H100)", 80.0 * GIB), ("141 GB (H200)", 141e9)] {
-        let fits = smallest_fitting(&config, &inputs(mesh), limit, &cps, MAX_WORLD);
+        let fits = smallest_fitting(&config, &inputs(mesh), limit, &cps, MAX_WORLD).map_err(|e| anyhow!("{e}"))?;
         for (mesh, m) in &fits {
             println!("| {label} | dp={} ep={} cp={} ({} ranks) | {:.1} |", mesh.dp, mesh.ep, mesh.cp, mesh.world(), m.total() / GIB);
         }

@@ -16,6 +16,7 @@
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 
+use crate::config::{LayerType, MlpType, TextConfig};
 use crate::model::Glm5ForCausalLM;
 use crate::text::decoder::{Ffn, Mixer};
 use crate::text::linear::Linear;
@@ -30,6 +31,14 @@ pub enum Site<'a, B: Backend> {
     Experts(&'a mut Experts<B>),
 }
 
+/// The KDA mixer's adaptable projections, as HF names them under `self_attn.`.
+const KDA_SITES: [&str; 9] =
+    ["q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "forget_gate.f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj"];
+/// The MLA mixer's adaptable projections (the indexer's are not adaptable).
+const MLA_SITES: [&str; 5] = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"];
+/// A dense MLP's or shared expert's projections.
+const MLP_SITES: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
 /// Every adaptable site of `model`, by HF module name, in module order.
 pub fn sites<B: Backend>(model: &mut Glm5ForCausalLM<B>) -> Vec<(String, Site<'_, B>)> {
     let mut out = Vec::new();
@@ -37,28 +46,24 @@ pub fn sites<B: Backend>(model: &mut Glm5ForCausalLM<B>) -> Vec<(String, Site<'_
         let p = format!("model.language_model.layers.{i}.");
         match &mut layer.self_attn {
             Mixer::Kda(k) => {
-                for (name, l) in [
-                    ("q_proj", &mut k.q_proj),
-                    ("k_proj", &mut k.k_proj),
-                    ("v_proj", &mut k.v_proj),
-                    ("forget_gate.f_a_proj", &mut k.f_a_proj),
-                    ("forget_gate.f_b_proj", &mut k.f_b_proj),
-                    ("b_proj", &mut k.b_proj),
-                    ("g_a_proj", &mut k.g_a_proj),
-                    ("g_b_proj", &mut k.g_b_proj),
-                    ("o_proj", &mut k.o_proj),
-                ] {
+                let fields = [
+                    &mut k.q_proj,
+                    &mut k.k_proj,
+                    &mut k.v_proj,
+                    &mut k.f_a_proj,
+                    &mut k.f_b_proj,
+                    &mut k.b_proj,
+                    &mut k.g_a_proj,
+                    &mut k.g_b_proj,
+                    &mut k.o_proj,
+                ];
+                for (name, l) in KDA_SITES.iter().zip(fields) {
                     out.push((format!("{p}self_attn.{name}"), Site::Linear(l)));
                 }
             }
             Mixer::Mla(m) => {
-                for (name, l) in [
-                    ("q_a_proj", &mut m.q_a_proj),
-                    ("q_b_proj", &mut m.q_b_proj),
-                    ("kv_a_proj_with_mqa", &mut m.kv_a_proj_with_mqa),
-                    ("kv_b_proj", &mut m.kv_b_proj),
-                    ("o_proj", &mut m.o_proj),
-                ] {
+                let fields = [&mut m.q_a_proj, &mut m.q_b_proj, &mut m.kv_a_proj_with_mqa, &mut m.kv_b_proj, &mut m.o_proj];
+                for (name, l) in MLA_SITES.iter().zip(fields) {
                     out.push((format!("{p}self_attn.{name}"), Site::Linear(l)));
                 }
             }
@@ -70,9 +75,87 @@ pub fn sites<B: Backend>(model: &mut Glm5ForCausalLM<B>) -> Vec<(String, Site<'_
                 (&mut moe.shared_experts, format!("{p}mlp.shared_experts."))
             }
         };
-        for (name, l) in [("gate_proj", &mut mlp.gate_proj), ("up_proj", &mut mlp.up_proj), ("down_proj", &mut mlp.down_proj)] {
+        for (name, l) in MLP_SITES.iter().zip([&mut mlp.gate_proj, &mut mlp.up_proj, &mut mlp.down_proj]) {
             out.push((format!("{prefix}{name}"), Site::Linear(l)));
         }
+    }
+    out
+}
+
+/// The shape of an adaptable site.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SiteShape {
+    /// A linear layer `d_in → d_out`.
+    Linear {
+        /// Input features.
+        d_in: usize,
+        /// Output features.
+        d_out: usize,
+    },
+    /// A layer's routed experts: `experts` MLPs `hidden → 2·intermediate → hidden`.
+    Experts {
+        /// Routed experts.
+        experts: usize,
+        /// The model width.
+        hidden: usize,
+        /// One expert's intermediate width.
+        intermediate: usize,
+    },
+}
+
+impl<B: Backend> Site<'_, B> {
+    /// The site's shape.
+    pub fn shape(&self) -> SiteShape {
+        match self {
+            Site::Linear(l) => {
+                let (d_in, d_out) = l.in_out();
+                SiteShape::Linear { d_in, d_out }
+            }
+            Site::Experts(ex) => {
+                let [experts, hidden, intermediate] = ex.gate_proj.dims();
+                SiteShape::Experts { experts, hidden, intermediate }
+            }
+        }
+    }
+}
+
+/// The adaptable sites a model of `config` has, by HF module name, in the order of [`sites`],
+/// without building it (for planning the 320B model's adapters on paper).
+pub fn site_shapes(config: &TextConfig) -> Vec<(String, SiteShape)> {
+    let c = config;
+    let lin = |d_in, d_out| SiteShape::Linear { d_in, d_out };
+    let mut out = Vec::new();
+    for i in 0..c.num_hidden_layers {
+        let p = format!("model.language_model.layers.{i}.");
+        match c.layer_types[i] {
+            LayerType::LinearAttention => {
+                let (d, hd, pp) = (c.hidden_size, c.linear_head_dim, c.linear_num_heads * c.linear_head_dim);
+                let shapes =
+                    [lin(d, pp), lin(d, pp), lin(d, pp), lin(d, hd), lin(hd, pp), lin(d, c.linear_num_heads), lin(d, hd), lin(hd, pp), lin(pp, d)];
+                out.extend(KDA_SITES.iter().zip(shapes).map(|(n, s)| (format!("{p}self_attn.{n}"), s)));
+            }
+            LayerType::IndexedAttention => {
+                let (d, h) = (c.hidden_size, c.num_attention_heads);
+                let shapes = [
+                    lin(d, c.q_lora_rank),
+                    lin(c.q_lora_rank, h * (c.qk_nope_head_dim + c.qk_rope_head_dim)),
+                    lin(d, c.kv_lora_rank + c.qk_rope_head_dim),
+                    lin(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim)),
+                    lin(h * c.v_head_dim, d),
+                ];
+                out.extend(MLA_SITES.iter().zip(shapes).map(|(n, s)| (format!("{p}self_attn.{n}"), s)));
+            }
+        }
+        let (width, prefix) = match c.mlp_layer_types[i] {
+            MlpType::Dense => (c.intermediate_size, format!("{p}mlp.")),
+            MlpType::Sparse => {
+                let ex = SiteShape::Experts { experts: c.n_routed_experts, hidden: c.hidden_size, intermediate: c.moe_intermediate_size };
+                out.push((format!("{p}mlp.experts"), ex));
+                (c.moe_intermediate_size * c.n_shared_experts, format!("{p}mlp.shared_experts."))
+            }
+        };
+        let d = c.hidden_size;
+        out.extend(MLP_SITES.iter().zip([lin(d, width), lin(d, width), lin(width, d)]).map(|(n, s)| (format!("{prefix}{n}"), s)));
     }
     out
 }
@@ -110,52 +193,94 @@ pub(crate) fn attach_with<B: Backend>(
     config: &LoraConfig,
     check_rank: bool,
 ) -> Result<(Glm5ForCausalLM<B>, Attached), LoraError> {
-    config.validate()?;
     let mut model = model.no_grad();
     let device = model.language_model.norm.weight.device();
+    let shapes: Vec<(String, SiteShape)> = sites(&mut model).iter().map(|(n, s)| (n.clone(), s.shape())).collect();
+    let planned = plan_adapters(config, &shapes, check_rank)?;
     let (r, scaling) = (config.r, config.scaling());
-    let mut report = Attached::default();
-    let mut linear_names = Vec::new();
+    let wanted: std::collections::HashSet<&str> = planned.iter().map(|a| a.name.as_str()).collect();
     for (name, site) in sites(&mut model) {
         match site {
-            Site::Linear(l) => {
-                linear_names.push(name.clone());
-                if !config.targets_module(&name) {
-                    continue;
-                }
+            Site::Linear(l) if wanted.contains(name.as_str()) => {
                 let (d_in, d_out) = l.in_out();
-                if r > rank_limit(check_rank, d_in, d_out) {
-                    return Err(LoraError::RankTooLarge { module: name, r, d_in, d_out });
-                }
                 l.lora = Some(LoraAdapter::new(d_in, d_out, r, scaling, config.lora_dropout, &device));
-                report.trainable += r * (d_in + d_out);
-                report.modules.push(name);
             }
+            Site::Linear(_) => {}
             Site::Experts(ex) => {
                 let [e, d, i] = ex.gate_proj.dims();
-                for param in EXPERT_PARAMS {
-                    let key = format!("{name}.{param}");
-                    if !config.targets_parameter(&key) {
-                        continue;
-                    }
-                    let (d_in, d_out) = if param == "gate_up_proj" { (d, 2 * i) } else { (i, d) };
-                    if r > rank_limit(check_rank, d_in, d_out) {
-                        return Err(LoraError::RankTooLarge { module: key, r, d_in, d_out });
-                    }
-                    let adapter = ExpertLora::new(e, d_in, d_out, r, scaling, &device);
-                    if param == "gate_up_proj" {
-                        ex.lora_gate_up = Some(adapter);
-                    } else {
-                        ex.lora_down = Some(adapter);
-                    }
-                    report.trainable += e * r * (d_in + d_out);
-                    report.parameters.push(key);
+                if wanted.contains(format!("{name}.gate_up_proj").as_str()) {
+                    ex.lora_gate_up = Some(ExpertLora::new(e, d, 2 * i, r, scaling, &device));
+                }
+                if wanted.contains(format!("{name}.down_proj").as_str()) {
+                    ex.lora_down = Some(ExpertLora::new(e, i, d, r, scaling, &device));
                 }
             }
         }
     }
-    check_every_entry_matched(config, &linear_names, &report)?;
+    let names = |expert: bool| planned.iter().filter(|a| a.experts.is_some() == expert).map(|a| a.name.clone()).collect();
+    let report = Attached { modules: names(false), parameters: names(true), trainable: planned.iter().map(|a| a.values(r)).sum() };
     Ok((model, report))
+}
+
+/// One adapter [`plan_adapters`] places.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Adapted {
+    /// The HF name of the linear layer, or of the expert parameter (`…mlp.experts.down_proj`).
+    pub name: String,
+    /// Input features.
+    pub d_in: usize,
+    /// Output features.
+    pub d_out: usize,
+    /// For an expert parameter, the experts that each get their own pair.
+    pub experts: Option<usize>,
+}
+
+impl Adapted {
+    /// Adapter values at rank `r`: `r·(in + out)`, per expert.
+    pub fn values(&self, r: usize) -> usize {
+        self.experts.unwrap_or(1) * r * (self.d_in + self.d_out)
+    }
+}
+
+/// Which of `shapes` (a model's [`sites`], or [`site_shapes`] of a config) `config` adapts,
+/// with the checks of [`attach`]: the config's own, every target entry matching something,
+/// the rank bound when `check_rank` (`min(in, out)`; otherwise `max(in, out)`, for adapters PEFT made).
+///
+/// # Errors
+/// As [`attach`].
+pub fn plan_adapters(config: &LoraConfig, shapes: &[(String, SiteShape)], check_rank: bool) -> Result<Vec<Adapted>, LoraError> {
+    config.validate()?;
+    let r = config.r;
+    let mut out = Vec::new();
+    let mut linear_names = Vec::new();
+    let mut place = |name: String, d_in: usize, d_out: usize, experts: Option<usize>| {
+        if r > rank_limit(check_rank, d_in, d_out) {
+            return Err(LoraError::RankTooLarge { module: name, r, d_in, d_out });
+        }
+        out.push(Adapted { name, d_in, d_out, experts });
+        Ok(())
+    };
+    for (name, shape) in shapes {
+        match *shape {
+            SiteShape::Linear { d_in, d_out } => {
+                linear_names.push(name.clone());
+                if config.targets_module(name) {
+                    place(name.clone(), d_in, d_out, None)?;
+                }
+            }
+            SiteShape::Experts { experts, hidden, intermediate } => {
+                for param in EXPERT_PARAMS {
+                    let key = format!("{name}.{param}");
+                    if config.targets_parameter(&key) {
+                        let (d_in, d_out) = if param == "gate_up_proj" { (hidden, 2 * intermediate) } else { (intermediate, hidden) };
+                        place(key, d_in, d_out, Some(experts))?;
+                    }
+                }
+            }
+        }
+    }
+    check_every_entry_matched(config, &linear_names, &out)?;
+    Ok(out)
 }
 
 /// The largest rank accepted: `min(in, out)` for new adapters; for a PEFT-made adapter (which
@@ -177,7 +302,7 @@ fn short_names(names: &[String]) -> String {
 
 /// PEFT refuses a config whose targets match nothing; here every entry of a name list must
 /// match something too (a typo in one name would otherwise train silently without it).
-fn check_every_entry_matched(config: &LoraConfig, linear_names: &[String], report: &Attached) -> Result<(), LoraError> {
+fn check_every_entry_matched(config: &LoraConfig, linear_names: &[String], planned: &[Adapted]) -> Result<(), LoraError> {
     let no_match = |field, entry: &str, what, known: String| LoraError::NoMatch { field, entry: entry.to_string(), what, known };
     match &config.target_modules {
         Some(TargetModules::Names(names)) => {
@@ -187,13 +312,13 @@ fn check_every_entry_matched(config: &LoraConfig, linear_names: &[String], repor
                 }
             }
         }
-        Some(TargetModules::Regex(p)) if report.modules.is_empty() => {
+        Some(TargetModules::Regex(p)) if planned.iter().all(|a| a.experts.is_some()) => {
             return Err(no_match("target_modules", p, "linear layer", short_names(linear_names)));
         }
         _ => {}
     }
     for t in config.target_parameters.iter().flatten() {
-        if !report.parameters.iter().any(|p| crate::text::lora::suffix_match(p, t)) {
+        if !planned.iter().any(|a| a.experts.is_some() && crate::text::lora::suffix_match(&a.name, t)) {
             let known = if linear_names.iter().any(|n| n.contains(".mlp.shared_experts.")) {
                 "mlp.experts.gate_up_proj, mlp.experts.down_proj".to_string()
             } else {
@@ -263,5 +388,61 @@ pub fn merge<B: Backend>(mut model: Glm5ForCausalLM<B>) -> Glm5ForCausalLM<B> {
 impl std::fmt::Display for Attached {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} linear layers and {} expert parameters adapted, {} adapter weights", self.modules.len(), self.parameters.len(), self.trainable)
+    }
+}
+
+/// Named target groups, for a command line or a plan: `attention` (every KDA and MLA
+/// projection), `mlp` (the dense MLPs' and shared experts' projections), `experts` (the routed
+/// experts' two parameters). Returns the `target_modules` names and `target_parameters` a group
+/// stands for; `None` for a name that is not a group.
+pub fn target_group(name: &str) -> Option<(Vec<String>, Vec<String>)> {
+    let own = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    match name {
+        "attention" => {
+            let mut names = own(&KDA_SITES);
+            names.extend(MLA_SITES.iter().filter(|n| !KDA_SITES.contains(n)).map(|s| s.to_string()));
+            Some((names, Vec::new()))
+        }
+        "mlp" => Some((own(&MLP_SITES), Vec::new())),
+        "experts" => Some((Vec::new(), EXPERT_PARAMS.iter().map(|p| format!("mlp.experts.{p}")).collect())),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Glm5Config;
+    use burn::backend::Flex;
+
+    /// The config-level shapes a plan counts are the shapes a built model's sites have.
+    #[test]
+    fn site_shapes_match_a_built_model() {
+        let config = Glm5Config::tiny();
+        let mut model = Glm5ForCausalLM::<Flex>::new(&config, &Default::default());
+        let built: Vec<(String, SiteShape)> = sites(&mut model).into_iter().map(|(n, s)| (n, s.shape())).collect();
+        assert_eq!(site_shapes(&config.text_config), built);
+        assert!(built.iter().any(|(_, s)| matches!(s, SiteShape::Experts { .. })));
+    }
+
+    #[test]
+    fn release_config_sites() {
+        let c = Glm5Config::full().text_config;
+        let shapes = site_shapes(&c);
+        let kda = c.layer_types.iter().filter(|t| **t == LayerType::LinearAttention).count();
+        let mla = c.num_hidden_layers - kda;
+        let moe = c.mlp_layer_types.iter().filter(|t| **t == MlpType::Sparse).count();
+        assert_eq!(shapes.len(), 9 * kda + 5 * mla + 3 * c.num_hidden_layers + moe);
+        let experts = shapes.iter().filter(|(_, s)| matches!(s, SiteShape::Experts { experts: 288, hidden: 4096, .. })).count();
+        assert_eq!(experts, moe);
+    }
+
+    #[test]
+    fn target_groups() {
+        let (names, params) = target_group("attention").unwrap();
+        assert_eq!(names.len(), 9 + 4, "o_proj is in both mixers, once in the group");
+        assert!(params.is_empty());
+        assert_eq!(target_group("experts").unwrap().1, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]);
+        assert!(target_group("q_proj").is_none());
     }
 }

@@ -40,6 +40,7 @@
 
 use crate::checkpoint::inventory::{inventory, Part};
 use crate::config::{Glm5Config, LayerType, MlpType};
+use crate::text::lora::{LoraConfig, LoraError};
 
 /// A device mesh: `dp × cp` ranks, expert parallelism `ep` over them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +126,14 @@ pub struct PlanInputs {
     pub with_vision: bool,
     /// The multi-token-prediction block is loaded (and trained).
     pub with_mtp: bool,
+    /// LoRA on a frozen base: the adapters `peft` places (fp32, as PEFT keeps them) are the
+    /// only trainable values, and the whole base is frozen.
+    pub peft: Option<LoraConfig>,
+    /// The frozen base's projection matrices held as FP8 E4M3 codes with one f32 scale per
+    /// 128×128 block, dequantised per use inside the matmul; the rest of the base (embedding,
+    /// LM head, router, norms, mHC, vision tower) in `param_bytes`. Only with `peft`: a
+    /// trained weight is not held in FP8.
+    pub base_fp8: bool,
 }
 
 impl PlanInputs {
@@ -145,6 +154,8 @@ impl PlanInputs {
             freeze_vision: true,
             with_vision: true,
             with_mtp: false,
+            peft: None,
+            base_fp8: false,
         }
     }
 }
@@ -187,51 +198,113 @@ impl StepComm {
     }
 }
 
-/// Parameter counts a plan needs, by kind.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+/// Parameter counts and bytes a plan needs, by kind.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ParamSplit {
-    /// Trainable non-expert values.
+    /// Trainable non-expert values (with LoRA: the adapters of linear layers).
     pub trainable_dense: f64,
-    /// Trainable routed-expert values.
+    /// Trainable routed-expert values (with LoRA: the experts' adapters).
     pub trainable_experts: f64,
     /// Frozen values (all kinds).
     pub frozen: f64,
-    /// The largest decoder layer's non-expert values (one FSDP unit).
-    pub largest_unit_dense: f64,
-    /// One MoE layer's routed-expert values.
-    pub experts_per_layer: f64,
+    /// Bytes of the frozen non-expert values as held.
+    pub frozen_dense_bytes: f64,
+    /// Bytes of the frozen routed-expert values as held.
+    pub frozen_expert_bytes: f64,
+    /// The largest decoder layer's non-expert bytes as held (one FSDP unit).
+    pub largest_unit_bytes: f64,
+    /// The largest decoder layer's trainable non-expert values.
+    pub largest_unit_trainable: f64,
+    /// One MoE layer's routed-expert bytes as held (the largest).
+    pub experts_per_layer_bytes: f64,
+    /// One MoE layer's trainable routed-expert values (the largest).
+    pub experts_per_layer_trainable: f64,
+    /// Per decoder layer, the LoRA intermediates `A·x` kept per token (r per adapted linear
+    /// layer, r·k per adapted expert parameter).
+    pub lora_per_token: Vec<f64>,
+}
+
+/// FP8 block size of the release checkpoint (`quantization_config.weight_block_size`).
+const FP8_BLOCK: usize = 128;
+
+/// Whether a checkpoint tensor is one of the projection matrices an FP8 release stores as
+/// E4M3 + block scales (attention, indexer, MLP, experts, MTP's `eh_proj`), not an
+/// embedding, LM head, router, norm, mHC or vision tensor.
+fn held_in_fp8(e: &crate::checkpoint::inventory::Entry) -> bool {
+    let Some(module) = e.name.strip_suffix(".weight") else { return false };
+    let last = module.rsplit('.').next().unwrap_or_default();
+    e.part != Part::Vision && e.shape.len() == 2 && (last.contains("proj") || last == "wq_b" || last == "wk")
+}
+
+/// Bytes of an inventory tensor as a frozen base holds it.
+fn frozen_bytes(e: &crate::checkpoint::inventory::Entry, inputs: &PlanInputs) -> f64 {
+    if inputs.base_fp8 && held_in_fp8(e) {
+        let blocks = e.shape[0].div_ceil(FP8_BLOCK) * e.shape[1].div_ceil(FP8_BLOCK);
+        e.numel() as f64 + 4.0 * blocks as f64
+    } else {
+        e.numel() as f64 * inputs.param_bytes as f64
+    }
+}
+
+/// The decoder layer a checkpoint or module name belongs to.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.language_model.layers.")?.split('.').next()?.parse().ok()
 }
 
 /// The parameter split of `config` for `inputs`.
-pub(crate) fn param_split(config: &Glm5Config, inputs: &PlanInputs) -> ParamSplit {
-    let mut s = ParamSplit::default();
-    let mut per_layer: std::collections::BTreeMap<String, (f64, f64)> = Default::default();
+///
+/// # Errors
+/// A `peft` config that [`crate::peft::plan_adapters`] refuses for this model (an unknown
+/// target, a rank above a layer's `min(in, out)`, an unsupported option).
+pub fn param_split(config: &Glm5Config, inputs: &PlanInputs) -> Result<ParamSplit, LoraError> {
+    let layers = config.text_config.num_hidden_layers;
+    let mut s = ParamSplit { lora_per_token: vec![0.0; layers], ..Default::default() };
+    // per layer: (dense bytes, dense trainable, expert bytes, expert trainable)
+    let mut per_layer = vec![[0.0f64; 4]; layers];
+    let p = inputs.param_bytes as f64;
     for e in inventory(config, inputs.with_mtp, inputs.with_vision) {
         let n = e.numel() as f64;
-        let frozen = match e.part {
-            Part::Vision => inputs.freeze_vision,
-            Part::Trunk | Part::Mtp => inputs.freeze_embeddings && (e.name.ends_with("embed_tokens.weight") || e.name.contains("embed_tokens")),
-        };
-        if frozen {
-            s.frozen += n;
-        } else if e.routed_expert {
-            s.trainable_experts += n;
-        } else {
-            s.trainable_dense += n;
+        let frozen = inputs.peft.is_some()
+            || match e.part {
+                Part::Vision => inputs.freeze_vision,
+                Part::Trunk | Part::Mtp => inputs.freeze_embeddings && e.name.contains("embed_tokens"),
+            };
+        let bytes = if frozen { frozen_bytes(&e, inputs) } else { n * p };
+        match (frozen, e.routed_expert) {
+            (true, false) => (s.frozen, s.frozen_dense_bytes) = (s.frozen + n, s.frozen_dense_bytes + bytes),
+            (true, true) => (s.frozen, s.frozen_expert_bytes) = (s.frozen + n, s.frozen_expert_bytes + bytes),
+            (false, false) => s.trainable_dense += n,
+            (false, true) => s.trainable_experts += n,
         }
-        if let Some(rest) = e.name.strip_prefix("model.language_model.layers.") {
-            let layer = rest.split('.').next().unwrap_or_default().to_string();
-            let entry = per_layer.entry(layer).or_default();
-            if e.routed_expert {
-                entry.1 += n;
+        if let Some(unit) = layer_of(&e.name).and_then(|i| per_layer.get_mut(i)) {
+            let at = if e.routed_expert { 2 } else { 0 };
+            unit[at] += bytes;
+            unit[at + 1] += if frozen { 0.0 } else { n };
+        }
+    }
+    if let Some(lora) = &inputs.peft {
+        let k = config.text_config.num_experts_per_tok as f64;
+        for a in crate::peft::plan_adapters(lora, &crate::peft::site_shapes(&config.text_config), true)? {
+            let n = a.values(lora.r) as f64;
+            let expert = a.experts.is_some();
+            if expert {
+                s.trainable_experts += n;
             } else {
-                entry.0 += n;
+                s.trainable_dense += n;
+            }
+            if let Some(i) = layer_of(&a.name).filter(|&i| i < layers) {
+                let at = if expert { 2 } else { 0 };
+                // adapters are held in fp32, as PEFT's autocast_adapter_dtype keeps them
+                per_layer[i][at] += 4.0 * n;
+                per_layer[i][at + 1] += n;
+                s.lora_per_token[i] += lora.r as f64 * if expert { k } else { 1.0 };
             }
         }
     }
-    s.largest_unit_dense = per_layer.values().map(|v| v.0).fold(0.0, f64::max);
-    s.experts_per_layer = per_layer.values().map(|v| v.1).fold(0.0, f64::max);
-    s
+    let max = |at: usize| per_layer.iter().map(|u| u[at]).fold(0.0, f64::max);
+    (s.largest_unit_bytes, s.largest_unit_trainable) = (max(0), max(1));
+    (s.experts_per_layer_bytes, s.experts_per_layer_trainable) = (max(2), max(3));
+    Ok(s)
 }
 
 /// A plan input out of range: the [`PlanInputs`] field, its value and why.
@@ -256,6 +329,9 @@ pub fn check_inputs(inputs: &PlanInputs) -> Result<(), PlanInputError> {
     }
     if !inputs.seq.is_multiple_of(cp) {
         return bad("seq", inputs.seq, format!("does not split into cp {cp} equal shards (context parallelism needs a multiple of cp)"));
+    }
+    if inputs.base_fp8 && inputs.peft.is_none() {
+        return bad("base_fp8", 1, "an FP8 base is a frozen one: it needs LoRA (`peft`), a fully trained weight is not held in FP8".into());
     }
     if inputs.micro_batches == 0 {
         return bad("micro_batches", 0, "each rank runs at least one micro-batch per step".into());
@@ -288,7 +364,7 @@ pub fn check_mesh(config: &Glm5Config, mesh: Mesh) -> Result<(), String> {
 
 /// Per-rank memory and per-step communication of `config` under `inputs`.
 pub fn plan(config: &Glm5Config, inputs: &PlanInputs) -> Result<(RankMemory, StepComm), String> {
-    plan_split(config, inputs, &param_split(config, inputs))
+    plan_split(config, inputs, &param_split(config, inputs).map_err(|e| e.to_string())?)
 }
 
 /// [`plan`] with the parameter split already counted (it depends on the config and the frozen
@@ -300,14 +376,22 @@ pub(crate) fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSpli
     let c = &config.text_config;
     let w = mesh.world() as f64;
     let (p, g, o) = (inputs.param_bytes as f64, inputs.grad_bytes as f64, inputs.optim_bytes as f64);
+    // adapters are held, reduced and updated in fp32; a full fine-tune's values in p
+    let pt = if inputs.peft.is_some() { 4.0 } else { p };
     let trainable = s.trainable_dense + s.trainable_experts;
-    let mut m = RankMemory { params: (trainable + s.frozen) * p / w, grads: trainable * g / w, optimizer: trainable * o / w, ..Default::default() };
+    let held = trainable * pt + s.frozen_dense_bytes + s.frozen_expert_bytes;
+    let mut m = RankMemory { params: held / w, grads: trainable * g / w, optimizer: trainable * o / w, ..Default::default() };
     let edp = (mesh.world() / mesh.ep) as f64;
-    // one unit gathered and one prefetched, its fp32 gradient before the reduce-scatter; the
-    // experts of a layer are gathered over the expert-data-parallel group only when it has
-    // more than one rank
-    let unit_experts = if edp > 1.0 { s.experts_per_layer / mesh.ep as f64 } else { 0.0 };
-    m.gathered = 2.0 * (s.largest_unit_dense + unit_experts) * p + (s.largest_unit_dense + unit_experts) * g;
+    // one unit gathered and one prefetched, its fp32 gradient before the reduce-scatter (of
+    // its trainable values only); the experts of a layer are gathered over the
+    // expert-data-parallel group only when it has more than one rank
+    let (unit_bytes, unit_trainable) = if edp > 1.0 {
+        let ep = mesh.ep as f64;
+        (s.largest_unit_bytes + s.experts_per_layer_bytes / ep, s.largest_unit_trainable + s.experts_per_layer_trainable / ep)
+    } else {
+        (s.largest_unit_bytes, s.largest_unit_trainable)
+    };
+    m.gathered = 2.0 * unit_bytes + unit_trainable * g;
 
     // activations of one micro-batch
     let t = (inputs.seq / mesh.cp) as f64;
@@ -320,8 +404,8 @@ pub(crate) fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSpli
     let mla_v = (c.num_attention_heads * c.v_head_dim) as f64;
     let width = c.index_width() as f64;
     let layer_working = |i: usize| -> f64 {
-        // streams, norms and mHC mixes around the two sites
-        let mut vals = 8.0 * n * d;
+        // streams, norms and mHC mixes around the two sites; LoRA's A·x
+        let mut vals = 8.0 * n * d + s.lora_per_token[i];
         vals += match c.layer_types[i] {
             // q, k, v (pre/post conv), gates, β, output gate, norm
             LayerType::LinearAttention => 10.0 * kda_p + 2.0 * d,
@@ -351,11 +435,12 @@ pub(crate) fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSpli
     let mb = inputs.micro_batches as f64;
     let gathers = if inputs.reshard_after_forward { 2.0 } else { 1.0 };
     let ring = |size: f64| if size > 1.0 { (size - 1.0) / size } else { 0.0 };
-    let dense_all = s.trainable_dense + s.frozen;
+    let dense_bytes = s.trainable_dense * pt + s.frozen_dense_bytes;
+    let expert_bytes = s.trainable_experts * pt + s.frozen_expert_bytes;
     let mut comm = StepComm::default();
-    comm.rows.push(("all_gather", "dense parameters (FSDP over dp×cp)", mb * gathers * ring(w) * dense_all * p));
+    comm.rows.push(("all_gather", "dense parameters (FSDP over dp×cp)", mb * gathers * ring(w) * dense_bytes));
     if edp > 1.0 {
-        comm.rows.push(("all_gather", "expert parameters (over dp×cp/ep)", mb * gathers * ring(edp) * s.trainable_experts / mesh.ep as f64 * p));
+        comm.rows.push(("all_gather", "expert parameters (over dp×cp/ep)", mb * gathers * ring(edp) * expert_bytes / mesh.ep as f64));
         comm.rows.push(("reduce_scatter", "expert gradients (over dp×cp/ep)", mb * ring(edp) * s.trainable_experts / mesh.ep as f64 * g));
     }
     comm.rows.push(("reduce_scatter", "dense gradients", mb * ring(w) * s.trainable_dense * g));
@@ -393,9 +478,18 @@ pub fn dedup_factor(ep: usize, experts: usize, k: usize) -> f64 {
 /// The smallest meshes (fewest ranks, then the smallest cp) whose planned memory fits
 /// `limit_bytes` per rank: ranks `dp·cp` with `ep` = the largest divisor of both the world and
 /// the expert count, `cp ∈ cps`, the world up to `max_world`; at most one mesh per cp.
-pub fn smallest_fitting(config: &Glm5Config, base: &PlanInputs, limit_bytes: f64, cps: &[usize], max_world: usize) -> Vec<(Mesh, RankMemory)> {
+///
+/// # Errors
+/// A `peft` config the model refuses (see [`param_split`]).
+pub fn smallest_fitting(
+    config: &Glm5Config,
+    base: &PlanInputs,
+    limit_bytes: f64,
+    cps: &[usize],
+    max_world: usize,
+) -> Result<Vec<(Mesh, RankMemory)>, String> {
     let e = config.text_config.n_routed_experts;
-    let split = param_split(config, base);
+    let split = param_split(config, base).map_err(|e| e.to_string())?;
     let mut out = Vec::new();
     for &cp in cps {
         for world in (cp..=max_world).step_by(cp) {
@@ -411,7 +505,7 @@ pub fn smallest_fitting(config: &Glm5Config, base: &PlanInputs, limit_bytes: f64
             }
         }
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -423,7 +517,7 @@ mod tests {
         let config = Glm5Config::full();
         for mesh in [Mesh { dp: 8, ep: 8, cp: 1 }, Mesh { dp: 36, ep: 72, cp: 2 }, Mesh { dp: 144, ep: 144, cp: 1 }] {
             let inputs = PlanInputs::medpix_recipe(mesh);
-            let s = param_split(&config, &inputs);
+            let s = param_split(&config, &inputs).unwrap();
             let (m, _) = plan(&config, &inputs).unwrap();
             let all = s.trainable_dense + s.trainable_experts + s.frozen;
             // the parameter shards of all ranks hold each value once, in p bytes
@@ -431,7 +525,7 @@ mod tests {
             assert!((m.optimizer / m.grads - 2.0).abs() < 1e-12);
         }
         // the whole model: trunk 313.33B + vision 0.564B, MTP not loaded; frozen = embedding + vision
-        let s = param_split(&config, &PlanInputs::medpix_recipe(Mesh { dp: 1, ep: 1, cp: 1 }));
+        let s = param_split(&config, &PlanInputs::medpix_recipe(Mesh { dp: 1, ep: 1, cp: 1 })).unwrap();
         let b = |x: f64| x / 1e9;
         assert!((b(s.trainable_dense + s.trainable_experts + s.frozen) - 313.89).abs() < 0.01);
         assert!((b(s.frozen) - (154880.0 * 4096.0 / 1e9 + 0.5636)).abs() < 0.001, "{}", b(s.frozen));
@@ -471,5 +565,85 @@ mod tests {
         assert!(small.1.rows.iter().any(|r| r.0 == "all_to_all"));
         assert!(small.1.rows.iter().any(|r| r.2 > 0.0 && r.1.contains("KDA state")));
         assert!(!large.1.rows.iter().any(|r| r.1.contains("KDA state")));
+    }
+
+    fn lora(r: usize, names: &[&str], params: &[&str]) -> LoraConfig {
+        use crate::text::lora::TargetModules;
+        let mut l = LoraConfig::new(r, 2.0 * r as f64, TargetModules::Names(names.iter().map(|s| s.to_string()).collect()));
+        l.target_parameters = (!params.is_empty()).then(|| params.iter().map(|s| s.to_string()).collect());
+        l
+    }
+
+    /// PEFT's count, not ours: `lora.Linear` adds `r·(in + out)`; a `ParamWrapper` on an
+    /// `[E, in, out]` parameter adds `A [E·r, in]` and `B [out, E·r]`.
+    #[test]
+    fn lora_trains_the_adapters_only() {
+        let config = Glm5Config::full();
+        let c = &config.text_config;
+        let mesh = Mesh { dp: 8, ep: 8, cp: 1 };
+        let r = 16;
+        let inputs =
+            PlanInputs { peft: Some(lora(r, &[], &["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])), ..PlanInputs::medpix_recipe(mesh) };
+        let s = param_split(&config, &inputs).unwrap();
+        let moe = c.mlp_layer_types.iter().filter(|t| **t == MlpType::Sparse).count() as f64;
+        let (e, d, i) = (c.n_routed_experts as f64, c.hidden_size as f64, c.moe_intermediate_size as f64);
+        let per_layer = e * r as f64 * ((d + 2.0 * i) + (i + d));
+        assert_eq!(s.trainable_dense, 0.0);
+        assert!((s.trainable_experts - moe * per_layer).abs() < 1.0, "{} vs {}", s.trainable_experts, moe * per_layer);
+        // the whole base frozen: the full fine-tune's trainable values are frozen here
+        let full = param_split(&config, &PlanInputs::medpix_recipe(mesh)).unwrap();
+        assert!((s.frozen - (full.frozen + full.trainable_dense + full.trainable_experts)).abs() < 1.0);
+        let (m, comm) = plan(&config, &inputs).unwrap();
+        // fp32 gradients and AdamW state of the adapters alone, sharded over the 8 ranks
+        assert!((m.grads - s.trainable_experts * 4.0 / 8.0).abs() < 1.0);
+        assert!((m.optimizer - s.trainable_experts * 8.0 / 8.0).abs() < 1.0);
+        // no dense gradient to reduce
+        assert!(comm.rows.iter().any(|r| r.0 == "reduce_scatter" && r.1 == "dense gradients" && r.2 == 0.0));
+    }
+
+    #[test]
+    fn an_fp8_base_holds_about_a_byte_per_projection_value() {
+        let config = Glm5Config::full();
+        let mesh = Mesh { dp: 8, ep: 8, cp: 1 };
+        let peft = Some(lora(16, &["q_proj"], &[]));
+        let bf16 = param_split(&config, &PlanInputs { peft: peft.clone(), ..PlanInputs::medpix_recipe(mesh) }).unwrap();
+        let fp8 = param_split(&config, &PlanInputs { peft, base_fp8: true, ..PlanInputs::medpix_recipe(mesh) }).unwrap();
+        assert_eq!(bf16.frozen, fp8.frozen);
+        // routed experts are all projections: one byte each + a 4-byte scale per 16,384 values
+        let ratio = fp8.frozen_expert_bytes / bf16.frozen_expert_bytes;
+        assert!((ratio - (1.0 + 4.0 / 16384.0) / 2.0).abs() < 1e-6, "{ratio}");
+        // embedding, LM head (2 × 154,880 × 4,096), norms, routers, mHC and vision stay bf16
+        let kept = (fp8.frozen_dense_bytes - 0.5 * bf16.frozen_dense_bytes) * 2.0;
+        assert!(kept > 2.0 * 2.0 * 154880.0 * 4096.0 && kept < 0.25 * bf16.frozen_dense_bytes, "{kept}");
+        // an FP8 base without adapters is not a plan
+        let e = check_inputs(&PlanInputs { base_fp8: true, ..PlanInputs::medpix_recipe(mesh) }).unwrap_err();
+        assert_eq!(e.field, "base_fp8");
+    }
+
+    /// The point of LoRA on an FP8 base: the 320B model fine-tunes on one 8-GPU node.
+    #[test]
+    fn lora_on_an_fp8_base_fits_one_node() {
+        let config = Glm5Config::full();
+        let (attention, _) = crate::peft::target_group("attention").unwrap();
+        let attention: Vec<&str> = attention.iter().map(String::as_str).collect();
+        let peft = Some(lora(16, &attention, &["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]));
+        let node = Mesh { dp: 8, ep: 8, cp: 1 };
+        let inputs = PlanInputs { peft, base_fp8: true, micro_batches: 1, ..PlanInputs::medpix_recipe(node) };
+        let (m, _) = plan(&config, &inputs).unwrap();
+        let gib = 1024f64.powi(3);
+        assert!(m.total() < 72.0 * gib, "{:.1} GiB", m.total() / gib);
+        // and a full fine-tune does not
+        let (full, _) = plan(&config, &PlanInputs { micro_batches: 1, ..PlanInputs::medpix_recipe(node) }).unwrap();
+        assert!(full.total() > 300.0 * gib, "{:.1} GiB", full.total() / gib);
+    }
+
+    #[test]
+    fn a_target_the_model_lacks_is_an_error() {
+        let config = Glm5Config::full();
+        let inputs = PlanInputs { peft: Some(lora(16, &["qkv_proj"], &[])), ..PlanInputs::medpix_recipe(Mesh { dp: 8, ep: 8, cp: 1 }) };
+        let e = plan(&config, &inputs).unwrap_err();
+        assert!(e.contains("qkv_proj"), "{e}");
+        let inputs = PlanInputs { peft: Some(lora(5000, &["q_proj"], &[])), ..inputs };
+        assert!(param_split(&config, &inputs).is_err());
     }
 }

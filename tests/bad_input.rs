@@ -141,6 +141,12 @@ fn plan_refuses_nonsense_and_answers_quickly() {
         (vec!["--micro-batches", "0"], "--micro-batches 0"),
         (vec!["--param-bytes", "0"], "--param-bytes 0"),
         (vec!["--optim-bytes", "0"], "--optim-bytes 0"),
+        (vec!["--base-dtype", "fp8"], "give --peft"),
+        (vec!["--base-dtype", "int4", "--peft", "r=8"], "expected fp8, bf16 or f32"),
+        (vec!["--peft", "targets=attention"], "the rank r=… is required"),
+        (vec!["--peft", "r=16,targets=qkv"], "\"qkv\" matches no linear layer"),
+        (vec!["--peft", "r=16,dropout=0.1"], "unknown key"),
+        (vec!["--peft", "r=9999,targets=b_proj"], "b_proj"),
     ] {
         refused("plan", &args, &[needle]);
     }
@@ -158,6 +164,9 @@ fn plan_refuses_nonsense_and_answers_quickly() {
     let config = fixtures().join("base_k4/config.json");
     let (out, text) = run("plan", &["--config", s(&config), "--mesh", "dp=4,ep=4,cp=1"]);
     assert!(out.status.success() && text.contains("not compared") && !text.contains("EP72"), "{text}");
+    // LoRA on an FP8 base: its own plan, the trainable count, no comparison with a full fine-tune
+    let (out, text) = run("plan", &["--mesh", "dp=8,ep=8", "--peft", "r=16,targets=attention+experts", "--base-dtype", "fp8"]);
+    assert!(out.status.success() && text.contains("2.832 B trainable values") && text.contains("not compared"), "{text}");
 }
 
 /// `generate` checks its sampling settings, EOS ids and prompt padding before generating, and
