@@ -1159,6 +1159,76 @@ def lora_fixture(name):
           f"HF+PEFT fp32 vs fp64 mean KL {kl(l64, l32[keep]):.2e}; loss {out.loss.item():.6f}")
 
 
+LORA_LOSS_CURVE = {"steps": 20, "lr": 1e-3, "min_lr": 1e-4, "warmup": 3, "betas": (0.9, 0.999), "eps": 1e-8,
+                   "weight_decay": 0.01, "max_grad_norm": 1.0, "r": 4, "lora_alpha": 8}
+
+
+def lora_loss_curve_fixture():
+    """20 AdamW steps of LoRA (float64) on the frozen `leftpad` checkpoint, the adapters
+    PEFT's own `get_peft_model` made with its default initialisation (A Kaiming-uniform, B = 0)
+    on every attention projection and the routed experts (`target_parameters`): the same two
+    micro-batches, loss normalisation, clipping and schedule as `loss_curve_fixture`, with the
+    optimizer over the adapters only. Writes the initial adapter (PEFT's `save_pretrained`)
+    and `curve.safetensors` (loss, grad_norm) to `lora_loss_curve/`."""
+    from peft import LoraConfig, get_peft_model
+    import peft
+    c = LORA_LOSS_CURVE
+    base = OUT / "leftpad"
+    io = load_file(base / "io.safetensors")
+    torch.manual_seed(20261205)
+    model = Glm5NextForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
+    cfg = LoraConfig(r=c["r"], lora_alpha=c["lora_alpha"], lora_dropout=0.0,
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+                                     "kv_a_proj_with_mqa", "kv_b_proj"],
+                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    pm = get_peft_model(model, cfg)
+    d = OUT / "lora_loss_curve"
+    shutil.rmtree(d, ignore_errors=True)
+    pm.save_pretrained(d)
+    (d / "README.md").unlink()  # PEFT's model card template
+    m64 = copy.deepcopy(pm.base_model.model).double().train()
+    eager_experts(m64)
+    params = [p for n, p in m64.named_parameters() if "lora_" in n]
+    assert all(p.requires_grad for p in params) and not any(
+        p.requires_grad for n, p in m64.named_parameters() if "lora_" not in n)
+    opt = torch.optim.AdamW(params, lr=c["lr"], betas=c["betas"], eps=c["eps"], weight_decay=c["weight_decay"])
+
+    def lr_at(step):
+        if step < c["warmup"]:
+            return c["lr"] * (step + 1) / c["warmup"]
+        p = min(max((step - c["warmup"]) / max(c["steps"] - c["warmup"], 1), 0.0), 1.0)
+        return c["min_lr"] + (c["lr"] - c["min_lr"]) * 0.5 * (1 + math.cos(math.pi * p))
+
+    ids, mask, labels = io["input_ids"], io["attention_mask"], io["labels"]
+    rows = [(ids[r:r + 1], mask[r:r + 1], labels[r:r + 1]) for r in range(ids.shape[0])]
+    total = (labels[:, 1:] != -100).sum().item()
+    losses, norms = [], []
+    orig = M.chunk_kimi_delta_attention
+    M.chunk_kimi_delta_attention = chunk_kda_f64
+    try:
+        for step in range(c["steps"]):
+            opt.zero_grad()
+            step_loss = 0.0
+            for row_ids, row_mask, row_labels in rows:
+                logits = m64(input_ids=row_ids, attention_mask=row_mask).logits
+                ce = torch.nn.functional.cross_entropy(logits[0, :-1], row_labels[0, 1:], ignore_index=-100,
+                                                       reduction="sum")
+                (ce / total).backward()
+                step_loss += (ce / total).item()
+            norms.append(torch.nn.utils.clip_grad_norm_(params, c["max_grad_norm"]).item())
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            opt.step()
+            losses.append(step_loss)
+    finally:
+        M.chunk_kimi_delta_attention = orig
+    out = {"loss": torch.tensor(losses, dtype=torch.float64), "grad_norm": torch.tensor(norms, dtype=torch.float64)}
+    save_file(out, d / "curve.safetensors", metadata={"transformers": transformers.__version__,
+                                                     "peft": peft.__version__, "torch": torch.__version__})
+    print(f"lora loss curve: {losses[0]:.4f} -> {losses[-1]:.4f} over {c['steps']} steps, "
+          f"{sum(p.numel() for p in params)} adapter values")
+
+
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
     torch.set_default_dtype(torch.float32)
@@ -1193,6 +1263,8 @@ def main():
     for name in LORA_CASES:
         if not only or name in only:
             lora_fixture(name)
+    if not only or "lora_loss_curve" in only:
+        lora_loss_curve_fixture()
     for name in ("base_k4", "leftpad", "vlm"):
         if not only or f"generate_{name}" in only:
             generate_fixture(name)
