@@ -421,4 +421,11 @@ fn lora_run_trains_adapters_only_and_resumes_from_them() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && text.contains("adapter ") && text.contains("next token:"), "{text}");
+    // the README's second quick-start command: the bundled LoRA recipe on a base of the default run
+    let recipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix_lora.yaml");
+    let mut args = vec![recipe.display().to_string()];
+    args.extend(overrides(&tmp.path().join("quick")));
+    args.extend([format!("--model.checkpoint={}", base.display()), "--step_scheduler.max_steps=2".into(), "--validation_dataset=null".into()]);
+    let log = run_with(&args);
+    assert!(log.contains("M trainable") && tmp.path().join("quick/step_000002/adapter/adapter_model.safetensors").is_file(), "{log}");
 }
