@@ -18,13 +18,13 @@
 pub mod rope;
 
 use burn::module::{Initializer, Module, Param};
-use burn::nn::Linear;
 use burn::tensor::activation::gelu;
 use burn::tensor::{backend::Backend, Tensor};
 
 use crate::config::{Activation, VisionConfig};
-use crate::ops::backend::{block_attention, linear};
-use crate::text::mlp::{clamped_swiglu, new_linear, Mlp};
+use crate::ops::backend::block_attention;
+use crate::text::linear::{linear, Linear};
+use crate::text::mlp::{clamped_swiglu, Mlp};
 use crate::text::norm::{LayerNorm, RmsNorm};
 use crate::text::ModelError;
 
@@ -148,8 +148,8 @@ impl<B: Backend> VisionModel<B> {
                     norm1: RmsNorm::new(h, eps, device),
                     norm2: RmsNorm::new(h, eps, device),
                     attn: VisionAttention {
-                        qkv: new_linear(h, 3 * h, c.attention_bias, device),
-                        proj: new_linear(h, h, c.attention_bias, device),
+                        qkv: Linear::new(h, 3 * h, c.attention_bias, device),
+                        proj: Linear::new(h, h, c.attention_bias, device),
                         q_norm: RmsNorm::new(hd, eps, device),
                         k_norm: RmsNorm::new(hd, eps, device),
                         num_heads: c.num_heads,
@@ -161,11 +161,11 @@ impl<B: Backend> VisionModel<B> {
             post_layernorm: RmsNorm::new(h, eps, device),
             downsample: PatchConv::new(h * m * m, o, device),
             merger: PatchMerger {
-                proj: new_linear(o, o, false, device),
+                proj: Linear::new(o, o, false, device),
                 post_projection_norm: LayerNorm::new(o, 1e-5, device),
-                gate_proj: new_linear(o, c.projection_intermediate_size, false, device),
-                up_proj: new_linear(o, c.projection_intermediate_size, false, device),
-                down_proj: new_linear(c.projection_intermediate_size, o, false, device),
+                gate_proj: Linear::new(o, c.projection_intermediate_size, false, device),
+                up_proj: Linear::new(o, c.projection_intermediate_size, false, device),
+                down_proj: Linear::new(c.projection_intermediate_size, o, false, device),
                 act: c.hidden_act,
                 limit: c.swiglu_limit,
             },
