@@ -9,14 +9,16 @@
 //! `…mlp.shared_experts.down_proj`; the routed experts' parameters
 //! `…mlp.experts.gate_up_proj` / `…mlp.experts.down_proj`), so a PEFT `adapter_config.json`
 //! selects the same layers here as in Python. Adaptable: the KDA and MLA projections, the dense
-//! MLP, the shared expert and the routed experts of the text decoder. Not adaptable (an entry
-//! that only matches them is an error): the DSA indexer, the router, the LM head and the
-//! vision tower.
+//! MLP, the shared expert and the routed experts of the text decoder; the vision tower's
+//! attention, MLP and patch-merger projections (`model.visual.blocks.{i}.attn.qkv`, …,
+//! `model.visual.merger.proj`). Not adaptable: the embedding, the LM head, the KDA short
+//! convolution, the DSA indexer and the vision tower's convolutions — a target that matches
+//! one of them is an error, since PEFT would adapt it and the two adapters would differ.
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 
-use crate::config::{LayerType, MlpType, TextConfig};
+use crate::config::{Glm5Config, LayerType, MlpType};
 use crate::model::Glm5ForCausalLM;
 use crate::text::decoder::{Ffn, Mixer};
 use crate::text::linear::Linear;
@@ -38,8 +40,13 @@ const KDA_SITES: [&str; 9] =
 const MLA_SITES: [&str; 5] = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"];
 /// A dense MLP's or shared expert's projections.
 const MLP_SITES: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+/// A vision block's projections (attention, then its SwiGLU MLP).
+const VISION_BLOCK_SITES: [&str; 5] = ["attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"];
+/// The patch merger's projections.
+const MERGER_SITES: [&str; 4] = ["proj", "gate_proj", "up_proj", "down_proj"];
 
-/// Every adaptable site of `model`, by HF module name, in module order.
+/// Every adaptable site of `model`, by HF module name: the text decoder's in module order,
+/// then (when the model has it) the vision tower's.
 pub fn sites<B: Backend>(model: &mut Glm5ForCausalLM<B>) -> Vec<(String, Site<'_, B>)> {
     let mut out = Vec::new();
     for (i, layer) in model.language_model.layers.iter_mut().enumerate() {
@@ -77,6 +84,19 @@ pub fn sites<B: Backend>(model: &mut Glm5ForCausalLM<B>) -> Vec<(String, Site<'_
         };
         for (name, l) in MLP_SITES.iter().zip([&mut mlp.gate_proj, &mut mlp.up_proj, &mut mlp.down_proj]) {
             out.push((format!("{prefix}{name}"), Site::Linear(l)));
+        }
+    }
+    if let Some(v) = &mut model.visual {
+        for (i, b) in v.blocks.iter_mut().enumerate() {
+            let p = format!("model.visual.blocks.{i}.");
+            let fields = [&mut b.attn.qkv, &mut b.attn.proj, &mut b.mlp.gate_proj, &mut b.mlp.up_proj, &mut b.mlp.down_proj];
+            for (name, l) in VISION_BLOCK_SITES.iter().zip(fields) {
+                out.push((format!("{p}{name}"), Site::Linear(l)));
+            }
+        }
+        let m = &mut v.merger;
+        for (name, l) in MERGER_SITES.iter().zip([&mut m.proj, &mut m.gate_proj, &mut m.up_proj, &mut m.down_proj]) {
+            out.push((format!("model.visual.merger.{name}"), Site::Linear(l)));
         }
     }
     out
@@ -121,8 +141,8 @@ impl<B: Backend> Site<'_, B> {
 
 /// The adaptable sites a model of `config` has, by HF module name, in the order of [`sites`],
 /// without building it (for planning the 320B model's adapters on paper).
-pub fn site_shapes(config: &TextConfig) -> Vec<(String, SiteShape)> {
-    let c = config;
+pub fn site_shapes(config: &Glm5Config, with_vision: bool) -> Vec<(String, SiteShape)> {
+    let c = &config.text_config;
     let lin = |d_in, d_out| SiteShape::Linear { d_in, d_out };
     let mut out = Vec::new();
     for i in 0..c.num_hidden_layers {
@@ -156,6 +176,16 @@ pub fn site_shapes(config: &TextConfig) -> Vec<(String, SiteShape)> {
         };
         let d = c.hidden_size;
         out.extend(MLP_SITES.iter().zip([lin(d, width), lin(d, width), lin(width, d)]).map(|(n, s)| (format!("{prefix}{n}"), s)));
+    }
+    if with_vision {
+        let v = &config.vision_config;
+        let (h, i, o, pi) = (v.hidden_size, v.intermediate_size, v.out_hidden_size, v.projection_intermediate_size);
+        for b in 0..v.depth {
+            let shapes = [lin(h, 3 * h), lin(h, h), lin(h, i), lin(h, i), lin(i, h)];
+            out.extend(VISION_BLOCK_SITES.iter().zip(shapes).map(|(n, s)| (format!("model.visual.blocks.{b}.{n}"), s)));
+        }
+        let shapes = [lin(o, o), lin(o, pi), lin(o, pi), lin(pi, o)];
+        out.extend(MERGER_SITES.iter().zip(shapes).map(|(n, s)| (format!("model.visual.merger.{n}"), s)));
     }
     out
 }
@@ -279,8 +309,36 @@ pub fn plan_adapters(config: &LoraConfig, shapes: &[(String, SiteShape)], check_
             }
         }
     }
+    if let Some((name, kind)) = unadaptable(shapes).into_iter().find(|(n, _)| config.targets_module(n)) {
+        return Err(LoraError::Config {
+            field: "target_modules",
+            message: format!(
+                "{name} (an {kind}) matches; PEFT would adapt it, this model cannot, so the adapter would differ from PEFT's — \
+                 narrow the entry or add it to exclude_modules"
+            ),
+        });
+    }
     check_every_entry_matched(config, &linear_names, &out)?;
     Ok(out)
+}
+
+/// The modules PEFT can wrap that this model does not adapt, with their kind, for a model
+/// whose sites are `shapes`: the embedding and LM head, each KDA layer's short convolution,
+/// each indexed layer's DSA indexer projections, the vision tower's two convolutions.
+fn unadaptable(shapes: &[(String, SiteShape)]) -> Vec<(String, &'static str)> {
+    let mut out = vec![("model.language_model.embed_tokens".to_string(), "nn.Embedding"), ("lm_head".to_string(), "nn.Linear")];
+    for (name, _) in shapes {
+        if let Some(p) = name.strip_suffix("self_attn.b_proj") {
+            out.push((format!("{p}self_attn.conv1d"), "nn.Conv1d"));
+        } else if let Some(p) = name.strip_suffix("self_attn.q_a_proj") {
+            out.extend(["wq_b", "wk", "weights_proj"].map(|w| (format!("{p}self_attn.indexer.{w}"), "nn.Linear")));
+        }
+    }
+    if shapes.iter().any(|(n, _)| n.starts_with("model.visual.")) {
+        out.push(("model.visual.patch_embed.proj".to_string(), "nn.Conv3d"));
+        out.push(("model.visual.downsample".to_string(), "nn.Conv2d"));
+    }
+    out
 }
 
 /// The largest rank accepted: `min(in, out)` for new adapters; for a PEFT-made adapter (which
@@ -412,7 +470,6 @@ pub fn target_group(name: &str) -> Option<(Vec<String>, Vec<String>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Glm5Config;
     use burn::backend::Flex;
 
     /// The config-level shapes a plan counts are the shapes a built model's sites have.
@@ -421,20 +478,49 @@ mod tests {
         let config = Glm5Config::tiny();
         let mut model = Glm5ForCausalLM::<Flex>::new(&config, &Default::default());
         let built: Vec<(String, SiteShape)> = sites(&mut model).into_iter().map(|(n, s)| (n, s.shape())).collect();
-        assert_eq!(site_shapes(&config.text_config), built);
+        assert_eq!(site_shapes(&config, false), built);
         assert!(built.iter().any(|(_, s)| matches!(s, SiteShape::Experts { .. })));
+        let mut vlm = Glm5ForCausalLM::<Flex>::try_new_with_vision(&config, None, &Default::default()).unwrap();
+        let built: Vec<(String, SiteShape)> = sites(&mut vlm).into_iter().map(|(n, s)| (n, s.shape())).collect();
+        assert_eq!(site_shapes(&config, true), built);
+        assert!(built.len() > site_shapes(&config, false).len());
     }
 
     #[test]
     fn release_config_sites() {
-        let c = Glm5Config::full().text_config;
-        let shapes = site_shapes(&c);
+        let full = Glm5Config::full();
+        let c = &full.text_config;
+        let shapes = site_shapes(&full, false);
         let kda = c.layer_types.iter().filter(|t| **t == LayerType::LinearAttention).count();
         let mla = c.num_hidden_layers - kda;
         let moe = c.mlp_layer_types.iter().filter(|t| **t == MlpType::Sparse).count();
         assert_eq!(shapes.len(), 9 * kda + 5 * mla + 3 * c.num_hidden_layers + moe);
         let experts = shapes.iter().filter(|(_, s)| matches!(s, SiteShape::Experts { experts: 288, hidden: 4096, .. })).count();
         assert_eq!(experts, moe);
+    }
+
+    /// Where PEFT would wrap a module this model cannot adapt, the config is refused, naming it.
+    #[test]
+    fn targets_peft_would_adapt_but_we_cannot_are_refused() {
+        use crate::text::lora::TargetModules;
+        let config = Glm5Config::tiny();
+        let shapes = site_shapes(&config, true);
+        let refused = |t: TargetModules| match plan_adapters(&LoraConfig::new(2, 4.0, t), &shapes, true) {
+            Err(LoraError::Config { field: "target_modules", message }) => message,
+            other => panic!("not refused: {other:?}"),
+        };
+        let names = |v: &[&str]| TargetModules::Names(v.iter().map(|s| s.to_string()).collect());
+        assert!(refused(names(&["proj"])).contains("model.visual.patch_embed.proj (an nn.Conv3d)"));
+        assert!(refused(names(&["q_proj", "lm_head"])).contains("lm_head"));
+        assert!(refused(TargetModules::Regex(".*".into())).contains("embed_tokens"));
+        assert!(refused(TargetModules::Regex(r".*\.(wk|q_proj)".into())).contains("indexer.wk"));
+        // excluded, it is accepted; the vision tower's projections are adaptable
+        let mut ok = LoraConfig::new(2, 4.0, names(&["proj", "qkv"]));
+        ok.exclude_modules = Some(names(&["patch_embed.proj"]));
+        let placed = plan_adapters(&ok, &shapes, true).unwrap();
+        assert_eq!(placed.len(), 2 * config.vision_config.depth + 1, "attn.qkv, attn.proj per block and merger.proj");
+        // without the tower, a name only it had matches nothing
+        assert!(matches!(plan_adapters(&ok, &site_shapes(&config, false), true), Err(LoraError::NoMatch { .. })));
     }
 
     #[test]

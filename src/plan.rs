@@ -284,7 +284,7 @@ pub fn param_split(config: &Glm5Config, inputs: &PlanInputs) -> Result<ParamSpli
     }
     if let Some(lora) = &inputs.peft {
         let k = config.text_config.num_experts_per_tok as f64;
-        for a in crate::peft::plan_adapters(lora, &crate::peft::site_shapes(&config.text_config), true)? {
+        for a in crate::peft::plan_adapters(lora, &crate::peft::site_shapes(config, inputs.with_vision), true)? {
             let n = a.values(lora.r) as f64;
             let expert = a.experts.is_some();
             if expert {

@@ -251,7 +251,10 @@ where
     /// experts) or this rank's share loaded with
     /// [`crate::checkpoint::LoadOptions::experts`] = [`Self::expert_shard`].
     pub fn try_new(model: Glm5ForCausalLM<B>, options: TrainOptions) -> Result<Self, TrainError> {
-        let mut model = freeze(model, &options.freeze);
+        // with LoRA the whole base is frozen and every adapter trains (PEFT's rule), whatever
+        // `freeze_config` says: `attach` (or, resuming, `load_adapter`) froze the base, and
+        // freezing the model with its adapters would freeze the vision tower's with the tower
+        let mut model = if options.peft.is_some() { model } else { freeze(model, &options.freeze) };
         if let Some(peft) = &options.peft {
             if options.parallel.data_parallel.as_ref().is_some_and(|g| g.size() > 1) {
                 return Err(TrainError::Unsupported {

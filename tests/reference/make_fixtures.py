@@ -337,7 +337,8 @@ def grads_float64(model, ids, mask, labels, directory):
     orig = M.chunk_kimi_delta_attention
     M.chunk_kimi_delta_attention = chunk_kda_f64
     try:
-        out = m64(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        images64 = {k: (v.double() if v.is_floating_point() else v) for k, v in images.items()}
+        out = m64(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True, **images64)
         out.loss.backward()
     finally:
         M.chunk_kimi_delta_attention = orig
@@ -1092,6 +1093,12 @@ LORA_CASES = {
         r=2, lora_alpha=4, use_rslora=True,
         target_modules=["q_proj", "kv_a_proj_with_mqa", "o_proj", "shared_experts.up_proj"],
         target_parameters=["experts.down_proj"]),
+    # the VLM: the vision blocks' attention and MLP, the patch merger's projections (not the
+    # patch embedding's Conv3d) and three text projections, on a two-image prompt
+    "lora_vlm": dict(
+        base="vlm", r=4, lora_alpha=8, use_rslora=False,
+        target_modules=r".*visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(gate_proj|up_proj|down_proj))"
+                       r"|.*visual\.merger\.(proj|gate_proj|up_proj|down_proj)|.*language_model.*\.(q_proj|kv_b_proj|o_proj)"),
 }
 
 
@@ -1108,10 +1115,18 @@ def lora_fixture(name):
     which would leave the logits those of the base)."""
     from peft import LoraConfig, get_peft_model
     import peft
-    spec = LORA_CASES[name]
-    base = OUT / "base_k4"
+    spec = dict(LORA_CASES[name])
+    base = OUT / spec.pop("base", "base_k4")
     io = load_file(base / "io.safetensors")
-    ids, mask, labels = io["input_ids"], io["attention_mask"], io["labels"]
+    ids, mask = io["input_ids"], io["attention_mask"]
+    images = {}
+    if "pixel_values" in io:
+        images = {"pixel_values": io["pixel_values"], "image_grid_thw": io["image_grid_thw"]}
+        cfg_json = json.loads((base / "config.json").read_text())
+        # next-token labels on the text tokens only (not padding, not image placeholders)
+        labels = torch.where((mask == 1) & (ids != cfg_json["image_token_id"]), ids, torch.full_like(ids, -100))
+    else:
+        labels = io["labels"]
     torch.manual_seed(20261205)
     model = Glm5NextForConditionalGeneration.from_pretrained(base, dtype=torch.float32).eval()
     cfg = LoraConfig(lora_dropout=0.0, init_lora_weights=True, **spec)
@@ -1134,7 +1149,8 @@ def lora_fixture(name):
     orig = M.chunk_kimi_delta_attention
     M.chunk_kimi_delta_attention = chunk_kda_f64
     try:
-        out = m64(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        images64 = {k: (v.double() if v.is_floating_point() else v) for k, v in images.items()}
+        out = m64(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True, **images64)
         out.loss.backward()
     finally:
         M.chunk_kimi_delta_attention = orig
@@ -1143,8 +1159,8 @@ def lora_fixture(name):
     base64 = Glm5NextForConditionalGeneration.from_pretrained(base, dtype=torch.float64)
     eager_experts(base64)
     with torch.no_grad():
-        l32 = inner(input_ids=ids, attention_mask=mask).logits.double()
-        base_logits = base64(input_ids=ids, attention_mask=mask).logits
+        l32 = inner(input_ids=ids, attention_mask=mask, **images).logits.double()
+        base_logits = base64(input_ids=ids, attention_mask=mask, **images64).logits
     keep = mask.bool()
     l64 = out.logits.detach()[keep]
 
@@ -1152,7 +1168,7 @@ def lora_fixture(name):
         return (a.log_softmax(-1).exp() * (a.log_softmax(-1) - b.log_softmax(-1))).sum(-1).mean().item()
 
     tensors = {"logits": out.logits.detach().float().contiguous(), "loss": out.loss.detach().float().reshape(1),
-               "hf_f32_kl": torch.tensor([kl(l64, l32[keep])], dtype=torch.float32), **grads}
+               "hf_f32_kl": torch.tensor([kl(l64, l32[keep])], dtype=torch.float32), "labels": labels, **grads}
     save_file(tensors, d / "io.safetensors", metadata={"transformers": transformers.__version__,
                                                        "peft": peft.__version__, "torch": torch.__version__})
     print(f"{name}: {len(grads)} LoRA tensors; logits moved from the base by mean KL {kl(l64, base_logits[keep]):.2e}; "
