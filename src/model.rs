@@ -321,7 +321,8 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         if let Some(plan) = &self.language_model.shards {
             plan.mark_vision_used();
         }
-        let feats = self.language_model.unit_after(visual, &embeds, true).forward(pixels, &images.grid_thw);
+        let reshard = self.language_model.reshardable()[0];
+        let feats = self.language_model.unit_after(visual, &embeds, reshard).forward(pixels, &images.grid_thw);
         let [nf, fd] = feats.dims();
         let d = embeds.dims()[2];
         if nf != image_pos.len() {
@@ -349,7 +350,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         B: crate::distributed::CollectiveBackend,
     {
         if let (Some(_), Some(visual)) = (&self.language_model.shards, &self.visual) {
-            drop(self.language_model.unit_after(visual, embeds, true));
+            drop(self.language_model.unit_after(visual, embeds, self.language_model.reshardable()[0]));
         }
     }
 

@@ -186,6 +186,22 @@ impl ShardPlan {
         self.vision_used.swap(false, Ordering::Relaxed)
     }
 
+    /// Whether `unit` holds a parameter of this plan (its [`Self::gather`] runs collectives).
+    /// A unit may reshard only if a later unit of the same forward does: that unit's first
+    /// gather re-gathers it in backward (a LoRA run shards only its adapters, so frozen units
+    /// gather nothing).
+    pub fn holds<B: Backend, M: Module<B>>(&self, unit: &M) -> bool {
+        struct Holds<'a>(&'a HashMap<ParamId, usize>, bool);
+        impl<B: Backend> burn::module::ModuleVisitor<B> for Holds<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                self.1 |= self.0.contains_key(&param.id);
+            }
+        }
+        let mut v = Holds(&self.rows, false);
+        unit.visit(&mut v);
+        v.1
+    }
+
     /// `unit` with its sharded parameters replaced by the gathered full tensors
     /// (differentiable: the shards receive the group's summed gradient). `after` is the
     /// unit's input activation — the previous unit's output — on which the unit's first gather

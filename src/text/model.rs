@@ -112,6 +112,21 @@ impl<B: Backend> TextModel<B> {
         }
     }
 
+    /// Under a shard plan, for each unit boundary `k` (before layer `k`, `k = layers` before the
+    /// final norm) whether a unit from there on gathers sharded parameters: a unit before
+    /// `k` may then reshard after its forward (its re-gather hangs off that later gather).
+    /// Without a plan: all false.
+    pub(crate) fn reshardable(&self) -> Vec<bool> {
+        let mut later = vec![false; self.layers.len() + 1];
+        if let Some(plan) = &self.shards {
+            later[self.layers.len()] = plan.holds(&self.norm);
+            for k in (0..self.layers.len()).rev() {
+                later[k] = later[k + 1] || plan.holds(&self.layers[k]);
+            }
+        }
+        later
+    }
+
     /// Embedding lookup `[B, S]` → `[B, S, D]`. Like the reference's
     /// `nn.Embedding(padding_idx=pad_token_id)`, the padding row receives no gradient.
     /// A sharded model starts its forward here ([`ShardPlan::begin`]) and looks rows up with
@@ -176,8 +191,9 @@ impl<B: Backend> TextModel<B> {
             indices: Vec::new(),
             index_margins: Vec::new(),
         };
+        let reshard = self.reshardable();
         for (i, layer) in self.layers.iter().enumerate() {
-            let layer = self.unit_after(layer, &x, true);
+            let layer = self.unit_after(layer, &x, reshard[i + 1]);
             let o = layer.forward(x, mask, &mut indices, opts);
             x = o.streams;
             if let Some(l) = o.router_logits {

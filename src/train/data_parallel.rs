@@ -197,14 +197,20 @@ pub fn shard_model_where<B: crate::distributed::CollectiveBackend>(
     model
 }
 
-/// Ids of the routed experts' parameters (every MoE layer's `mlp.experts`).
+/// Ids of the routed experts' parameters (every MoE layer's `mlp.experts`, their LoRA stacks
+/// included).
 pub fn expert_param_ids<B: burn::tensor::backend::Backend>(model: &Glm5ForCausalLM<B>) -> HashSet<ParamId> {
     model
         .language_model
         .layers
         .iter()
         .filter_map(|layer| match &layer.mlp {
-            Ffn::Moe(moe) => Some([moe.experts.gate_proj.id, moe.experts.up_proj.id, moe.experts.down_proj.id]),
+            Ffn::Moe(moe) => {
+                let e = &moe.experts;
+                // an expert's LoRA stacks are split, reduced and clipped with the expert
+                let lora = [&e.lora_gate_up, &e.lora_down].into_iter().flatten().flat_map(|l| [l.a.id, l.b.id]);
+                Some([e.gate_proj.id, e.up_proj.id, e.down_proj.id].into_iter().chain(lora).collect::<Vec<_>>())
+            }
             _ => None,
         })
         .flatten()

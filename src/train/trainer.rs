@@ -256,11 +256,6 @@ where
         // freezing the model with its adapters would freeze the vision tower's with the tower
         let mut model = if options.peft.is_some() { model } else { freeze(model, &options.freeze) };
         if let Some(peft) = &options.peft {
-            if options.parallel.data_parallel.as_ref().is_some_and(|g| g.size() > 1) {
-                return Err(TrainError::Unsupported {
-                    what: "LoRA (recipe `peft`) under data, expert or context parallelism (one process only for now)",
-                });
-            }
             if !crate::peft::has_adapters(&mut model) {
                 model = crate::peft::attach(model, &peft.config).map_err(|e| TrainError::Lora(Box::new(e)))?.0;
             }
