@@ -213,7 +213,19 @@ pub struct Attached {
 /// (or regex) that matches no adaptable layer, named with the adaptable names; a rank above a
 /// targeted layer's `min(in, out)`.
 pub fn attach<B: Backend>(model: Glm5ForCausalLM<B>, config: &LoraConfig) -> Result<(Glm5ForCausalLM<B>, Attached), LoraError> {
-    attach_with(model, config, true)
+    attach_with(model, config, true, None)
+}
+
+/// [`attach`] onto a model loaded with one expert-parallel rank's experts
+/// ([`crate::checkpoint::LoadOptions::experts`] = `experts`): the experts' adapters are drawn
+/// for every expert, as one process draws them, and this rank keeps its experts' — so a run
+/// under expert parallelism starts from the adapters of the same run in one process.
+pub fn attach_shard<B: Backend>(
+    model: Glm5ForCausalLM<B>,
+    config: &LoraConfig,
+    experts: Option<&crate::checkpoint::select::ExpertShard>,
+) -> Result<(Glm5ForCausalLM<B>, Attached), LoraError> {
+    attach_with(model, config, true, experts)
 }
 
 /// [`attach`]; `check_rank: false` accepts ranks above a layer's `min(in, out)`, as PEFT does
@@ -222,7 +234,21 @@ pub(crate) fn attach_with<B: Backend>(
     model: Glm5ForCausalLM<B>,
     config: &LoraConfig,
     check_rank: bool,
+    experts: Option<&crate::checkpoint::select::ExpertShard>,
 ) -> Result<(Glm5ForCausalLM<B>, Attached), LoraError> {
+    let (part, parts) = experts.map_or((0, 1), |s| (s.rank, s.size));
+    // every expert's adapter drawn, this rank's kept (the draws of one process)
+    let mine = |l: ExpertLora<B>, local: usize| match parts {
+        1 => l,
+        _ => {
+            let keep = |p: burn::module::Param<burn::tensor::Tensor<B, 3>>| {
+                let t = p.val();
+                let [_, a, b] = t.dims();
+                burn::module::Param::from_tensor(t.slice([part * local..(part + 1) * local, 0..a, 0..b]))
+            };
+            ExpertLora { a: keep(l.a), b: keep(l.b), scaling: l.scaling }
+        }
+    };
     let mut model = model.no_grad();
     let device = model.language_model.norm.weight.device();
     let shapes: Vec<(String, SiteShape)> = sites(&mut model).iter().map(|(n, s)| (n.clone(), s.shape())).collect();
@@ -239,10 +265,10 @@ pub(crate) fn attach_with<B: Backend>(
             Site::Experts(ex) => {
                 let [e, d, i] = ex.gate_proj.dims();
                 if wanted.contains(format!("{name}.gate_up_proj").as_str()) {
-                    ex.lora_gate_up = Some(ExpertLora::new(e, d, 2 * i, r, scaling, &device));
+                    ex.lora_gate_up = Some(mine(ExpertLora::new(e * parts, d, 2 * i, r, scaling, &device), e));
                 }
                 if wanted.contains(format!("{name}.down_proj").as_str()) {
-                    ex.lora_down = Some(ExpertLora::new(e, i, d, r, scaling, &device));
+                    ex.lora_down = Some(mine(ExpertLora::new(e * parts, i, d, r, scaling, &device), e));
                 }
             }
         }

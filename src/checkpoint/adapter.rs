@@ -133,9 +133,21 @@ fn experts_stem(name: &str, param: &str, both: bool) -> String {
 /// all listed at once — every missing, unexpected or mis-shaped adapter tensor (an adapter
 /// for another base shows here).
 pub fn load_adapter<B: Backend>(model: Glm5ForCausalLM<B>, dir: &Path) -> Result<(Glm5ForCausalLM<B>, LoraConfig, Attached), CheckpointError> {
+    load_adapter_shard(model, dir, None)
+}
+
+/// [`load_adapter`] onto a model loaded with one expert-parallel rank's experts
+/// ([`super::LoadOptions::experts`] = `experts`): the file holds every expert's adapters, the
+/// model keeps its experts' rows.
+pub fn load_adapter_shard<B: Backend>(
+    model: Glm5ForCausalLM<B>,
+    dir: &Path,
+    experts: Option<&super::select::ExpertShard>,
+) -> Result<(Glm5ForCausalLM<B>, LoraConfig, Attached), CheckpointError> {
+    let (part, parts) = experts.map_or((0, 1), |s| (s.rank, s.size));
     let config = read_adapter_config(dir)?;
     let (mut model, attached) =
-        attach_with(model, &config, false).map_err(|error| CheckpointError::Lora { path: dir.join(ADAPTER_CONFIG), error: Box::new(error) })?;
+        attach_with(model, &config, false, None).map_err(|error| CheckpointError::Lora { path: dir.join(ADAPTER_CONFIG), error: Box::new(error) })?;
     let path = dir.join(ADAPTER_WEIGHTS);
     let files = SafetensorsFiles::open_file(&path)?;
     let mut problems = Vec::new();
@@ -176,13 +188,19 @@ pub fn load_adapter<B: Backend>(model: Glm5ForCausalLM<B>, dir: &Path) -> Result
                 let both = ex.lora_gate_up.is_some() && ex.lora_down.is_some();
                 for (p, ad) in [("gate_up_proj", ex.lora_gate_up.as_mut()), ("down_proj", ex.lora_down.as_mut())] {
                     let Some(ad) = ad else { continue };
-                    let ([e, k, r], [_, _, m]) = (ad.a.dims(), ad.b.dims());
+                    let ([local, k, r], [_, _, m]) = (ad.a.dims(), ad.b.dims());
+                    let e = local * parts;
                     let stem = experts_stem(&name, p, both);
                     let a = read(Slot { key: format!("{stem}.lora_A.weight"), peft_shape: vec![e * r, k] }, &mut problems);
                     let b = read(Slot { key: format!("{stem}.lora_B.weight"), peft_shape: vec![m, r * e] }, &mut problems);
                     if let (Some(a), Some(b)) = (a, b) {
-                        ad.a = param(&ad.a, experts_a_from_peft(&a, e, k, r), [e, k, r]);
-                        ad.b = param(&ad.b, experts_b_from_peft(&b, e, r, m), [e, r, m]);
+                        // this rank's experts: a contiguous block of the stacks in our layout
+                        let mine = |v: Vec<f32>| {
+                            let w = v.len() / e;
+                            v[part * local * w..(part + 1) * local * w].to_vec()
+                        };
+                        ad.a = param(&ad.a, mine(experts_a_from_peft(&a, e, k, r)), [local, k, r]);
+                        ad.b = param(&ad.b, mine(experts_b_from_peft(&b, e, r, m)), [local, r, m]);
                     }
                 }
             }

@@ -277,6 +277,34 @@ pub(crate) fn expert_parallel_model<B: burn::tensor::backend::Backend>(
     Ok(model)
 }
 
+/// `model` with every MoE layer's LoRA stacks gathered whole over its expert-parallel group
+/// (rank order is expert order) and the layers marked whole, for saving the adapters; the
+/// experts' base stacks stay this rank's. A collective call over every expert-parallel group;
+/// without expert parallelism `model` comes back as it is.
+pub fn gather_expert_adapters<B: burn::tensor::backend::Backend>(mut model: Glm5ForCausalLM<B>) -> Result<Glm5ForCausalLM<B>, DistError> {
+    fn whole<B: burn::tensor::backend::Backend>(p: &Param<Tensor<B, 3>>, g: &dyn ProcessGroup) -> Result<Param<Tensor<B, 3>>, DistError> {
+        let t = p.val();
+        let [e, k, r] = t.dims();
+        let local = t
+            .to_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| DistError::Counts { op: "gathering expert adapters", message: format!("{e:?}") })?;
+        let all = all_gather(g, &local)?;
+        let data = TensorData::new(all, [e * g.size(), k, r]);
+        Ok(Param::initialized(p.id, Tensor::from_data(data, &t.device())))
+    }
+    for layer in model.language_model.layers.iter_mut() {
+        let Ffn::Moe(moe) = &mut layer.mlp else { continue };
+        let Some(ep) = moe.experts.parallel.take() else { continue };
+        for lora in [moe.experts.lora_gate_up.as_mut(), moe.experts.lora_down.as_mut()].into_iter().flatten() {
+            lora.a = whole(&lora.a, &*ep.group)?;
+            lora.b = whole(&lora.b, &*ep.group)?;
+        }
+    }
+    Ok(model)
+}
+
 /// The shard plan of a sharded model.
 pub fn plan_of<B: burn::tensor::backend::Backend>(model: &Glm5ForCausalLM<B>) -> Option<&Arc<ShardPlan>> {
     model.language_model.shards.as_ref()

@@ -98,7 +98,8 @@ pub(crate) fn save_model<B: Backend>(
     let (rank, size) = (g.rank(), g.size());
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
     let kernel_shapes = config.kernel_shapes();
-    let snaps = model.collect(None, None, true);
+    // LoRA adapters are not part of the base checkpoint (`adapter::save_adapter` writes them)
+    let snaps: Vec<TensorSnapshot> = model.collect(None, None, true).into_iter().filter(|s| !crate::peft::is_adapter_path(&s.full_path())).collect();
     let experts = expert_rows(model);
     let writers = match &experts {
         Some(ex) => expert_writers(g, ex).map_err(dist)?,

@@ -255,9 +255,14 @@ where
         // `freeze_config` says: `attach` (or, resuming, `load_adapter`) froze the base, and
         // freezing the model with its adapters would freeze the vision tower's with the tower
         let mut model = if options.peft.is_some() { model } else { freeze(model, &options.freeze) };
+        // a seeded base draws its lazily initialised weights now, before the adapters draw
+        // theirs: the same base with and without LoRA, on every mesh
+        materialize(&model);
         if let Some(peft) = &options.peft {
             if !crate::peft::has_adapters(&mut model) {
-                model = crate::peft::attach(model, &peft.config).map_err(|e| TrainError::Lora(Box::new(e)))?.0;
+                // a model loaded with this rank's experts only draws every expert's adapter
+                let shard = Self::expert_shard(&options).filter(|s| model.num_experts > 0 && expert_stacks(&model) * s.size == model.num_experts);
+                model = crate::peft::attach_shard(model, &peft.config, shard.as_ref()).map_err(|e| TrainError::Lora(Box::new(e)))?.0;
             }
         }
         materialize(&model);
@@ -549,7 +554,28 @@ where
             return ckpt::write_group(root, &state, keep_last, &**plan.group(), |dir: &Path| -> Result<(), TrainError> {
                 let model_dir = dir.join("model");
                 let at = |source| TrainError::Checkpoint { dir: model_dir.clone(), source };
-                sharded::save_model(self.model(), plan, config, &model_dir).map_err(at)?;
+                // a LoRA run: the adapters, gathered whole (they are small), written by rank 0
+                // in PEFT's format; the base (only without a base checkpoint) as a full run's
+                let model_dir = match &self.options.peft {
+                    Some(peft) => {
+                        let adapter_dir = dir.join("adapter");
+                        let at = |source| TrainError::Checkpoint { dir: adapter_dir.clone(), source };
+                        let whole = super::data_parallel::gather_expert_adapters(super::data_parallel::unshard_model(self.model().clone()))
+                            .map_err(|e| at(crate::checkpoint::CheckpointError::Internal(format!("gathering the adapters: {e}"))))?;
+                        if peft.base.is_none() {
+                            sharded::save_model(self.model(), plan, config, &model_dir)
+                                .map_err(|source| TrainError::Checkpoint { dir: model_dir.clone(), source })?;
+                        }
+                        if rank == 0 {
+                            crate::checkpoint::adapter::save_adapter(&whole, &peft.config, &adapter_dir).map_err(at)?;
+                        }
+                        adapter_dir
+                    }
+                    None => {
+                        sharded::save_model(self.model(), plan, config, &model_dir).map_err(at)?;
+                        model_dir
+                    }
+                };
                 if rank == 0 {
                     for f in extra_files {
                         let name = f.file_name().ok_or_else(|| file(f, "not a file name".into()))?;
@@ -619,7 +645,7 @@ where
                     "this checkpoint is a LoRA run's (adapters on a base): resume it with the recipe's `peft` section".into(),
                 ));
             }
-            loaded.model = crate::checkpoint::adapter::load_adapter(loaded.model, &adapter_dir)
+            loaded.model = crate::checkpoint::adapter::load_adapter_shard(loaded.model, &adapter_dir, load.experts.as_ref())
                 .map_err(|source| TrainError::Checkpoint { dir: adapter_dir.clone(), source })?
                 .0;
         }
@@ -706,4 +732,17 @@ fn update_router_bias<B: AutodiffBackend>(
         moe.gate.add_to_bias(&result?);
     }
     Ok(())
+}
+
+/// The routed experts each MoE layer of `model` holds (0 without MoE layers).
+fn expert_stacks<B: burn::tensor::backend::Backend>(model: &Glm5ForCausalLM<B>) -> usize {
+    model
+        .language_model
+        .layers
+        .iter()
+        .find_map(|layer| match &layer.mlp {
+            crate::text::decoder::Ffn::Moe(moe) => Some(moe.experts.gate_proj.dims()[0]),
+            _ => None,
+        })
+        .unwrap_or(0)
 }
