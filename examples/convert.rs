@@ -3,8 +3,12 @@
 //! ```text
 //! cargo run --release --example convert -- --input FP8_DIR --output BF16_DIR [--dtype bf16|f32] [--max-shard-size 5GB]
 //! cargo run --release --example convert -- --inspect DIR      # DIR may hold only config.json
-//! cargo run --release --example convert -- --input BASE --merge-lora ADAPTER --output MERGED [--dtype bf16|f32]
+//! cargo run --release --example convert -- --input BASE --merge-lora ADAPTER --output MERGED [--dtype bf16|f32|fp8]
 //! ```
+//!
+//! With `--merge-lora`, `--dtype fp8` re-quantises the weights that `BASE` holds in FP8 (its
+//! block size, fresh block scales from the merged values) and writes every other tensor in the
+//! dtype `BASE` stores it in: a merge onto the FP8 release is a checkpoint of the same layout.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -28,8 +32,10 @@ struct Args {
     /// Output directory (must not exist or be empty).
     #[arg(long, required_unless_present = "inspect")]
     output: Option<PathBuf>,
-    /// Dtype of the dequantised weights.
-    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    /// Dtype of the dequantised weights; `fp8` only with `--merge-lora` (the weights `--input`
+    /// holds in FP8 are re-quantised with fresh block scales, the others written in the dtype
+    /// `--input` stores them in).
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32", "fp8"])]
     dtype: String,
     /// Largest output shard, e.g. 5GB, 500MB.
     #[arg(long, default_value = "5GB")]
@@ -72,7 +78,10 @@ fn run(args: Args) -> Result<()> {
     let (input, output) = (args.input.expect("clap requires it"), args.output.expect("clap requires it"));
     if let Some(adapter) = &args.merge_lora {
         glm5_burn::io::check_output_dir("--output", &output, &[("--input", &input), ("--merge-lora", adapter)])?;
-        return merge_lora(&input, adapter, &output, if args.dtype == "f32" { burn::tensor::DType::F32 } else { burn::tensor::DType::BF16 });
+        return merge_lora(&input, adapter, &output, &args.dtype);
+    }
+    if args.dtype == "fp8" {
+        bail!("--dtype fp8 writes a merged checkpoint: use it with --merge-lora (conversion dequantises FP8 to bf16 or f32)");
     }
     glm5_burn::io::check_output_dir("--output", &output, &[("--input", &input)])?;
     let opts =
@@ -105,10 +114,13 @@ fn run(args: Args) -> Result<()> {
 }
 
 /// `--merge-lora`: base + adapter → one HF checkpoint with `W + s·A·B` in every adapted weight.
-fn merge_lora(input: &Path, adapter: &Path, output: &Path, dtype: burn::tensor::DType) -> Result<()> {
-    use glm5_burn::checkpoint::{load_causal_lm, save_causal_lm, CheckpointError, LoadOptions};
+fn merge_lora(input: &Path, adapter: &Path, output: &Path, dtype: &str) -> Result<()> {
+    use glm5_burn::checkpoint::{load_causal_lm, save_causal_lm, save_causal_lm_fp8, CheckpointError, Fp8Output, LoadOptions};
     type B = burn::backend::Flex;
     let start = std::time::Instant::now();
+    // FP8 output: which weights, known before the long load; merged in f32, quantised once
+    let fp8 = if dtype == "fp8" { Some(Fp8Output::like(input).context("--dtype fp8")?) } else { None };
+    let dtype = if dtype == "bf16" { burn::tensor::DType::BF16 } else { burn::tensor::DType::F32 };
     let device = Default::default();
     // keep the vision tower when the checkpoint has one (a merged VLM stays a VLM)
     let loaded = match load_causal_lm::<B>(input, &device, &LoadOptions { vision: true, ..LoadOptions::with_dtype(dtype) }) {
@@ -117,7 +129,10 @@ fn merge_lora(input: &Path, adapter: &Path, output: &Path, dtype: burn::tensor::
     };
     let (model, config, attached) = glm5_burn::checkpoint::adapter::load_adapter(loaded.model, adapter)?;
     let merged = glm5_burn::peft::merge(model);
-    save_causal_lm(&merged, &loaded.config, output)?;
+    match &fp8 {
+        None => save_causal_lm(&merged, &loaded.config, output)?,
+        Some(fp8) => save_causal_lm_fp8(&merged, &loaded.config, output, fp8)?,
+    };
     println!(
         "wrote {}: {} merged with {} (r {}, alpha {}: {attached}) in {:.1?}",
         output.display(),

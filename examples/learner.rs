@@ -27,7 +27,7 @@ use burn::train::renderer::{
 };
 use burn::train::{Learner, SupervisedTraining};
 use clap::{CommandFactory, FromArgMatches, Parser};
-use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
+use glm5_burn::checkpoint::load_causal_lm;
 use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::image_processor::ImageProcessor;
@@ -206,7 +206,7 @@ fn main() -> Result<()> {
     let val_items = LmItem::from_global_batches(val_batches.iter().map(|m| vec![m.clone()]).collect(), vocab, 0.0, &options.forward);
 
     let model: Glm5ForCausalLM<B> = match &recipe.model.checkpoint {
-        Some(dir) => load_causal_lm::<B>(dir, &device, &LoadOptions { vision: true, ..Default::default() })?.model,
+        Some(dir) => load_causal_lm::<B>(dir, &device, &options.base_load_options(true))?.model,
         None => Glm5ForCausalLM::<B>::try_new_with_vision(&config, None, &device)?,
     };
     let model = freeze(model, &recipe.freeze_config);

@@ -217,13 +217,14 @@ pub fn attach<B: Backend>(model: Glm5ForCausalLM<B>, config: &LoraConfig) -> Res
 }
 
 /// [`attach`] onto a model loaded with one expert-parallel rank's experts
-/// ([`crate::checkpoint::LoadOptions::experts`] = `experts`): the experts' adapters are drawn
+/// ([`crate::checkpoint::LoadOptions::experts`]; `experts` = `(rank, ranks)` of the
+/// expert-parallel group): the experts' adapters are drawn
 /// for every expert, as one process draws them, and this rank keeps its experts' — so a run
 /// under expert parallelism starts from the adapters of the same run in one process.
 pub fn attach_shard<B: Backend>(
     model: Glm5ForCausalLM<B>,
     config: &LoraConfig,
-    experts: Option<&crate::checkpoint::select::ExpertShard>,
+    experts: Option<(usize, usize)>,
 ) -> Result<(Glm5ForCausalLM<B>, Attached), LoraError> {
     attach_with(model, config, true, experts)
 }
@@ -234,9 +235,9 @@ pub(crate) fn attach_with<B: Backend>(
     model: Glm5ForCausalLM<B>,
     config: &LoraConfig,
     check_rank: bool,
-    experts: Option<&crate::checkpoint::select::ExpertShard>,
+    experts: Option<(usize, usize)>,
 ) -> Result<(Glm5ForCausalLM<B>, Attached), LoraError> {
-    let (part, parts) = experts.map_or((0, 1), |s| (s.rank, s.size));
+    let (part, parts) = experts.unwrap_or((0, 1));
     // every expert's adapter drawn, this rank's kept (the draws of one process)
     let mine = |l: ExpertLora<B>, local: usize| match parts {
         1 => l,
@@ -436,8 +437,14 @@ pub fn merge<B: Backend>(mut model: Glm5ForCausalLM<B>) -> Glm5ForCausalLM<B> {
         match site {
             Site::Linear(l) => {
                 if l.lora.is_some() {
-                    let merged = l.effective_weight();
-                    l.weight = l.weight.clone().map(|_| merged);
+                    // an FP8 base merges into a dense f32 weight (a merged FP8 checkpoint is
+                    // re-quantised when written: `checkpoint::save_causal_lm_fp8`)
+                    let merged = l.effective_weight(DType::F32);
+                    l.weight = Some(match l.weight.take() {
+                        Some(w) => w.map(|_| merged),
+                        None => burn::module::Param::initialized(burn::module::ParamId::new(), merged),
+                    });
+                    l.fp8 = None;
                     l.lora = None;
                 }
             }

@@ -1213,8 +1213,20 @@ mod mpi_engine {
             let router = sum(par.gate.weight.val().grad(&gp).unwrap().into_data().into_vec::<f32>().unwrap());
             let router_ref = moe.gate.weight.val().grad(&gr).unwrap().into_data().into_vec::<f32>().unwrap();
             worst[2] = worst[2].max(rel(&router, &router_ref));
-            let shared = sum(par.shared_experts.down_proj.weight.val().grad(&gp).unwrap().into_data().into_vec::<f32>().unwrap());
-            let shared_ref = moe.shared_experts.down_proj.weight.val().grad(&gr).unwrap().into_data().into_vec::<f32>().unwrap();
+            let shared = sum(par
+                .shared_experts
+                .down_proj
+                .weight
+                .as_ref()
+                .expect("a dense weight")
+                .val()
+                .grad(&gp)
+                .unwrap()
+                .into_data()
+                .into_vec::<f32>()
+                .unwrap());
+            let shared_ref =
+                moe.shared_experts.down_proj.weight.as_ref().expect("a dense weight").val().grad(&gr).unwrap().into_data().into_vec::<f32>().unwrap();
             worst[2] = worst[2].max(rel(&shared, &shared_ref));
             assert!(worst.iter().all(|&w| w <= 1e-5), "rank {r} of {n}, skew {skew}: output / input grad / param grads {worst:?}");
             println!("rank {r} of {n}: expert-parallel MoE ({experts} experts, skew {skew}) matches the whole layer: {worst:?}");
@@ -1467,7 +1479,7 @@ mod mpi_engine {
         )
         .unwrap();
         let mut options = TrainOptions::from_recipe(&recipe);
-        options.peft = Some(PeftOptions { config: lora, base: None });
+        options.peft = Some(PeftOptions { config: lora, base: None, fp8_base: false });
         let mut mesh = options.clone();
         mesh.parallel.data_parallel = Some(g.clone() as Group);
         mesh.parallel.expert_parallel = p;

@@ -637,3 +637,114 @@ fn fused_cross_entropy_matches_reference_ops_and_autodiff() {
         }
     }
 }
+
+/// An FP8 weight with random codes (NaN codes excluded) and positive block scales.
+fn fp8_case(m: usize, k: usize, block: [usize; 2], seed: u64) -> (Vec<u8>, Vec<f32>) {
+    let mut rng = Rng(seed);
+    let codes: Vec<u8> = (0..m * k).map(|_| ((rng.next() + 1.0) * 127.99) as u8).map(|b| if b & 0x7F == 0x7F { b ^ 1 } else { b }).collect();
+    let grid = [m.div_ceil(block[0]), k.div_ceil(block[1])];
+    let scales = (0..grid[0] * grid[1]).map(|_| 2f32.powf(-8.0 + 3.0 * rng.next())).collect();
+    (codes, scales)
+}
+
+/// `W` `[m, k]` dequantised on the host, independently of the library's dequantisers: the
+/// E4M3 table (checked against PyTorch's cast in `tests/fp8.rs`) times the block's scale,
+/// rounded through BF16.
+fn fp8_oracle_weight(codes: &[u8], scales: &[f32], m: usize, k: usize, block: [usize; 2]) -> Vec<f64> {
+    let gk = k.div_ceil(block[1]);
+    (0..m * k)
+        .map(|i| {
+            let (r, c) = (i / k, i % k);
+            let v = glm5_burn::checkpoint::fp8::E4M3_TABLE[codes[i] as usize] * scales[(r / block[0]) * gk + c / block[1]];
+            half::bf16::from_f32(v).to_f64()
+        })
+        .collect()
+}
+
+/// `a` `[n, p]` · `b` (`[p, q]`, or its transpose `[q, p]` with `bt`) in f64.
+fn matmul64(a: &[f64], b: &[f64], n: usize, p: usize, q: usize, bt: bool) -> Vec<f64> {
+    let mut out = vec![0f64; n * q];
+    for i in 0..n {
+        for j in 0..q {
+            out[i * q + j] = (0..p).map(|l| a[i * p + l] * if bt { b[j * p + l] } else { b[l * q + j] }).sum();
+        }
+    }
+    out
+}
+
+fn f32s_of(v: &[f64]) -> Vec<f32> {
+    v.iter().map(|&x| x as f32).collect()
+}
+
+/// `fp8_linear` (`ops::fp8_linear`): Flex's panel body and the reference tensor ops against an
+/// independent f64 product on the host-dequantised weight — partial edge blocks, a product
+/// above the parallel threshold, several panels, with and without bias; `∂x` and `∂b` through
+/// `Autodiff<Flex>`; BF16 inputs against the f32 result of the same BF16 values, rounded once.
+#[test]
+fn fused_fp8_linear_matches_the_dequantised_product_and_autodiff() {
+    use glm5_burn::ops::backend::fp8_matmul_bias;
+    use glm5_burn::ops::fp8_linear::{reference_backward, reference_forward};
+    let cases = [(5, 40, 37, [16, 16], true), (3, 300, 260, [128, 128], false), (200, 256, 384, [128, 128], true), (1, 64, 130, [128, 32], false)];
+    for (i, &(n, k, m, block, with_bias)) in cases.iter().enumerate() {
+        let what = format!("fp8_linear [{n}, {k}] → {m}, blocks {block:?}, bias {with_bias}");
+        let (codes, scales) = fp8_case(m, k, block, 40 + i as u64);
+        let grid = [m.div_ceil(block[0]), k.div_ceil(block[1])];
+        let mut rng = Rng(90 + i as u64);
+        let (x, bias, g) = (rng.vec(n * k, 1.0), rng.vec(m, 0.5), rng.vec(n * m, 1.0));
+        let w = fp8_oracle_weight(&codes, &scales, m, k, block);
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let mut want = matmul64(&x64, &w, n, k, m, true);
+        if with_bias {
+            want.iter_mut().enumerate().for_each(|(j, v)| *v += bias[j % m] as f64);
+        }
+        let g64: Vec<f64> = g.iter().map(|&v| v as f64).collect();
+        let want_dx = f32s_of(&matmul64(&g64, &w, n, m, k, false));
+        let want_db: Vec<f32> = (0..m).map(|j| (0..n).map(|r| g[r * m + j]).sum()).collect();
+
+        let codes_t = |d: &_| {
+            Tensor::<Flex, 2, burn::tensor::Int>::from_data(burn::tensor::TensorData::new(codes.clone(), [m, k]), (d, burn::tensor::DType::U8))
+        };
+        let dev = Default::default();
+        assert_eq!(codes_t(&dev).dtype(), burn::tensor::DType::U8, "codes stay a byte each (Flex's panel body runs)");
+        let b = with_bias.then(|| t::<Flex, 1>(&bias, [m]));
+        let fused = fp8_matmul_bias(t::<Flex, 2>(&x, [n, k]), codes_t(&dev), t::<Flex, 2>(&scales, grid), block, b.clone());
+        check(&format!("{what}: Flex forward"), &host(fused), &f32s_of(&want));
+        let reference = reference_forward(t::<Flex, 2>(&x, [n, k]), codes_t(&dev), t::<Flex, 2>(&scales, grid), block, b);
+        check(&format!("{what}: reference forward"), &host(reference), &f32s_of(&want));
+        let dx = reference_backward(t::<Flex, 2>(&g, [n, m]), codes_t(&dev), t::<Flex, 2>(&scales, grid), block);
+        check(&format!("{what}: reference ∂x"), &host(dx), &want_dx);
+
+        // through Autodiff<Flex>: the hand-written backward (Flex's panel body)
+        let xa = t::<A, 2>(&x, [n, k]).require_grad();
+        let ba = with_bias.then(|| t::<A, 1>(&bias, [m]).require_grad());
+        let codes_a =
+            Tensor::<A, 2, burn::tensor::Int>::from_data(burn::tensor::TensorData::new(codes.clone(), [m, k]), (&dev, burn::tensor::DType::U8));
+        let y = fp8_matmul_bias(xa.clone(), codes_a, t::<A, 2>(&scales, grid), block, ba.clone());
+        let grads = (y * t::<A, 2>(&g, [n, m])).sum().backward();
+        check(&format!("{what}: ∂x (autodiff)"), &host(xa.grad(&grads).expect("∂x")), &want_dx);
+        if let Some(ba) = ba {
+            check(&format!("{what}: ∂b (autodiff)"), &host(ba.grad(&grads).expect("∂b")), &want_db);
+        }
+
+        // BF16 input: the f32 product of the same BF16 values (as Flex's cast rounds them: it
+        // differs from `half`'s on rare values), rounded once
+        let bf = |v: &[f32], dims: [usize; 2]| t::<Flex, 2>(v, dims).cast(burn::tensor::DType::BF16);
+        let xb = host(bf(&x, [n, k]).cast(burn::tensor::DType::F32));
+        let xb64: Vec<f64> = xb.iter().map(|&v| v as f64).collect();
+        let mut want_b = matmul64(&xb64, &w, n, k, m, true);
+        if with_bias {
+            let bb = host(t::<Flex, 1>(&bias, [m]).cast(burn::tensor::DType::BF16).cast(burn::tensor::DType::F32));
+            want_b.iter_mut().enumerate().for_each(|(j, v)| *v += bb[j % m] as f64);
+        }
+        let want_b: Vec<f32> = want_b.iter().map(|&v| half::bf16::from_f64(v).to_f32()).collect();
+        // the f32 sums' own order error where terms cancel: γ_K · Σ|terms| (Higham's bound)
+        let abs_x: Vec<f64> = xb64.iter().map(|v| v.abs()).collect();
+        let abs_w: Vec<f64> = w.iter().map(|v| v.abs()).collect();
+        let slack: Vec<f32> = matmul64(&abs_x, &abs_w, n, k, m, true).iter().map(|&v| (v * k as f64 * 2f64.powi(-24)) as f32).collect();
+        let bias_bf = with_bias.then(|| t::<Flex, 1>(&bias, [m]).cast(burn::tensor::DType::BF16));
+        let y = fp8_matmul_bias(bf(&x, [n, k]), codes_t(&dev), t::<Flex, 2>(&scales, grid), block, bias_bf);
+        assert_eq!(y.dtype(), burn::tensor::DType::BF16, "{what}: BF16 in, BF16 out");
+        let got = host(y.cast(burn::tensor::DType::F32));
+        check_bf16_slack(&format!("{what}: BF16 forward"), &got, &want_b, &slack);
+    }
+}

@@ -36,7 +36,7 @@ use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoChe
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use clap::{CommandFactory, FromArgMatches, Parser};
-use glm5_burn::checkpoint::{load_causal_lm, CheckpointConfig, LoadOptions};
+use glm5_burn::checkpoint::{load_causal_lm, CheckpointConfig};
 use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::fingerprint::DataFingerprint;
@@ -510,7 +510,7 @@ where
                 // an expert-parallel rank reads only its experts (seeded weights: every rank
                 // builds the same whole model and keeps its experts)
                 Some(dir) => {
-                    let load = LoadOptions { vision: true, experts: Trainer::<B>::expert_shard(&options), ..Default::default() };
+                    let load = options.base_load_options(true);
                     load_causal_lm::<B>(dir, &device, &load)?.model
                 }
                 None => Glm5ForCausalLM::<B>::try_new_with_vision(&config, None, &device)?,

@@ -136,6 +136,12 @@ pub enum CheckpointError {
         /// The tensor's checkpoint name.
         name: String,
     },
+    /// An FP8 base, or FP8 output modelled on a checkpoint, from one that holds no FP8 weight.
+    #[error("{dir}: no FP8 weight (no `*_scale_inv` tensor): an FP8 base and FP8 output take the weights an FP8 checkpoint holds in FP8")]
+    NotFp8Checkpoint {
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
     /// A module tensor could not be converted or read back (saving).
     #[error("module tensor `{path}`: {message}")]
     ModuleTensor {

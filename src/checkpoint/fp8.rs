@@ -14,50 +14,8 @@
 
 use safetensors::tensor::Dtype;
 
-/// E4M3FN value of every byte (NaN for `0x7F` and `0xFF`), built from the bit fields.
-pub const E4M3_TABLE: [f32; 256] = build_e4m3_table();
-
-const fn build_e4m3_table() -> [f32; 256] {
-    let mut t = [0f32; 256];
-    let mut b = 0;
-    while b < 256 {
-        let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-        let e = ((b >> 3) & 0xF) as i32;
-        let m = (b & 7) as f32;
-        t[b] = if e == 15 && (b & 7) == 7 {
-            f32::NAN
-        } else if e == 0 {
-            sign * m / 8.0 / 64.0 // 2^-6 · m/8
-        } else {
-            sign * pow2(e - 7) * (1.0 + m / 8.0)
-        };
-        b += 1;
-    }
-    t
-}
-
-const fn pow2(e: i32) -> f32 {
-    let mut v = 1.0f32;
-    let mut i = 0;
-    if e >= 0 {
-        while i < e {
-            v *= 2.0;
-            i += 1;
-        }
-    } else {
-        while i < -e {
-            v /= 2.0;
-            i += 1;
-        }
-    }
-    v
-}
-
-/// Decode one E4M3FN byte.
-#[inline]
-pub(crate) fn e4m3_to_f32(b: u8) -> f32 {
-    E4M3_TABLE[b as usize]
-}
+pub(crate) use crate::ops::e4m3::{e4m3_to_f32, f32_to_e4m3};
+pub use crate::ops::e4m3::{E4M3_MAX, E4M3_TABLE};
 
 /// Decode one UE8M0 byte: `2^(e − 127)`, NaN for `0xFF`.
 #[inline]
@@ -173,21 +131,44 @@ pub(crate) fn dequantize_rows(
     Ok(())
 }
 
+/// Quantise a row-major `[rows, cols]` weight to E4M3FN with one scale per block of `grid`,
+/// as transformers' fine-grained FP8 quantiser does (`integrations/finegrained_fp8.py`,
+/// `Fp8Quantize`): per block `s = 448 / amax`, codes `e4m3(clamp(w · s, ±448))`, and the stored
+/// `weight_scale_inv = 1 / s` (which multiplies on dequantisation, [`dequantize_rows`]). An
+/// all-zero block gets scale 1 (HF's formula would divide by zero). Returns `(codes, scales)`,
+/// the scales `grid.scale_shape()` row-major; `Err((row, col))` names a non-finite weight.
+pub(crate) fn quantize_blocks(values: &[f32], grid: BlockGrid) -> Result<(Vec<u8>, Vec<f32>), (usize, usize)> {
+    let BlockGrid { rows, cols, block_rows, block_cols } = grid;
+    debug_assert_eq!(values.len(), rows * cols);
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        return Err((i / cols.max(1), i % cols.max(1)));
+    }
+    let [grid_rows, grid_cols] = grid.scale_shape();
+    let mut scales = vec![1f32; grid_rows * grid_cols];
+    let mut codes = vec![0u8; values.len()];
+    for br in 0..grid_rows {
+        let rs = br * block_rows..((br + 1) * block_rows).min(rows);
+        for bc in 0..grid_cols {
+            let cs = bc * block_cols..((bc + 1) * block_cols).min(cols);
+            let amax = rs.clone().flat_map(|r| values[r * cols + cs.start..r * cols + cs.end].iter()).fold(0f32, |m, v| m.max(v.abs()));
+            if amax == 0.0 {
+                continue; // codes stay 0, scale 1
+            }
+            let s = E4M3_MAX / amax;
+            scales[br * grid_cols + bc] = 1.0 / s;
+            for r in rs.clone() {
+                for c in cs.clone() {
+                    codes[r * cols + c] = f32_to_e4m3((values[r * cols + c] * s).clamp(-E4M3_MAX, E4M3_MAX));
+                }
+            }
+        }
+    }
+    Ok((codes, scales))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn e4m3_landmarks() {
-        assert_eq!(e4m3_to_f32(0x00), 0.0);
-        assert_eq!(e4m3_to_f32(0x80), -0.0);
-        assert_eq!(e4m3_to_f32(0x7E), 448.0);
-        assert_eq!(e4m3_to_f32(0xFE), -448.0);
-        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9)); // smallest subnormal
-        assert_eq!(e4m3_to_f32(0x38), 1.0);
-        assert!(e4m3_to_f32(0x7F).is_nan() && e4m3_to_f32(0xFF).is_nan());
-        assert_eq!(E4M3_TABLE.iter().filter(|v| v.is_nan()).count(), 2);
-    }
 
     #[test]
     fn e8m0_landmarks() {
@@ -219,5 +200,31 @@ mod tests {
         assert_eq!(dequantize_rows(&[0x38, 0x7F], &[1.0, 1.0], grid, 0, true, &mut out), Err(DequantError::NaN { row: 0, col: 1 }));
         assert!(matches!(dequantize_rows(&[0x38, 0x38], &[1.0, f32::NAN], grid, 0, true, &mut out), Err(DequantError::BadScale { .. })));
         assert_eq!(dequantize_rows(&[0x7E, 0x38], &[f32::MAX, 1.0], grid, 0, true, &mut out), Err(DequantError::Inf { row: 0, col: 0 }));
+    }
+
+    #[test]
+    fn block_quantisation_round_trips_within_half_a_step() {
+        // 5 × 7 weight in 2 × 3 blocks (partial edge blocks), one block all zero
+        let grid = BlockGrid { rows: 5, cols: 7, block_rows: 2, block_cols: 3 };
+        let mut w: Vec<f32> = (0..35).map(|i| (i as f32 * 0.37).sin() * 10f32.powi(i % 4 - 2)).collect();
+        for (r, c) in [(0, 3), (0, 4), (0, 5), (1, 3), (1, 4), (1, 5)] {
+            w[r * 7 + c] = 0.0;
+        }
+        let (codes, scales) = quantize_blocks(&w, grid).unwrap();
+        assert_eq!(scales.len(), 3 * 3);
+        assert_eq!(scales[1], 1.0, "the all-zero block keeps scale 1");
+        let mut back = vec![0f32; 35];
+        dequantize_rows(&codes, &scales, grid, 0, false, &mut back).unwrap();
+        for (i, (&x, &y)) in w.iter().zip(&back).enumerate() {
+            let (r, c) = (i / 7, i % 7);
+            let s = scales[(r / 2) * 3 + c / 3];
+            // half an E4M3 step at x's magnitude (3 mantissa bits; subnormal step 2^-9 · s)
+            let step = (x.abs() / s).max(2f32.powi(-6)).log2().floor().exp2() / 8.0 * s;
+            assert!((x - y).abs() <= step / 2.0 * 1.0001, "[{r}, {c}]: {x} -> {y} (step {step})");
+        }
+        // each block's largest magnitude lands on ±448 · scale exactly
+        let amax0 = (0..2).flat_map(|r| (0..3).map(move |c| (r, c))).map(|(r, c)| w[r * 7 + c].abs()).fold(0f32, f32::max);
+        assert!((scales[0] * 448.0 - amax0).abs() <= amax0 * 1e-6);
+        assert_eq!(quantize_blocks(&[1.0, f32::NAN], BlockGrid { rows: 1, cols: 2, block_rows: 1, block_cols: 2 }), Err((0, 1)));
     }
 }

@@ -55,11 +55,18 @@ pub struct LoadOptions {
     /// other experts' bytes are not read). The model then holds those experts only and needs
     /// its expert-parallel group before it runs ([`crate::text::moe::Experts::parallel`]).
     pub experts: Option<select::ExpertShard>,
+    /// Keep the projections (`Linear` layers: attention, MLP, shared experts, vision tower)
+    /// that the checkpoint holds in FP8 — E4M3 with a `weight_scale_inv` — in FP8 in memory:
+    /// frozen, a byte a weight, dequantised per use ([`crate::text::fp8_weight`]). Off: they
+    /// are dequantised into `dtype` at load. The routed experts are dequantised either way
+    /// (not yet kept in FP8), and so are the DSA indexer's projections; weights the checkpoint
+    /// stores in BF16/F32 load into `dtype` as usual.
+    pub fp8_base: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { dtype: DType::F32, strict: true, vision: false, vision_rms_eps: None, allow_non_finite: false, experts: None }
+        Self { dtype: DType::F32, strict: true, vision: false, vision_rms_eps: None, allow_non_finite: false, experts: None, fp8_base: false }
     }
 }
 
@@ -161,6 +168,12 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
         // room for this rank's experts only, before anything materialises the full stacks
         model.keep_experts(owned.len(), tc, device);
     }
+    // FP8-resident projections: read as stored, before planning (their weights then need no
+    // plan); the checkpoint names they consumed
+    if opts.fp8_base && files.fp8_scales.is_empty() {
+        return Err(CheckpointError::NotFp8Checkpoint { dir: dir.to_path_buf() });
+    }
+    let fp8_taken = if opts.fp8_base { keep_fp8(&mut model, &files, device)? } else { std::collections::BTreeSet::new() };
     let planned = plan(&model, owned.clone())?;
 
     // --- validation: every problem in one report ---
@@ -197,7 +210,10 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
     let mut unexpected = Vec::new();
     let mut skipped = Vec::new();
     for name in files.tensors.keys() {
-        if expected.contains_key(name.as_str()) || files.is_scale(name) && expected.contains_key(name.trim_end_matches("_scale_inv")) {
+        if expected.contains_key(name.as_str())
+            || files.is_scale(name) && expected.contains_key(name.trim_end_matches("_scale_inv"))
+            || fp8_taken.contains(name)
+        {
             continue;
         }
         let tied_head = config.tie_word_embeddings && name == "lm_head.weight";
@@ -269,6 +285,61 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
     }
     let bytes_read = files.bytes_read();
     Ok(LoadedModel { config: checkpoint_config, model, skipped, bytes_read })
+}
+
+/// `t` (F32/BF16/F16 bytes) stored as `dtype` instead.
+fn recast(t: &OwnedTensor, dtype: Dtype) -> OwnedTensor {
+    let values = dtype::decode_f32(t.dtype, &t.data).unwrap_or_default();
+    OwnedTensor { dtype, shape: t.shape.clone(), data: encode(&values, dtype) }
+}
+
+/// One 2-D checkpoint tensor (F32/BF16/F16 bytes) → `NAME` (`F8_E4M3`) and `NAME_scale_inv`
+/// (`F32`), quantised from its stored values.
+fn quantised(name: String, t: &OwnedTensor, block: [usize; 2]) -> Result<Vec<(String, OwnedTensor)>, CheckpointError> {
+    let &[rows, cols] = t.shape.as_slice() else {
+        return Err(CheckpointError::ModuleTensor { path: name, message: format!("FP8 output needs a 2-D weight, this one is {:?}", t.shape) });
+    };
+    let values = dtype::decode_f32(t.dtype, &t.data).ok_or_else(|| CheckpointError::Internal(format!("{name}: cannot read {:?}", t.dtype)))?;
+    let grid = fp8::BlockGrid { rows, cols, block_rows: block[0], block_cols: block[1] };
+    let (codes, scales) = fp8::quantize_blocks(&values, grid).map_err(|(r, c)| CheckpointError::ModuleTensor {
+        path: name.clone(),
+        message: format!("non-finite value at [{r}, {c}] cannot be quantised to FP8"),
+    })?;
+    let scale = OwnedTensor { dtype: Dtype::F32, shape: grid.scale_shape().to_vec(), data: encode(&scales, Dtype::F32) };
+    Ok(vec![(format!("{name}_scale_inv"), scale), (name, OwnedTensor { dtype: Dtype::F8_E4M3, shape: vec![rows, cols], data: codes })])
+}
+
+/// Make every projection of `model` whose checkpoint weight is FP8 an FP8-resident base
+/// ([`crate::text::fp8_weight::Fp8Weight`]) with the stored codes and scales; returns the
+/// checkpoint names read (weights and scales). A projection whose FP8 weight does not have
+/// its shape stays dense, for the validation to report.
+fn keep_fp8<B: Backend>(
+    model: &mut Glm5ForCausalLM<B>,
+    files: &SafetensorsFiles,
+    device: &B::Device,
+) -> Result<std::collections::BTreeSet<String>, CheckpointError> {
+    use burn::tensor::{Int, TensorData};
+    let mut taken = std::collections::BTreeSet::new();
+    for (name, site) in crate::peft::sites(model) {
+        let crate::peft::Site::Linear(l) = site else { continue };
+        let weight = format!("{name}.weight");
+        let Some(scale_name) = files.fp8_scales.get(&weight) else { continue };
+        let (k, m) = l.in_out();
+        if files.shape(&weight) != Some(&[m, k][..]) {
+            continue;
+        }
+        let (grid, codes, scales) = files.read_fp8(&weight)?;
+        l.fp8 = Some(crate::text::fp8_weight::Fp8Weight {
+            codes: Tensor::<B, 2, Int>::from_data(TensorData::new(codes, [m, k]), (device, DType::U8)),
+            scale_inv: Tensor::from_data(TensorData::new(scales, grid.scale_shape()), device),
+            block_rows: grid.block_rows,
+            block_cols: grid.block_cols,
+        });
+        l.weight = None;
+        taken.insert(scale_name.clone());
+        taken.insert(weight);
+    }
+    Ok(taken)
 }
 
 /// Module tensor (f32) → checkpoint tensors (f32, checkpoint layout), one per source name.
@@ -355,7 +426,63 @@ pub(crate) fn checkpoint_tensors(
 /// adapters are not part of it: [`adapter::save_adapter`] writes them, and
 /// [`crate::peft::merge`] folds them into the base first for a merged checkpoint.
 pub fn save_causal_lm<B: Backend>(model: &Glm5ForCausalLM<B>, config: &CheckpointConfig, dir: impl AsRef<Path>) -> Result<PathBuf, CheckpointError> {
-    let dir = dir.as_ref();
+    save_with(model, config, dir.as_ref(), None)
+}
+
+/// Which checkpoint tensors [`save_causal_lm_fp8`] writes in FP8.
+#[derive(Debug, Clone)]
+pub struct Fp8Output {
+    /// HF names of the weights to quantise (the others keep the module's dtype).
+    pub names: std::collections::BTreeSet<String>,
+    /// Block size `[rows, cols]` of the scales (`quantization_config.weight_block_size`).
+    pub block: [usize; 2],
+    /// The dtype each other tensor is written in (by HF name; F32, BF16 or F16); a tensor not
+    /// listed keeps the module's dtype.
+    pub others: BTreeMap<String, Dtype>,
+}
+
+impl Fp8Output {
+    /// The FP8 weights of an existing checkpoint directory and its block size: a model saved
+    /// with it is quantised as that checkpoint was (the release's FP8 layout for a merge onto
+    /// the release). Errors if `dir` holds no FP8 weight.
+    pub fn like(dir: &Path) -> Result<Self, CheckpointError> {
+        let config = read_config(dir)?;
+        let mut files = SafetensorsFiles::open_dir(dir)?;
+        files.set_fp8_block_from_config(&config.json)?;
+        if files.fp8_scales.is_empty() {
+            return Err(CheckpointError::NotFp8Checkpoint { dir: dir.to_path_buf() });
+        }
+        let others = files
+            .tensors
+            .iter()
+            .filter(|(n, e)| !files.fp8_scales.contains_key(*n) && matches!(e.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16))
+            .map(|(n, e)| (n.clone(), e.dtype))
+            .collect();
+        Ok(Self { names: files.fp8_scales.keys().cloned().collect(), block: files.fp8_block, others })
+    }
+}
+
+/// [`save_causal_lm`] with the weights named in `fp8` re-quantised to FP8 E4M3 with fresh
+/// block scales ([`fp8::quantize_blocks`]; `NAME` as `F8_E4M3` and `NAME_scale_inv` as `F32`,
+/// the layout the loader and HF's fine-grained FP8 read), the rest in the dtypes of
+/// [`Fp8Output::others`]. Save a model held in f32, so each value is rounded once.
+/// `config`'s JSON should carry the matching `quantization_config` (a merge keeps the FP8
+/// input's).
+pub fn save_causal_lm_fp8<B: Backend>(
+    model: &Glm5ForCausalLM<B>,
+    config: &CheckpointConfig,
+    dir: impl AsRef<Path>,
+    fp8: &Fp8Output,
+) -> Result<PathBuf, CheckpointError> {
+    save_with(model, config, dir.as_ref(), Some(fp8))
+}
+
+fn save_with<B: Backend>(
+    model: &Glm5ForCausalLM<B>,
+    config: &CheckpointConfig,
+    dir: &Path,
+    fp8: Option<&Fp8Output>,
+) -> Result<PathBuf, CheckpointError> {
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
     let n_experts = model.num_experts;
     let kernel_shapes = config.kernel_shapes();
@@ -372,9 +499,28 @@ pub fn save_causal_lm<B: Backend>(model: &Glm5ForCausalLM<B>, config: &Checkpoin
         let values: Vec<f32> =
             data.convert::<f32>().into_vec().map_err(|e| CheckpointError::ModuleTensor { path: path.to_string(), message: format!("{e:?}") })?;
         for (name, t) in checkpoint_tensors(&path, &values, &shape, dtype, n_experts, &kernel_shapes)? {
-            if tensors.insert(name.clone(), t).is_some() {
-                return Err(CheckpointError::Internal(format!("{name} produced twice")));
+            let quantise = fp8.filter(|f| f.names.contains(&name));
+            let stored = fp8.and_then(|f| f.others.get(&name)).copied().filter(|&d| d != t.dtype);
+            let pieces = match quantise {
+                None => match stored {
+                    None => vec![(name, t)],
+                    Some(d) => vec![(name, recast(&t, d))],
+                },
+                Some(f) => quantised(name, &t, f.block)?,
+            };
+            for (name, t) in pieces {
+                if tensors.insert(name.clone(), t).is_some() {
+                    return Err(CheckpointError::Internal(format!("{name} produced twice")));
+                }
             }
+        }
+    }
+    if let Some(f) = fp8 {
+        if let Some(name) = f.names.iter().find(|n| !tensors.contains_key(n.as_str())) {
+            return Err(CheckpointError::ModuleTensor {
+                path: name.clone(),
+                message: "named for FP8 output but the model has no such checkpoint tensor".into(),
+            });
         }
     }
     let st_path = dir.join("model.safetensors");

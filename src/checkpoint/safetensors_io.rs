@@ -294,15 +294,8 @@ impl SafetensorsFiles {
     pub fn read_rows_f32(&self, name: &str, rows: Range<usize>) -> Result<Vec<f32>, CheckpointError> {
         let e = self.entry(name)?;
         let path = &self.shards[e.shard].path;
-        if let Some(scale_name) = self.fp8_scales.get(name) {
-            let grid = self.fp8_grid(name)?;
-            let s = self.entry(scale_name)?;
-            let scale_bytes = self.row_bytes(scale_name, 0..s.shape.first().copied().unwrap_or(1))?;
-            let scales = super::fp8::decode_scales(s.dtype, scale_bytes).ok_or_else(|| CheckpointError::Dtype {
-                name: scale_name.clone(),
-                path: self.shards[s.shard].path.clone(),
-                dtype: format!("{:?} (scales must be F32, BF16 or F8_E8M0)", s.dtype),
-            })?;
+        if self.fp8_scales.contains_key(name) {
+            let (grid, scales) = self.fp8_scales_f32(name)?;
             let codes = self.row_bytes(name, rows.clone())?;
             let mut out = vec![0f32; codes.len()];
             super::fp8::dequantize_rows(codes, &scales, grid, rows.start, self.fp8_round_bf16, &mut out).map_err(|err| CheckpointError::Tensor {
@@ -318,6 +311,41 @@ impl SafetensorsFiles {
             path: path.clone(),
             dtype: format!("{:?}", e.dtype),
         })
+    }
+
+    /// An FP8 weight's block grid and its scales as f32 (F32, BF16 or UE8M0 in the file).
+    fn fp8_scales_f32(&self, name: &str) -> Result<(super::fp8::BlockGrid, Vec<f32>), CheckpointError> {
+        let grid = self.fp8_grid(name)?;
+        let scale_name = self.fp8_scales.get(name).ok_or_else(|| CheckpointError::NotFp8 { name: name.to_string() })?;
+        let s = self.entry(scale_name)?;
+        let scale_bytes = self.row_bytes(scale_name, 0..s.shape.first().copied().unwrap_or(1))?;
+        let scales = super::fp8::decode_scales(s.dtype, scale_bytes).ok_or_else(|| CheckpointError::Dtype {
+            name: scale_name.clone(),
+            path: self.shards[s.shard].path.clone(),
+            dtype: format!("{:?} (scales must be F32, BF16 or F8_E8M0)", s.dtype),
+        })?;
+        Ok((grid, scales))
+    }
+
+    /// An FP8 weight as stored — its E4M3FN codes (HF layout, row-major) and its scales as f32
+    /// — for a model that keeps it in FP8. Errors name the tensor and its shard for a NaN code
+    /// or a scale that is not finite and positive (what dequantising would report).
+    pub fn read_fp8(&self, name: &str) -> Result<(super::fp8::BlockGrid, Vec<u8>, Vec<f32>), CheckpointError> {
+        let (grid, scales) = self.fp8_scales_f32(name)?;
+        let codes = self.row_bytes(name, 0..grid.rows)?.to_vec();
+        let [_, gk] = grid.scale_shape();
+        let bad = |message: String| CheckpointError::Tensor {
+            path: self.shard_path(name).map(Path::to_path_buf).unwrap_or_default(),
+            name: name.to_string(),
+            message,
+        };
+        if let Some(i) = codes.iter().position(|&b| b & 0x7F == 0x7F) {
+            return Err(bad(format!("NaN E4M3 code at [{}, {}]", i / grid.cols.max(1), i % grid.cols.max(1))));
+        }
+        if let Some(i) = scales.iter().position(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(bad(format!("scale [{}, {}] is {}, not a finite positive number", i / gk.max(1), i % gk.max(1), scales[i])));
+        }
+        Ok((grid, codes, scales))
     }
 
     /// Block grid of an FP8 weight, checked against its scale tensor.

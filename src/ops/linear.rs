@@ -70,6 +70,12 @@ impl<'a> Operand<'a> {
     pub(super) fn transposed(data: &'a [f32], cols: usize) -> Self {
         Operand { data, row_stride: 1, col_stride: cols }
     }
+
+    /// Columns `cols.start..` of row-major data with `row_len` elements a row (a column block
+    /// read in place).
+    pub(super) fn columns(data: &'a [f32], row_len: usize, cols: std::ops::Range<usize>) -> Self {
+        Operand { data: &data[cols.start.min(data.len())..], row_stride: row_len, col_stride: 1 }
+    }
 }
 
 /// Panics unless both operands cover their `[m, k]`, `[k, n]` extents.

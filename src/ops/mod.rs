@@ -15,6 +15,8 @@
 //!   clamped SiLU gate, each a
 //!   reference tensor-op form with a closed-form backward and a fused host form for Flex.
 //! * [`linear`]: the linear layers' `x·W + b` and its backward as one op.
+//! * [`fp8_linear`]: the same on a frozen FP8 E4M3 weight with block scales ([`e4m3`]),
+//!   dequantised per use.
 //! * [`grouped_matmul`]: the routed experts' products, each expert's rows times its weight.
 //! * [`cross_entropy`]: the summed token cross-entropy (the LM loss) and its backward.
 //! * [`adamw`]: one AdamW update of a parameter tensor, the optimizer's fused step.
@@ -28,6 +30,8 @@ pub mod backend;
 pub mod block_attn;
 pub mod conv;
 pub mod cross_entropy;
+pub mod e4m3;
+pub mod fp8_linear;
 mod gemm_bf16;
 pub mod grouped_matmul;
 pub mod hc_streams;

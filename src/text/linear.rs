@@ -5,7 +5,9 @@
 //! ```
 //!
 //! `x` `[..., K]`, `W` `[K, M]` (the transpose of HF's `nn.Linear.weight` `[M, K]`), `b` `[M]`.
-//! The base product runs through [`crate::ops::backend::Glm5Backend::linear_layer`]; the
+//! The base product runs through [`crate::ops::backend::Glm5Backend::linear_layer`], or, for a
+//! frozen base kept in FP8 ([`super::fp8_weight`]), through
+//! [`crate::ops::backend::Glm5Backend::fp8_linear`]; the
 //! adapter is PEFT's `lora.Linear` (`peft/tuners/lora/layer.py`, `Linear.forward`), see
 //! [`super::lora`]. The fields keep Burn's names, so module paths (`q_proj.weight`) match the
 //! checkpoint table in [`crate::checkpoint::hf_map`].
@@ -14,14 +16,18 @@ use burn::module::{Module, Param};
 use burn::nn::LinearConfig;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
+use super::fp8_weight::Fp8Weight;
 use super::lora::LoraAdapter;
-use crate::ops::backend::{matmul_bias, Glm5Backend};
+use crate::ops::backend::{fp8_matmul_bias, matmul_bias, Glm5Backend};
 
-/// A linear layer with an optional low-rank adapter.
+/// A linear layer with an optional low-rank adapter. The base weight is exactly one of
+/// `weight` (a parameter) and `fp8` (a frozen FP8 constant).
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
-    /// `[K, M]`.
-    pub weight: Param<Tensor<B, 2>>,
+    /// `[K, M]`; `None` when the base is held in FP8 (`fp8`).
+    pub weight: Option<Param<Tensor<B, 2>>>,
+    /// The frozen base in FP8 E4M3 with block scales, instead of `weight`.
+    pub fp8: Option<Fp8Weight<B>>,
     /// `[M]`.
     pub bias: Option<Param<Tensor<B, 1>>>,
     /// The LoRA adapter (`None`: the plain layer). Not part of the base checkpoint.
@@ -32,47 +38,72 @@ impl<B: Backend> Linear<B> {
     /// `[d_in, d_out]` with Burn's default initialisation (`LinearConfig::init`).
     pub fn new(d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Self {
         let l = LinearConfig::new(d_in, d_out).with_bias(bias).init(device);
-        Self { weight: l.weight, bias: l.bias, lora: None }
+        Self { weight: Some(l.weight), fp8: None, bias: l.bias, lora: None }
     }
 
     /// `W + s·A·B` `[K, M]` in `W`'s dtype (the sum in fp32): the weight as a whole, for the
     /// paths that use it other than as `x·W` (MLA's absorbed `kv_b_proj`). Without an adapter,
-    /// `W` itself.
-    pub fn effective_weight(&self) -> Tensor<B, 2> {
-        let w = self.weight.val();
+    /// `W` itself. An FP8 base is dequantised into `fp8_dtype` (the activations').
+    pub fn effective_weight(&self, fp8_dtype: DType) -> Tensor<B, 2> {
+        let (w, dtype) = match (&self.weight, &self.fp8) {
+            (Some(w), _) => {
+                let w = w.val();
+                let dtype = w.dtype();
+                (w, dtype)
+            }
+            (None, Some(q)) => (q.dequantize(if self.lora.is_some() { DType::F32 } else { fp8_dtype }), fp8_dtype),
+            (None, None) => panic!("{}", NO_WEIGHT),
+        };
         match &self.lora {
             None => w,
             Some(ad) => {
-                let dtype = w.dtype();
                 let delta = ad.a.val().cast(DType::F32).matmul(ad.b.val().cast(DType::F32)).mul_scalar(ad.scaling);
                 (w.cast(DType::F32) + delta).cast(dtype)
             }
         }
     }
 
+    /// The dtype the dense base weight is stored in (`None` for an FP8 base).
+    pub fn weight_dtype(&self) -> Option<DType> {
+        self.weight.as_ref().map(|w| w.val().dtype())
+    }
+
     /// `(K, M)`.
     pub fn in_out(&self) -> (usize, usize) {
-        let [k, m] = self.weight.dims();
-        (k, m)
+        match (&self.weight, &self.fp8) {
+            (Some(w), _) => {
+                let [k, m] = w.dims();
+                (k, m)
+            }
+            (None, Some(q)) => q.in_out(),
+            (None, None) => panic!("{}", NO_WEIGHT),
+        }
     }
 }
 
+const NO_WEIGHT: &str = "a Linear layer with neither a weight nor an FP8 base (built by hand without one)";
+
 /// `layer` on `x` `[..., K]` → `[..., M]`: the base product through
-/// [`Glm5Backend::linear_layer`] (leading dimensions flattened into rows), plus the adapter's
-/// low-rank term when the layer has one.
+/// [`Glm5Backend::linear_layer`] (or [`Glm5Backend::fp8_linear`] on an FP8 base; leading
+/// dimensions flattened into rows), plus the adapter's low-rank term when the layer has one.
 pub fn linear<B: Glm5Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
     let dims = x.dims();
     let (k, m) = layer.in_out();
     let rows = dims[..D - 1].iter().product::<usize>();
     let x2 = x.reshape([rows, k]);
     let bias = layer.bias.as_ref().map(|b| b.val());
+    let base = |x: Tensor<B, 2>| match (&layer.weight, &layer.fp8) {
+        (Some(w), _) => matmul_bias(x, w.val(), bias.clone()),
+        (None, Some(q)) => fp8_matmul_bias(x, q.codes.clone(), q.scale_inv.clone(), q.block(), bias.clone()),
+        (None, None) => panic!("{}", NO_WEIGHT),
+    };
     // the input is kept for the adapter only when there is one
     let out = match &layer.lora {
-        None => matmul_bias(x2, layer.weight.val(), bias),
+        None => base(x2),
         Some(lora) => {
-            let base = matmul_bias(x2.clone(), layer.weight.val(), bias);
-            let dtype = base.dtype();
-            base + lora.forward(x2).cast(dtype)
+            let y = base(x2.clone());
+            let dtype = y.dtype();
+            y + lora.forward(x2).cast(dtype)
         }
     };
     let mut out_dims = dims;

@@ -182,7 +182,7 @@ impl<B: Backend> MlaAttention<B> {
             (None, Some(prev)) => (prev.to_vec(), None),
             (None, None) => panic!("shared DSA layer without a preceding full indexer (rejected by config validation)"),
         };
-        let w_ukv = self.kv_b_proj.effective_weight().reshape([r, h, dq + dv]).permute([1, 2, 0]);
+        let w_ukv = self.kv_b_proj.effective_weight(q.dtype()).reshape([r, h, dq + dv]).permute([1, 2, 0]);
         let scale = (dq as f64).powf(-0.5);
         let o = sparse_absorbed(q, latent, w_ukv, &indices, scale, opts.sparse_block, opts.attn_path);
         Ok((linear(&self.o_proj, o.reshape([1, t, h * dv])), indices, margin))
@@ -248,7 +248,7 @@ impl<B: Backend> MlaAttention<B> {
             (None, _, Some(prev)) => prev.to_vec(),
             _ => panic!("DSA cache and layer disagree (a cache built for another model)"),
         };
-        let w_ukv = self.kv_b_proj.effective_weight().reshape([r, h, dq + dv]).permute([1, 2, 0]);
+        let w_ukv = self.kv_b_proj.effective_weight(q.dtype()).reshape([r, h, dq + dv]).permute([1, 2, 0]);
         let scale = (dq as f64).powf(-0.5);
         let o = sparse_absorbed(q, cache.latent.clone(), w_ukv, &indices, scale, opts.sparse_block, opts.attn_path);
         (linear(&self.o_proj, o.reshape([b, t, h * dv])), indices)
@@ -297,7 +297,7 @@ impl<B: Backend> MlaAttention<B> {
         };
         let o = if sparse {
             // kv_b_proj weight is [R, H·(dq+dv)] (Burn layout): split per head
-            let w_ukv = self.kv_b_proj.effective_weight().reshape([r, h, dq + dv]).permute([1, 2, 0]); // [H, dq+dv, R]
+            let w_ukv = self.kv_b_proj.effective_weight(q.dtype()).reshape([r, h, dq + dv]).permute([1, 2, 0]); // [H, dq+dv, R]
             sparse_absorbed(q, latent.clone(), w_ukv, &indices, scale, opts.sparse_block, opts.attn_path)
         } else {
             let kv = linear(&self.kv_b_proj, latent.clone()).reshape([b, s, h, dq + dv]);

@@ -8,6 +8,7 @@ pub mod cache;
 pub mod context;
 pub mod decoder;
 mod error;
+pub mod fp8_weight;
 pub mod indexer;
 pub mod kda;
 pub mod linear;

@@ -106,6 +106,15 @@ pub enum Precision {
     Bf16,
 }
 
+/// How a frozen base's weights are held (`model.base_dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BaseDtype {
+    /// The projections the checkpoint stores in FP8 (E4M3 + block scales) stay FP8 in memory,
+    /// dequantised per use ([`crate::checkpoint::LoadOptions::fp8_base`]).
+    Fp8,
+}
+
 /// `model`: what to train and how.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -125,6 +134,11 @@ pub struct ModelSection {
     /// Op implementations.
     #[serde(default)]
     pub backend: BackendSelect,
+    /// How the frozen base of a LoRA run is held: `fp8` keeps the checkpoint's FP8 projections
+    /// in FP8 (a byte a weight). Absent: in `dtype`, like the rest of the model. Needs `peft`
+    /// and an FP8 `checkpoint`; one process for now.
+    #[serde(default)]
+    pub base_dtype: Option<BaseDtype>,
 }
 
 /// `distributed`: parallel sizes, parameter sharding and activation checkpointing.
@@ -557,6 +571,24 @@ impl Recipe {
         if let Some(p) = &self.peft {
             if let Err(crate::text::lora::LoraError::Config { field, message }) = p.lora_config(None).validate() {
                 return bad(&format!("peft.{field}"), message);
+            }
+        }
+        if self.model.base_dtype == Some(BaseDtype::Fp8) {
+            let d = &self.distributed;
+            if self.peft.is_none() {
+                return bad(
+                    "model.base_dtype",
+                    "fp8 keeps the base frozen in FP8: it needs a `peft` section (full fine-tuning trains every weight)".into(),
+                );
+            }
+            if self.model.checkpoint.is_none() {
+                return bad("model.base_dtype", "fp8 holds the FP8 weights of model.checkpoint: set one (seeded weights have none)".into());
+            }
+            if d.dp_size * d.cp_size > 1 || d.ep_size > 1 {
+                return bad(
+                    "model.base_dtype",
+                    "fp8: a frozen FP8 base is not sharded over ranks yet; run it in one process (dp_size, ep_size, cp_size 1)".into(),
+                );
             }
         }
         let s = &self.step_scheduler;

@@ -134,6 +134,25 @@ pub struct PeftOptions {
     /// The base checkpoint directory (`model.checkpoint`): checkpoints reference it and hold
     /// the adapters only. `None` (seeded base weights): checkpoints hold the base too.
     pub base: Option<PathBuf>,
+    /// Keep the base's FP8 projections in FP8 (recipe `model.base_dtype: fp8`;
+    /// [`crate::checkpoint::LoadOptions::fp8_base`]) when loading it.
+    pub fp8_base: bool,
+}
+
+impl TrainOptions {
+    /// This rank's share of the routed experts under expert parallelism (`None` without), for
+    /// [`crate::checkpoint::LoadOptions::experts`] so a rank reads only its experts' bytes.
+    pub fn expert_shard(&self) -> Option<crate::checkpoint::select::ExpertShard> {
+        let g = self.parallel.data_parallel.as_ref()?;
+        let p = self.parallel.expert_parallel;
+        (p > 1).then(|| crate::checkpoint::select::ExpertShard { rank: g.rank() % p, size: p })
+    }
+
+    /// The load options of this run's base: this rank's experts, and an FP8 base as the LoRA
+    /// section says.
+    pub fn base_load_options(&self, vision: bool) -> LoadOptions {
+        LoadOptions { vision, experts: self.expert_shard(), fp8_base: self.peft.as_ref().is_some_and(|p| p.fp8_base), ..LoadOptions::default() }
+    }
 }
 
 impl TrainOptions {
@@ -170,6 +189,7 @@ impl TrainOptions {
             peft: r.peft.as_ref().map(|p| PeftOptions {
                 config: p.lora_config(r.model.checkpoint.as_deref()),
                 base: r.model.checkpoint.as_ref().map(|b| std::fs::canonicalize(b).unwrap_or_else(|_| b.clone())),
+                fp8_base: r.model.base_dtype == Some(crate::train::recipe::BaseDtype::Fp8),
             }),
         }
     }
@@ -262,7 +282,7 @@ where
             if !crate::peft::has_adapters(&mut model) {
                 // a model loaded with this rank's experts only draws every expert's adapter
                 let shard = Self::expert_shard(&options).filter(|s| model.num_experts > 0 && expert_stacks(&model) * s.size == model.num_experts);
-                model = crate::peft::attach_shard(model, &peft.config, shard.as_ref()).map_err(|e| TrainError::Lora(Box::new(e)))?.0;
+                model = crate::peft::attach_shard(model, &peft.config, shard.map(|s| (s.rank, s.size))).map_err(|e| TrainError::Lora(Box::new(e)))?.0;
             }
         }
         materialize(&model);
@@ -316,9 +336,7 @@ where
     /// The routed experts a rank of `options` holds (`None`: all): what to pass as
     /// [`crate::checkpoint::LoadOptions::experts`] so a rank reads only its experts' bytes.
     pub fn expert_shard(options: &TrainOptions) -> Option<crate::checkpoint::select::ExpertShard> {
-        let g = options.parallel.data_parallel.as_ref()?;
-        let p = options.parallel.expert_parallel;
-        (p > 1).then(|| crate::checkpoint::select::ExpertShard { rank: g.rank() % p, size: p })
+        options.expert_shard()
     }
 
     /// The current (master) model.
@@ -629,7 +647,7 @@ where
     pub fn resume(dir: &Path, options: TrainOptions, vision: bool, device: &B::Device) -> Result<(Self, TrainerState), TrainError> {
         let file = |name: &str, message: String| TrainError::CheckpointFile { path: dir.join(name), message };
         let state = ckpt::read_state(dir)?;
-        let load = LoadOptions { vision, experts: Self::expert_shard(&options), ..LoadOptions::default() };
+        let load = options.base_load_options(vision);
         // a LoRA step: the base from its checkpoint (or the step's model/), the adapters from adapter/
         let adapter_dir = dir.join("adapter");
         let model_dir = match &state.base_checkpoint {

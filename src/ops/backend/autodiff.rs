@@ -135,6 +135,30 @@ impl<B: Glm5Backend, const N: usize> Backward<B, N> for LinearBackward {
     }
 }
 
+/// A linear layer on a frozen FP8 weight: holds the codes and scales (the base, which is kept
+/// anyway) and gives `∂x` and, with a bias (`N = 2`), `∂b`.
+#[derive(Debug)]
+struct Fp8LinearBackward;
+
+impl<B: Glm5Backend, const N: usize> Backward<B, N> for Fp8LinearBackward {
+    type State = (IntTensor<B>, FloatTensor<B>, [usize; 2]);
+
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (codes, scales, block) = ops.state;
+        let mut parents = ops.parents.into_iter();
+        let (x, b) = (parents.next().flatten(), parents.next().flatten());
+        if let Some(b) = b {
+            let g = f2::<B>(grad.clone());
+            let m = g.dims()[1];
+            grads.register::<B>(b.id, g.sum_dim(0).reshape([m]).into_primitive().tensor());
+        }
+        if let Some(x) = x {
+            grads.register::<B>(x.id, B::fp8_linear_backward(grad, codes, scales, block));
+        }
+    }
+}
+
 /// The routed experts' grouped product; checkpoints `x` only when `w` is tracked and `w` only
 /// when `x` is, as [`LinearBackward`] (a sharded expert weight is re-gathered, not kept).
 #[derive(Debug)]
@@ -469,6 +493,33 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
         match b {
             None => finish!(LinearBackward.prepare::<C>([x.node.clone(), w.node.clone()])),
             Some(b) => finish!(LinearBackward.prepare::<C>([x.node.clone(), w.node.clone(), b.node.clone()])),
+        }
+    }
+
+    fn fp8_linear_impl() -> OpImpl {
+        B::fp8_linear_impl()
+    }
+
+    fn fp8_linear(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let state = (codes.clone(), scales.primitive.clone(), block);
+        let out = B::fp8_linear(x.primitive.clone(), codes, scales.primitive, block, b.as_ref().map(|b| b.primitive.clone()));
+        macro_rules! finish {
+            ($prep:expr) => {
+                match $prep.compute_bound().stateful() {
+                    OpsKind::Tracked(prep) => prep.finish(state, out),
+                    OpsKind::UnTracked(prep) => prep.finish(out),
+                }
+            };
+        }
+        match b {
+            None => finish!(Fp8LinearBackward.prepare::<C>([x.node.clone()])),
+            Some(b) => finish!(Fp8LinearBackward.prepare::<C>([x.node.clone(), b.node.clone()])),
         }
     }
 

@@ -117,6 +117,19 @@ fn all_dtype(ts: &[Option<&FloatTensor<Flex>>], dtype: DType) -> bool {
     ts.iter().flatten().all(|t| t.dtype() == dtype)
 }
 
+/// FP8 codes as contiguous host bytes and the weight's geometry; `None` (the reference runs)
+/// unless the codes are `U8` and the scale grid fits them and `block`.
+fn fp8_host(
+    codes: &IntTensor<Flex>,
+    scales: &FloatTensor<Flex>,
+    block: [usize; 2],
+) -> Option<(burn_flex::FlexTensor, crate::ops::fp8_linear::Fp8Geometry)> {
+    use burn::tensor::TensorMetadata;
+    let ([rows, cols], sdims) = (codes.shape().dims::<2>(), scales.shape().dims::<2>());
+    let g = crate::ops::fp8_linear::Fp8Geometry { rows, cols, block };
+    (codes.dtype() == DType::U8 && block[0] > 0 && block[1] > 0 && sdims == g.scale_shape()).then(|| (codes.clone().to_contiguous(), g))
+}
+
 /// Flex: each op as host loops over its buffers (the equations and loops live with the op in
 /// `ops::*`); fp32 only, other dtypes take the reference bodies.
 impl Glm5Backend for Flex {
@@ -252,6 +265,40 @@ impl Glm5Backend for Flex {
         let k = x.as_ref().map(|(_, [_, k])| *k).or(w.as_ref().map(|(_, [k, _])| *k)).unwrap_or(0);
         let (dx, dw, db) = linear::host_backward(x.as_ref().map(|(x, _)| &x[..]), w.as_ref().map(|(w, _)| &w[..]), &g, (n, k, m), bias);
         (dx.map(|v| flex_tensor(v, [n, k])), dw.map(|v| flex_tensor(v, [k, m])), db.map(|v| flex_tensor(v, [m])))
+    }
+
+    fn fp8_linear_impl() -> OpImpl {
+        OpImpl::Fused
+    }
+
+    fn fp8_linear(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let dtype = x.dtype();
+        let Some((codes, g)) = fp8_host(&codes, &scales, block).filter(|_| matches!(dtype, DType::F32 | DType::BF16)) else {
+            let codes = Tensor::<Self, 2, Int>::from_primitive(codes);
+            return crate::ops::fp8_linear::reference_forward(f2::<Self>(x), codes, f2(scales), block, b.map(f1)).into_primitive().tensor();
+        };
+        // BF16 inputs widened once, the products summed in f32 and rounded once
+        let ((x, [n, _]), (s, _)) = (host_n::<2>(x), host_n::<2>(scales));
+        let b = b.map(|b| host_n::<1>(b).0);
+        let y = crate::ops::fp8_linear::host_forward(&x, codes.as_slice::<u8>().expect("contiguous U8 codes"), &s, g, n, b.as_deref());
+        in_dtype(flex_tensor(y, [n, g.rows]), dtype)
+    }
+
+    fn fp8_linear_backward(grad: FloatTensor<Self>, codes: IntTensor<Self>, scales: FloatTensor<Self>, block: [usize; 2]) -> FloatTensor<Self> {
+        let dtype = grad.dtype();
+        let Some((codes, g)) = fp8_host(&codes, &scales, block).filter(|_| matches!(dtype, DType::F32 | DType::BF16)) else {
+            let codes = Tensor::<Self, 2, Int>::from_primitive(codes);
+            return crate::ops::fp8_linear::reference_backward(f2::<Self>(grad), codes, f2(scales), block).into_primitive().tensor();
+        };
+        let ((grad, [n, _]), (s, _)) = (host_n::<2>(grad), host_n::<2>(scales));
+        let dx = crate::ops::fp8_linear::host_backward(&grad, codes.as_slice::<u8>().expect("contiguous U8 codes"), &s, g, n);
+        in_dtype(flex_tensor(dx, [n, g.cols]), dtype)
     }
 
     fn grouped_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>, sizes: &[usize]) -> FloatTensor<Self> {

@@ -22,6 +22,7 @@
 //! | `silu` (+ backward; KDA's activation after the short conv) | `ops::swiglu` | fused host loops | reference | hand-written backward |
 //! | `kda_forget_gate` (+ backward; KDA's log-space gate) | `ops::kda_gate` | fused host loops | reference | hand-written backward |
 //! | `linear_layer` (+ backward; every `Linear` layer's `x·W + b`) | `ops::linear`: Burn's `linear` | `gemm` on the strided operands | reference | hand-written backward (only the tracked inputs' gradients) |
+//! | `fp8_linear` (+ backward of `x`; a frozen FP8 weight's `x·Wᵀ + b`) | `ops::fp8_linear`: dequantise whole, Burn's `linear` | panels dequantised into `gemm` | reference | hand-written backward (`∂x`, `∂b`) |
 //! | `grouped_matmul` (+ backward; the routed experts' `x_g·W[g]`) | `ops::grouped_matmul`: a loop of `matmul`s | `gemm` / BF16 GEMM per group | reference | hand-written backward (only the tracked inputs' gradients) |
 //! | `cross_entropy_sum` (+ backward; the LM loss) | `ops::cross_entropy`: `log_softmax` + `gather` | fused host loops | reference | hand-written backward |
 //! | `adamw_step` (the optimizer's update) | `ops::adamw` | fused host loop | reference | the inner backend's (no gradient) |
@@ -72,7 +73,7 @@ use super::adamw::{self, AdamWScalars};
 use super::kpool::{self, KpoolSelect};
 use super::OpImpl;
 use super::{block_attn, conv, hc_streams, kda_gate, kda_pairs, kda_scan, rms, sinkhorn, sparse_attn, swiglu};
-use super::{cross_entropy, grouped_matmul, linear};
+use super::{cross_entropy, fp8_linear, grouped_matmul, linear};
 use prim::*;
 
 mod autodiff;
@@ -348,6 +349,32 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         linear::reference_forward(f2::<Self>(x), f2(w), b.map(f1)).into_primitive().tensor()
     }
 
+    /// What [`Self::fp8_linear`] runs here (Flex: panels dequantised into the product).
+    fn fp8_linear_impl() -> OpImpl {
+        OpImpl::Reference
+    }
+
+    /// A linear layer on a frozen FP8 weight (`ops::fp8_linear`): `x` `[N, K]`, E4M3FN `codes`
+    /// `[M, K]` (`U8`, HF's `[out, in]`), `scales` `[⌈M/b_r⌉, ⌈K/b_c⌉]` (f32, `weight_scale_inv`),
+    /// `block` `[b_r, b_c]`, `b` `[M]` → `[N, M]` in `x`'s dtype. Default: the weight
+    /// dequantised whole with tensor ops, then Burn's `linear`.
+    fn fp8_linear(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let codes = Tensor::<Self, 2, Int>::from_primitive(codes);
+        fp8_linear::reference_forward(f2::<Self>(x), codes, f2(scales), block, b.map(f1)).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::fp8_linear`] for `∂y` `[N, M]`: `∂x` `[N, K]` (the weight is frozen).
+    fn fp8_linear_backward(grad: FloatTensor<Self>, codes: IntTensor<Self>, scales: FloatTensor<Self>, block: [usize; 2]) -> FloatTensor<Self> {
+        let codes = Tensor::<Self, 2, Int>::from_primitive(codes);
+        fp8_linear::reference_backward(f2::<Self>(grad), codes, f2(scales), block).into_primitive().tensor()
+    }
+
     /// Backward of [`Self::linear_layer`]: `(∂x, ∂w, ∂b)` — `∂x` when `w` is given, `∂w` when `x`
     /// is, `∂b` when `bias` (each gradient needs only the other operand). Default: the
     /// reference products.
@@ -561,6 +588,24 @@ pub fn cross_entropy_sum<B: Glm5Backend>(logits: Tensor<B, 2>, targets: &[i64]) 
 /// [`Glm5Backend::linear_layer`] on tensors: `x` `[N, K]` · `w` `[K, M]` (+ `b` `[M]`) → `[N, M]`.
 pub(crate) fn matmul_bias<B: Glm5Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tensor<B, 1>>) -> Tensor<B, 2> {
     f2(B::linear_layer(x.into_primitive().tensor(), w.into_primitive().tensor(), b.map(|b| b.into_primitive().tensor())))
+}
+
+/// [`Glm5Backend::fp8_linear`] on tensors: `x` `[N, K]` times the FP8 weight `codes` `[M, K]`
+/// with `scales` (+ `b` `[M]`) → `[N, M]`.
+pub fn fp8_matmul_bias<B: Glm5Backend>(
+    x: Tensor<B, 2>,
+    codes: Tensor<B, 2, Int>,
+    scales: Tensor<B, 2>,
+    block: [usize; 2],
+    b: Option<Tensor<B, 1>>,
+) -> Tensor<B, 2> {
+    f2(B::fp8_linear(
+        x.into_primitive().tensor(),
+        codes.into_primitive(),
+        scales.into_primitive().tensor(),
+        block,
+        b.map(|b| b.into_primitive().tensor()),
+    ))
 }
 
 /// [`Glm5Backend::grouped_matmul`] on tensors: rows `x` `[M, K]` in groups of `sizes` (one per

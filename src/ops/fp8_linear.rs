@@ -1,0 +1,145 @@
+//! A linear layer on a frozen FP8 weight, dequantised per use: the body of
+//! [`crate::ops::backend::Glm5Backend::fp8_linear`]. It keeps a base model in its released
+//! precision (FP8 E4M3 with block scales: a byte a weight) under LoRA.
+//!
+//! For `x` `[N, K]`, E4M3FN codes `C` `[M, K]` (HF's `nn.Linear` layout `[out, in]`, as the
+//! checkpoint stores them) with block scales `S` `[⌈M/b_r⌉, ⌈K/b_c⌉]` (`weight_scale_inv`,
+//! which multiplies) and an optional bias `b` `[M]`:
+//!
+//! ```text
+//! W[m, k] = round_bf16(e4m3(C[m, k]) · S[⌊m/b_r⌋, ⌊k/b_c⌋])
+//! y = x·Wᵀ + b          ∂x = ∂y·W          (the weight is frozen: no ∂W, ∂S)
+//! ```
+//!
+//! `W` is the weight the checkpoint loader gives a BF16 or f32 model of the same checkpoint
+//! (`checkpoint::fp8::dequantize_rows`, which rounds through BF16 as HF's FP8 dequantisation to
+//! the BF16 model dtype does: transformers `integrations/finegrained_fp8.py`), so an FP8-resident
+//! base computes what the dequantised base computes, within the products' summation order.
+//!
+//! The reference dequantises the whole weight with tensor ops, then runs Burn's `linear`. The
+//! Flex body walks `W` in panels of `b_r` rows: each panel is dequantised into a small f32
+//! buffer and multiplied at once (`gemm`), so the weight never exists whole in a wider dtype —
+//! the transient is `b_r × K` f32 (2 MB at `b_r` 128, `K` 4,096), not `M × K`. BF16 inputs are
+//! widened, the products accumulated in f32 and the result rounded once, as PyTorch's BF16
+//! `nn.Linear` does.
+
+use burn::tensor::{backend::Backend, DType, Int, IntDType, Tensor};
+
+use super::e4m3::E4M3_TABLE;
+use super::linear::{gemm_f32, Operand};
+
+/// `[rows, cols]` of an FP8 weight and its block size `[b_r, b_c]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp8Geometry {
+    /// Output features `M` (weight rows).
+    pub rows: usize,
+    /// Input features `K` (weight columns).
+    pub cols: usize,
+    /// `[b_r, b_c]`: rows and columns a scale covers.
+    pub block: [usize; 2],
+}
+
+impl Fp8Geometry {
+    /// The scale grid `[⌈M/b_r⌉, ⌈K/b_c⌉]`.
+    pub fn scale_shape(&self) -> [usize; 2] {
+        [self.rows.div_ceil(self.block[0]), self.cols.div_ceil(self.block[1])]
+    }
+}
+
+/// The dequantised weight `W` `[M, K]` in `dtype`, with tensor ops: every code looked up in the
+/// E4M3 table, times its block's scale (edge blocks partial), rounded through BF16.
+pub fn dequantize<B: Backend>(codes: Tensor<B, 2, Int>, scales: Tensor<B, 2>, block: [usize; 2], dtype: DType) -> Tensor<B, 2> {
+    let ([m, k], [gm, gk]) = (codes.dims(), scales.dims());
+    let device = codes.device();
+    let table = Tensor::<B, 1>::from_floats(E4M3_TABLE, &device);
+    let values = table.select(0, codes.reshape([m * k]).cast(IntDType::I32)).reshape([m, k]);
+    let [br, bc] = block;
+    let s = scales.cast(DType::F32).reshape([gm, 1, gk, 1]).expand([gm, br, gk, bc]).reshape([gm * br, gk * bc]).slice([0..m, 0..k]);
+    (values * s).cast(DType::BF16).cast(dtype)
+}
+
+/// Reference forward: `x` `[N, K]` → `[N, M]` in `x`'s dtype.
+pub fn reference_forward<B: Backend>(
+    x: Tensor<B, 2>,
+    codes: Tensor<B, 2, Int>,
+    scales: Tensor<B, 2>,
+    block: [usize; 2],
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, 2> {
+    let w = dequantize(codes, scales, block, x.dtype());
+    burn::tensor::module::linear(x, w.transpose(), bias)
+}
+
+/// Reference backward: `∂x = ∂y·W` `[N, K]` for `∂y` `[N, M]`.
+pub fn reference_backward<B: Backend>(grad: Tensor<B, 2>, codes: Tensor<B, 2, Int>, scales: Tensor<B, 2>, block: [usize; 2]) -> Tensor<B, 2> {
+    let w = dequantize(codes, scales, block, grad.dtype());
+    grad.matmul(w)
+}
+
+/// Rows `rows` of the dequantised weight into `out` (`rows.len() × K`, f32, BF16-rounded values).
+fn dequantize_panel(codes: &[u8], scales: &[f32], g: Fp8Geometry, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    use rayon::prelude::*;
+    let (k, [_, gk]) = (g.cols, g.scale_shape());
+    out.par_chunks_mut(k.max(1)).zip(codes[rows.start * k..rows.end * k].par_chunks(k.max(1))).enumerate().for_each(|(i, (dst, src))| {
+        let srow = &scales[((rows.start + i) / g.block[0]) * gk..][..gk];
+        for (c, (d, &b)) in dst.iter_mut().zip(src).enumerate() {
+            *d = half::bf16::from_f32(E4M3_TABLE[b as usize] * srow[c / g.block[1]]).to_f32();
+        }
+    });
+}
+
+/// Host forward: `x` `[n, K]` f32 → `[n, M]`, plus `bias` `[M]`.
+///
+/// # Panics
+/// If a buffer does not match the geometry (a bug of the caller, which checked the shapes).
+pub(crate) fn host_forward(x: &[f32], codes: &[u8], scales: &[f32], g: Fp8Geometry, n: usize, bias: Option<&[f32]>) -> Vec<f32> {
+    use rayon::prelude::*;
+    let (m, k) = (g.rows, g.cols);
+    let [gm, gk] = g.scale_shape();
+    assert!(
+        x.len() == n * k && codes.len() == m * k && scales.len() == gm * gk && bias.is_none_or(|b| b.len() == m),
+        "fp8_linear: buffers do not match"
+    );
+    if n == 0 || m == 0 {
+        return vec![0.0; n * m];
+    }
+    // yᵀ [M, n]: a panel of W's rows gives a contiguous block of yᵀ's rows
+    let panel_rows = g.block[0].min(m);
+    let mut yt = vec![0f32; m * n];
+    let mut panel = vec![0f32; panel_rows * k];
+    for (p, block) in yt.chunks_mut(panel_rows * n).enumerate() {
+        let rows = block.len() / n;
+        let r0 = p * panel_rows;
+        dequantize_panel(codes, scales, g, r0..r0 + rows, &mut panel[..rows * k]);
+        gemm_f32(block, false, Operand::plain(&panel[..rows * k], k), Operand::transposed(x, k), rows, n, k);
+    }
+    let mut y = vec![0f32; n * m];
+    y.par_chunks_mut(m).enumerate().for_each(|(i, row)| {
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = yt[j * n + i] + bias.map_or(0.0, |b| b[j]);
+        }
+    });
+    y
+}
+
+/// Host backward: `∂y` `[n, M]` f32 → `∂x = ∂y·W` `[n, K]`, summed over the panels of `W`.
+///
+/// # Panics
+/// If a buffer does not match the geometry (a bug of the caller).
+pub(crate) fn host_backward(grad: &[f32], codes: &[u8], scales: &[f32], g: Fp8Geometry, n: usize) -> Vec<f32> {
+    let (m, k) = (g.rows, g.cols);
+    assert!(grad.len() == n * m && codes.len() == m * k, "fp8_linear: buffers do not match");
+    let mut dx = vec![0f32; n * k];
+    if n == 0 || m == 0 || k == 0 {
+        return dx;
+    }
+    let panel_rows = g.block[0].min(m);
+    let mut panel = vec![0f32; panel_rows * k];
+    for (p, r0) in (0..m).step_by(panel_rows).enumerate() {
+        let rows = panel_rows.min(m - r0);
+        dequantize_panel(codes, scales, g, r0..r0 + rows, &mut panel[..rows * k]);
+        // ∂x += ∂y[:, r0..r0+rows] · W[r0..r0+rows, :]
+        gemm_f32(&mut dx, p > 0, Operand::columns(grad, m, r0..r0 + rows), Operand::plain(&panel[..rows * k], k), n, k, rows);
+    }
+    dx
+}
