@@ -132,7 +132,7 @@ impl<B: Backend> Site<'_, B> {
                 SiteShape::Linear { d_in, d_out }
             }
             Site::Experts(ex) => {
-                let [experts, hidden, intermediate] = ex.gate_proj.dims();
+                let [experts, hidden, intermediate] = ex.dims();
                 SiteShape::Experts { experts, hidden, intermediate }
             }
         }
@@ -264,7 +264,7 @@ pub(crate) fn attach_with<B: Backend>(
             }
             Site::Linear(_) => {}
             Site::Experts(ex) => {
-                let [e, d, i] = ex.gate_proj.dims();
+                let [e, d, i] = ex.dims();
                 if wanted.contains(format!("{name}.gate_up_proj").as_str()) {
                     ex.lora_gate_up = Some(mine(ExpertLora::new(e * parts, d, 2 * i, r, scaling, &device), e));
                 }
@@ -449,15 +449,21 @@ pub fn merge<B: Backend>(mut model: Glm5ForCausalLM<B>) -> Glm5ForCausalLM<B> {
                 }
             }
             Site::Experts(ex) => {
+                if ex.lora_gate_up.is_some() || ex.lora_down.is_some() {
+                    // an FP8 base merges into dense f32 stacks (re-quantised when written)
+                    ex.dequantize_base();
+                }
                 if let Some(ad) = ex.lora_gate_up.take() {
-                    let i = ex.gate_proj.dims()[2];
+                    let i = ex.dims()[2];
                     let delta = ad.a.val().cast(DType::F32).matmul(ad.b.val().cast(DType::F32)).mul_scalar(ad.scaling);
                     let [e, d, _] = delta.dims();
                     let (g, u) = (delta.clone().slice([0..e, 0..d, 0..i]), delta.slice([0..e, 0..d, i..2 * i]));
-                    let add = |p: burn::module::Param<burn::tensor::Tensor<B, 3>>, t: burn::tensor::Tensor<B, 3>| {
-                        p.map(move |w| {
-                            let dtype = w.dtype();
-                            (w.cast(DType::F32) + t).cast(dtype)
+                    let add = |p: Option<burn::module::Param<burn::tensor::Tensor<B, 3>>>, t: burn::tensor::Tensor<B, 3>| {
+                        p.map(|p| {
+                            p.map(move |w| {
+                                let dtype = w.dtype();
+                                (w.cast(DType::F32) + t).cast(dtype)
+                            })
                         })
                     };
                     ex.gate_proj = add(ex.gate_proj.clone(), g);
@@ -465,9 +471,11 @@ pub fn merge<B: Backend>(mut model: Glm5ForCausalLM<B>) -> Glm5ForCausalLM<B> {
                 }
                 if let Some(ad) = ex.lora_down.take() {
                     let delta = ad.a.val().cast(DType::F32).matmul(ad.b.val().cast(DType::F32)).mul_scalar(ad.scaling);
-                    ex.down_proj = ex.down_proj.clone().map(|w| {
-                        let dtype = w.dtype();
-                        (w.cast(DType::F32) + delta).cast(dtype)
+                    ex.down_proj = ex.down_proj.clone().map(|p| {
+                        p.map(|w| {
+                            let dtype = w.dtype();
+                            (w.cast(DType::F32) + delta).cast(dtype)
+                        })
                     });
                 }
             }

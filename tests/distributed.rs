@@ -1197,6 +1197,7 @@ mod mpi_engine {
                 (&par.experts.up_proj, &moe.experts.up_proj),
                 (&par.experts.down_proj, &moe.experts.down_proj),
             ] {
+                let (ours, full) = (ours.as_ref().expect("dense experts"), full.as_ref().expect("dense experts"));
                 let f = full.val().grad(&gr).unwrap();
                 let [_, p, q] = f.dims();
                 let f: Vec<f32> = f.slice([a..b, 0..p, 0..q]).into_data().into_vec::<f32>().unwrap();

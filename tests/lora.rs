@@ -463,18 +463,33 @@ fn lora_on_an_fp8_resident_base_matches_the_dequantised_base() {
     };
     let (dense, mut fp8) = (load(false, DType::F32), load(true, DType::F32));
     // dense MLP (3), shared experts (3 × 3), MLA's q_a_proj, q_b_proj and kv_b_proj: FP8 in the file
-    let (mut resident, mut bytes, mut values) = (0, 0, 0);
+    // and the routed experts of the three MoE layers
+    let (mut resident, mut expert_layers, mut bytes, mut values) = (0, 0, 0, 0);
     for (name, site) in sites(&mut fp8) {
-        if let Site::Linear(l) = site {
-            if let Some(q) = &l.fp8 {
-                assert!(l.weight.is_none(), "{name}: an FP8 base holds no dense weight");
-                let (k, m) = l.in_out();
-                (resident, bytes, values) = (resident + 1, bytes + q.num_bytes(), values + k * m);
+        match site {
+            Site::Linear(l) => {
+                if let Some(q) = &l.fp8 {
+                    assert!(l.weight.is_none(), "{name}: an FP8 base holds no dense weight");
+                    let (k, m) = l.in_out();
+                    (resident, bytes, values) = (resident + 1, bytes + q.num_bytes(), values + k * m);
+                }
+            }
+            Site::Experts(ex) => {
+                let q = ex.fp8.as_ref().unwrap_or_else(|| panic!("{name}: the routed experts stay FP8"));
+                assert!(ex.gate_proj.is_none() && ex.up_proj.is_none() && ex.down_proj.is_none(), "{name}: no dense stacks beside the FP8 base");
+                let [e, d, i] = ex.dims();
+                expert_layers += 1;
+                bytes += q.gate_proj.num_bytes() + q.up_proj.num_bytes() + q.down_proj.num_bytes();
+                values += 3 * e * d * i;
             }
         }
     }
-    println!("{resident} FP8-resident projections: {bytes} bytes for {values} weights (f32: {})", 4 * values);
-    assert_eq!(resident, 15);
+    println!(
+        "{resident} FP8-resident projections and {expert_layers} layers of routed experts: {bytes} bytes for {values} weights (f32: {})",
+        4 * values
+    );
+    assert_eq!((resident, expert_layers), (15, 3));
+    assert!(bytes < values + values / 8, "a byte a weight, plus the scales");
     let logits_of = |m: &Glm5ForCausalLM<A>| vals(logits(m, &io));
     let (ld, lq) = (logits_of(&dense), logits_of(&fp8));
     let (st, vs_ref) = (logit_stats(&ld, &lq, 128, &mask), logit_stats(&io.f32("logits"), &lq, 128, &mask));
@@ -501,6 +516,10 @@ fn lora_on_an_fp8_resident_base_matches_the_dequantised_base() {
     let worst = gd.iter().map(|(k, g)| rel_err(&gq[k], g)).fold(0f32, f32::max);
     println!("LoRA: loss {loss_q:.7} (dequantised base {loss_d:.7}); {} adapter gradients, worst max|Δ|/max|ref| {worst:.2e}", gd.len());
     assert!(((loss_q - loss_d) / loss_d).abs() <= 1e-6 && worst <= 1e-5, "loss {loss_q} vs {loss_d}, gradients {worst:e}");
+    // merging onto the FP8 base (dequantised, then W + s·A·B) gives the dense merge
+    let st = logit_stats(&logits_of(&merge(dense)), &logits_of(&merge(fp8)), 128, &mask);
+    println!("merged: FP8 base vs dequantised base: mean KL {:.2e}, max|Δ| {:.2e}", st.mean_kl, st.max_abs);
+    assert!(st.mean_kl <= 1e-10 && st.max_abs <= 1e-4, "{st:?}");
 
     // BF16: the same weights (BF16-rounded dequantisations) through another product path
     let (ld, lq) = (logits_of(&load(false, DType::BF16)), logits_of(&load(true, DType::BF16)));

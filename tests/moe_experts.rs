@@ -67,9 +67,10 @@ fn batched_and_looped_experts_match_the_per_slot_definition() {
             let da = t::<A, 3>(&dv, [e, i, d]).require_grad();
             let y = if fused {
                 let ex = Experts {
-                    gate_proj: Param::from_tensor(ga.clone()),
-                    up_proj: Param::from_tensor(ua.clone()),
-                    down_proj: Param::from_tensor(da.clone()),
+                    gate_proj: Some(Param::from_tensor(ga.clone())),
+                    up_proj: Some(Param::from_tensor(ua.clone())),
+                    down_proj: Some(Param::from_tensor(da.clone())),
+                    fp8: None,
                     limit,
                     lora_gate_up: None,
                     lora_down: None,

@@ -130,7 +130,7 @@ fn expert_parallel_rank_loads_only_its_experts() {
                 .layers
                 .iter()
                 .filter_map(|l| match &l.mlp {
-                    Ffn::Moe(moe) => Some(3 * moe.experts.gate_proj.val().shape().num_elements()),
+                    Ffn::Moe(moe) => Some(3 * moe.experts.dims().iter().product::<usize>()),
                     _ => None,
                 })
                 .sum()

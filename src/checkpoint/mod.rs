@@ -55,12 +55,13 @@ pub struct LoadOptions {
     /// other experts' bytes are not read). The model then holds those experts only and needs
     /// its expert-parallel group before it runs ([`crate::text::moe::Experts::parallel`]).
     pub experts: Option<select::ExpertShard>,
-    /// Keep the projections (`Linear` layers: attention, MLP, shared experts, vision tower)
-    /// that the checkpoint holds in FP8 — E4M3 with a `weight_scale_inv` — in FP8 in memory:
-    /// frozen, a byte a weight, dequantised per use ([`crate::text::fp8_weight`]). Off: they
-    /// are dequantised into `dtype` at load. The routed experts are dequantised either way
-    /// (not yet kept in FP8), and so are the DSA indexer's projections; weights the checkpoint
-    /// stores in BF16/F32 load into `dtype` as usual.
+    /// Keep the weights the checkpoint holds in FP8 — E4M3 with a `weight_scale_inv` — in FP8
+    /// in memory: the projections (`Linear` layers: attention, MLP, shared experts, vision
+    /// tower) and the routed experts of every MoE layer whose experts are FP8 in all three
+    /// projections. Frozen, a byte a weight, dequantised per use ([`crate::text::fp8_weight`]).
+    /// Off: they are dequantised into `dtype` at load. The DSA indexer's projections are
+    /// dequantised either way; weights stored in BF16/F32 load into `dtype` as usual. An
+    /// error for a checkpoint without FP8 weights.
     pub fp8_base: bool,
 }
 
@@ -173,7 +174,7 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
     if opts.fp8_base && files.fp8_scales.is_empty() {
         return Err(CheckpointError::NotFp8Checkpoint { dir: dir.to_path_buf() });
     }
-    let fp8_taken = if opts.fp8_base { keep_fp8(&mut model, &files, device)? } else { std::collections::BTreeSet::new() };
+    let fp8_taken = if opts.fp8_base { keep_fp8(&mut model, &files, owned.clone(), device)? } else { std::collections::BTreeSet::new() };
     let planned = plan(&model, owned.clone())?;
 
     // --- validation: every problem in one report ---
@@ -310,34 +311,76 @@ fn quantised(name: String, t: &OwnedTensor, block: [usize; 2]) -> Result<Vec<(St
 }
 
 /// Make every projection of `model` whose checkpoint weight is FP8 an FP8-resident base
-/// ([`crate::text::fp8_weight::Fp8Weight`]) with the stored codes and scales; returns the
-/// checkpoint names read (weights and scales). A projection whose FP8 weight does not have
-/// its shape stays dense, for the validation to report.
+/// ([`crate::text::fp8_weight::Fp8Weight`]) with the stored codes and scales, and every MoE
+/// layer whose routed experts (`experts`, this rank's) are all FP8 in the three projections
+/// ([`crate::text::fp8_weight::Fp8Experts`]); returns the checkpoint names read (weights and
+/// scales). A projection whose FP8 weight does not have its shape stays dense, for the
+/// validation to report.
 fn keep_fp8<B: Backend>(
     model: &mut Glm5ForCausalLM<B>,
     files: &SafetensorsFiles,
+    experts: std::ops::Range<usize>,
     device: &B::Device,
 ) -> Result<std::collections::BTreeSet<String>, CheckpointError> {
+    use crate::text::fp8_weight::{Fp8Experts, Fp8Stack, Fp8Weight};
     use burn::tensor::{Int, TensorData};
     let mut taken = std::collections::BTreeSet::new();
     for (name, site) in crate::peft::sites(model) {
-        let crate::peft::Site::Linear(l) = site else { continue };
-        let weight = format!("{name}.weight");
-        let Some(scale_name) = files.fp8_scales.get(&weight) else { continue };
-        let (k, m) = l.in_out();
-        if files.shape(&weight) != Some(&[m, k][..]) {
-            continue;
+        match site {
+            crate::peft::Site::Linear(l) => {
+                let weight = format!("{name}.weight");
+                let Some(scale_name) = files.fp8_scales.get(&weight) else { continue };
+                let (k, m) = l.in_out();
+                if files.shape(&weight) != Some(&[m, k][..]) {
+                    continue;
+                }
+                let (grid, codes, scales) = files.read_fp8(&weight)?;
+                l.fp8 = Some(Fp8Weight {
+                    codes: Tensor::<B, 2, Int>::from_data(TensorData::new(codes, [m, k]), (device, DType::U8)),
+                    scale_inv: Tensor::from_data(TensorData::new(scales, grid.scale_shape()), device),
+                    block_rows: grid.block_rows,
+                    block_cols: grid.block_cols,
+                });
+                l.weight = None;
+                taken.insert(scale_name.clone());
+                taken.insert(weight);
+            }
+            crate::peft::Site::Experts(ex) => {
+                let [_, d, i] = ex.dims();
+                // HF's per-expert [out, in]: gate/up [I, D], down [D, I]
+                let projections = [("gate_proj", [i, d]), ("up_proj", [i, d]), ("down_proj", [d, i])];
+                let names = |p: &str| -> Vec<String> { experts.clone().map(|e| format!("{name}.{e}.{p}.weight")).collect() };
+                let all_fp8 = projections
+                    .iter()
+                    .all(|(p, shape)| names(p).iter().all(|w| files.fp8_scales.contains_key(w) && files.shape(w) == Some(&shape[..])));
+                if experts.is_empty() || !all_fp8 {
+                    continue;
+                }
+                let mut stack = |p: &str, [n, k]: [usize; 2]| -> Result<Fp8Stack<B>, CheckpointError> {
+                    let (mut codes, mut scales, mut block) = (Vec::with_capacity(experts.len() * n * k), Vec::new(), None);
+                    for w in names(p) {
+                        let (grid, c, s) = files.read_fp8(&w)?;
+                        block = Some([grid.block_rows, grid.block_cols]);
+                        codes.extend_from_slice(&c);
+                        scales.extend_from_slice(&s);
+                        taken.insert(format!("{w}_scale_inv"));
+                        taken.insert(w);
+                    }
+                    let [br, bc] = block.unwrap_or([1, 1]);
+                    let e = experts.len();
+                    Ok(Fp8Stack {
+                        codes: Tensor::<B, 3, Int>::from_data(TensorData::new(codes, [e, n, k]), (device, DType::U8)),
+                        scale_inv: Tensor::from_data(TensorData::new(scales, [e, n.div_ceil(br), k.div_ceil(bc)]), device),
+                        block_rows: br,
+                        block_cols: bc,
+                    })
+                };
+                let fp8 =
+                    Fp8Experts { gate_proj: stack("gate_proj", [i, d])?, up_proj: stack("up_proj", [i, d])?, down_proj: stack("down_proj", [d, i])? };
+                ex.fp8 = Some(fp8);
+                (ex.gate_proj, ex.up_proj, ex.down_proj) = (None, None, None);
+            }
         }
-        let (grid, codes, scales) = files.read_fp8(&weight)?;
-        l.fp8 = Some(crate::text::fp8_weight::Fp8Weight {
-            codes: Tensor::<B, 2, Int>::from_data(TensorData::new(codes, [m, k]), (device, DType::U8)),
-            scale_inv: Tensor::from_data(TensorData::new(scales, grid.scale_shape()), device),
-            block_rows: grid.block_rows,
-            block_cols: grid.block_cols,
-        });
-        l.weight = None;
-        taken.insert(scale_name.clone());
-        taken.insert(weight);
     }
     Ok(taken)
 }

@@ -143,3 +143,103 @@ pub(crate) fn host_backward(grad: &[f32], codes: &[u8], scales: &[f32], g: Fp8Ge
     }
     dx
 }
+
+/// The routed experts' products on frozen FP8 weights (the body of
+/// [`crate::ops::backend::Glm5Backend::fp8_grouped_matmul`]): rows `x` `[M, K]` in consecutive
+/// groups of `sizes` (one per expert), expert `g`'s codes `codes[g]` `[N, K]` (HF's per-expert
+/// `[out, in]`) with scales `scales[g]` → `[M, N]`, each group `x_g·W_gᵀ` as
+/// [`reference_forward`]. Reference: a loop of those.
+///
+/// # Panics
+/// If `sizes` does not hold one count per expert summing to `M` (a bug of the caller).
+pub fn grouped_reference_forward<B: Backend>(
+    x: Tensor<B, 2>,
+    codes: Tensor<B, 3, Int>,
+    scales: Tensor<B, 3>,
+    block: [usize; 2],
+    sizes: &[usize],
+) -> Tensor<B, 2> {
+    let ([m, _], [g, n, k], [_, gn, gk]) = (x.dims(), codes.dims(), scales.dims());
+    assert!(sizes.len() == g && sizes.iter().sum::<usize>() == m, "fp8_grouped_matmul: group sizes do not match");
+    let mut parts = Vec::new();
+    let mut start = 0;
+    for (e, &rows) in sizes.iter().enumerate() {
+        if rows > 0 {
+            let w = codes.clone().slice([e..e + 1, 0..n, 0..k]).reshape([n, k]);
+            let s = scales.clone().slice([e..e + 1, 0..gn, 0..gk]).reshape([gn, gk]);
+            parts.push(reference_forward(x.clone().narrow(0, start, rows), w, s, block, None));
+        }
+        start += rows;
+    }
+    if parts.is_empty() {
+        return Tensor::zeros([0, n], (&x.device(), x.dtype()));
+    }
+    Tensor::cat(parts, 0)
+}
+
+/// Reference backward of [`grouped_reference_forward`]: `∂x` `[M, K]` for `∂y` `[M, N]`.
+pub fn grouped_reference_backward<B: Backend>(
+    grad: Tensor<B, 2>,
+    codes: Tensor<B, 3, Int>,
+    scales: Tensor<B, 3>,
+    block: [usize; 2],
+    sizes: &[usize],
+) -> Tensor<B, 2> {
+    let ([m, _], [_, n, k], [_, gn, gk]) = (grad.dims(), codes.dims(), scales.dims());
+    let mut parts = Vec::new();
+    let mut start = 0;
+    for (e, &rows) in sizes.iter().enumerate() {
+        if rows > 0 {
+            let w = codes.clone().slice([e..e + 1, 0..n, 0..k]).reshape([n, k]);
+            let s = scales.clone().slice([e..e + 1, 0..gn, 0..gk]).reshape([gn, gk]);
+            parts.push(reference_backward(grad.clone().narrow(0, start, rows), w, s, block));
+        }
+        start += rows;
+    }
+    if parts.is_empty() {
+        return Tensor::zeros([m, k], (&grad.device(), grad.dtype()));
+    }
+    Tensor::cat(parts, 0)
+}
+
+/// Host forward of the grouped product: each expert's rows through [`host_forward`] on its
+/// codes and scales. `g` is one expert's geometry.
+pub(crate) fn host_grouped_forward(x: &[f32], codes: &[u8], scales: &[f32], g: Fp8Geometry, sizes: &[usize]) -> Vec<f32> {
+    let (n, k) = (g.rows, g.cols);
+    let [gn, gk] = g.scale_shape();
+    let m: usize = sizes.iter().sum();
+    assert!(
+        x.len() == m * k && codes.len() == sizes.len() * n * k && scales.len() == sizes.len() * gn * gk,
+        "fp8_grouped_matmul: buffers do not match"
+    );
+    let mut y = Vec::with_capacity(m * n);
+    let mut start = 0;
+    for (e, &rows) in sizes.iter().enumerate() {
+        if rows > 0 {
+            let w = &codes[e * n * k..(e + 1) * n * k];
+            let s = &scales[e * gn * gk..(e + 1) * gn * gk];
+            y.extend(host_forward(&x[start * k..(start + rows) * k], w, s, g, rows, None));
+        }
+        start += rows;
+    }
+    y
+}
+
+/// Host backward of the grouped product: `∂x` `[M, K]`, expert by expert ([`host_backward`]).
+pub(crate) fn host_grouped_backward(grad: &[f32], codes: &[u8], scales: &[f32], g: Fp8Geometry, sizes: &[usize]) -> Vec<f32> {
+    let (n, k) = (g.rows, g.cols);
+    let [gn, gk] = g.scale_shape();
+    let m: usize = sizes.iter().sum();
+    assert!(grad.len() == m * n && codes.len() == sizes.len() * n * k, "fp8_grouped_matmul: buffers do not match");
+    let mut dx = Vec::with_capacity(m * k);
+    let mut start = 0;
+    for (e, &rows) in sizes.iter().enumerate() {
+        if rows > 0 {
+            let w = &codes[e * n * k..(e + 1) * n * k];
+            let s = &scales[e * gn * gk..(e + 1) * gn * gk];
+            dx.extend(host_backward(&grad[start * n..(start + rows) * n], w, s, g, rows));
+        }
+        start += rows;
+    }
+    dx
+}

@@ -33,12 +33,13 @@ use burn::tensor::activation::sigmoid;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
+use super::fp8_weight::Fp8Experts;
 use super::lora::ExpertLora;
 use super::mlp::{clamped_swiglu, Mlp};
 use crate::config::{Activation, TextConfig};
 use crate::distributed::collective::all_to_all_rows;
 use crate::distributed::{typed, Group};
-use crate::ops::backend::grouped_matmul;
+use crate::ops::backend::{fp8_grouped_matmul, grouped_matmul};
 
 /// Router (`mlp.gate`).
 #[derive(Module, Debug)]
@@ -124,12 +125,15 @@ impl<B: Backend> Router<B> {
 /// Routed experts stored stacked (`mlp.experts.*` in the checkpoint, one tensor per expert).
 #[derive(Module, Debug)]
 pub struct Experts<B: Backend> {
-    /// `[E, D, I]`.
-    pub gate_proj: Param<Tensor<B, 3>>,
-    /// `[E, D, I]`.
-    pub up_proj: Param<Tensor<B, 3>>,
-    /// `[E, I, D]`.
-    pub down_proj: Param<Tensor<B, 3>>,
+    /// `[E, D, I]`; `None` when the experts' base is held in FP8 (`fp8`).
+    pub gate_proj: Option<Param<Tensor<B, 3>>>,
+    /// `[E, D, I]`; `None` with `fp8`.
+    pub up_proj: Option<Param<Tensor<B, 3>>>,
+    /// `[E, I, D]`; `None` with `fp8`.
+    pub down_proj: Option<Param<Tensor<B, 3>>>,
+    /// The experts' frozen base in FP8 E4M3 with block scales, instead of the three stacks
+    /// ([`crate::checkpoint::LoadOptions::fp8_base`]).
+    pub fp8: Option<Fp8Experts<B>>,
     /// SwiGLU clamp limit.
     pub limit: f64,
     /// LoRA on the fused `gate_up_proj` (HF `[E, 2I, D]`): stacks `[E, D, r]`, `[E, r, 2I]`,
@@ -194,7 +198,66 @@ impl ExpertParallel {
     }
 }
 
+/// One of the experts' three projections.
+#[derive(Clone, Copy)]
+enum Proj {
+    Gate,
+    Up,
+    Down,
+}
+
+const NO_EXPERT_WEIGHTS: &str = "routed experts with neither dense stacks nor an FP8 base (built by hand without them)";
+
 impl<B: Backend> Experts<B> {
+    /// `[E, D, I]`: the experts held, the hidden size and one expert's intermediate width.
+    pub fn dims(&self) -> [usize; 3] {
+        match (&self.gate_proj, &self.fp8) {
+            (Some(g), _) => g.dims(),
+            (None, Some(q)) => {
+                let [e, i, d] = q.gate_proj.codes.dims();
+                [e, d, i]
+            }
+            (None, None) => panic!("{NO_EXPERT_WEIGHTS}"),
+        }
+    }
+
+    /// Replace an FP8 base by dense f32 stacks (frozen), for merging adapters into it; dense
+    /// experts stay as they are.
+    pub fn dequantize_base(&mut self) {
+        use burn::tensor::DType;
+        if let Some(q) = self.fp8.take() {
+            let dense = |s: &super::fp8_weight::Fp8Stack<B>| Some(Param::initialized(burn::module::ParamId::new(), s.dequantize(DType::F32)));
+            self.gate_proj = dense(&q.gate_proj);
+            self.up_proj = dense(&q.up_proj);
+            self.down_proj = dense(&q.down_proj);
+        }
+    }
+
+    /// The base product of projection `p` on rows grouped by expert (`sizes`): the dense
+    /// stack through [`grouped_matmul`], or the FP8 stack through [`fp8_grouped_matmul`].
+    fn product(&self, p: Proj, x: Tensor<B, 2>, sizes: &[usize]) -> Tensor<B, 2>
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
+        let dense = match p {
+            Proj::Gate => &self.gate_proj,
+            Proj::Up => &self.up_proj,
+            Proj::Down => &self.down_proj,
+        };
+        match (dense, &self.fp8) {
+            (Some(w), _) => grouped_matmul(x, w.val(), sizes),
+            (None, Some(q)) => {
+                let stack = match p {
+                    Proj::Gate => &q.gate_proj,
+                    Proj::Up => &q.up_proj,
+                    Proj::Down => &q.down_proj,
+                };
+                fp8_grouped_matmul(x, stack.codes.clone(), stack.scale_inv.clone(), stack.block(), sizes)
+            }
+            (None, None) => panic!("{NO_EXPERT_WEIGHTS}"),
+        }
+    }
+
     /// `x` `[N, D]`, routing of those rows → `[N, D]`: `Σ_k w_k Expert_{idx_k}(x)` per row,
     /// over this rank's experts or, under expert parallelism, over every rank's.
     pub fn forward(&self, x: Tensor<B, 2>, routing: &Routing<B>) -> Tensor<B, 2>
@@ -207,7 +270,7 @@ impl<B: Backend> Experts<B> {
         let device = x.device();
         let (y, order) = match &self.parallel {
             None => {
-                let held = self.gate_proj.dims()[0];
+                let held = self.dims()[0];
                 assert!(
                     routing.experts.iter().all(|&x| x < held),
                     "this MoE layer holds {held} routed experts (an expert-parallel rank's share) and has no expert-parallel group: set Experts::parallel before running it"
@@ -246,7 +309,7 @@ impl<B: Backend> Experts<B> {
         B: crate::ops::backend::Glm5Backend,
     {
         let m = src.len();
-        let e = self.gate_proj.dims()[0];
+        let e = self.dims()[0];
         let device = x.device();
         let mut order: Vec<usize> = (0..m).collect();
         order.sort_by_key(|&r| expert[r]);
@@ -258,8 +321,8 @@ impl<B: Backend> Experts<B> {
         let rows = x.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(sorted_src, [m]), &device)); // [M, D] by expert
                                                                                                            // the inputs are kept for the adapters only when there are any
         let lora_in = self.lora_gate_up.as_ref().map(|_| rows.clone());
-        let mut gate = grouped_matmul(rows.clone(), self.gate_proj.val(), &sizes);
-        let mut up = grouped_matmul(rows, self.up_proj.val(), &sizes);
+        let mut gate = self.product(Proj::Gate, rows.clone(), &sizes);
+        let mut up = self.product(Proj::Up, rows, &sizes);
         if let (Some(lora), Some(rows)) = (&self.lora_gate_up, lora_in) {
             let [_, i] = gate.dims();
             let t = lora.forward(rows, &sizes).cast(gate.dtype());
@@ -268,9 +331,9 @@ impl<B: Backend> Experts<B> {
         }
         let h = clamped_swiglu(gate, up, self.limit, Activation::Silu);
         let y = match &self.lora_down {
-            None => grouped_matmul(h, self.down_proj.val(), &sizes),
+            None => self.product(Proj::Down, h, &sizes),
             Some(lora) => {
-                let y = grouped_matmul(h.clone(), self.down_proj.val(), &sizes);
+                let y = self.product(Proj::Down, h.clone(), &sizes);
                 let dtype = y.dtype();
                 y + lora.forward(h, &sizes).cast(dtype)
             }
@@ -287,7 +350,7 @@ impl<B: Backend> Experts<B> {
     /// slices, under the same parameter ids and trainability) and exchanges tokens with the others. For a
     /// model built whole; a rank-local load reads only these experts' bytes instead.
     pub fn into_parallel(self, ep: std::sync::Arc<ExpertParallel>) -> Result<Self, crate::distributed::DistError> {
-        let e = self.gate_proj.dims()[0];
+        let e = self.dims()[0];
         if e != ep.n_experts {
             return Err(crate::distributed::DistError::Counts {
                 op: "expert parallelism",
@@ -303,9 +366,14 @@ impl<B: Backend> Experts<B> {
             Param::initialized(id, if p.is_require_grad() { t.require_grad() } else { t })
         };
         Ok(Self {
-            gate_proj: local(self.gate_proj),
-            up_proj: local(self.up_proj),
-            down_proj: local(self.down_proj),
+            gate_proj: self.gate_proj.map(local),
+            up_proj: self.up_proj.map(local),
+            down_proj: self.down_proj.map(local),
+            fp8: self.fp8.map(|q| Fp8Experts {
+                gate_proj: q.gate_proj.slice(range.clone()),
+                up_proj: q.up_proj.slice(range.clone()),
+                down_proj: q.down_proj.slice(range.clone()),
+            }),
             limit: self.limit,
             // an expert's adapters live with the expert
             lora_gate_up: self.lora_gate_up.map(|l| ExpertLora { a: local(l.a), b: local(l.b), scaling: l.scaling }),
@@ -461,9 +529,10 @@ impl<B: Backend> Moe<B> {
                 scaling: c.routed_scaling_factor,
             },
             experts: Experts {
-                gate_proj: std.init([e, d, i], device),
-                up_proj: std.init([e, d, i], device),
-                down_proj: std.init([e, i, d], device),
+                gate_proj: Some(std.init([e, d, i], device)),
+                up_proj: Some(std.init([e, d, i], device)),
+                down_proj: Some(std.init([e, i, d], device)),
+                fp8: None,
                 limit: c.swiglu_limit,
                 lora_gate_up: None,
                 lora_down: None,
@@ -477,9 +546,10 @@ impl<B: Backend> Moe<B> {
     /// [`crate::model::Glm5ForCausalLM::keep_experts`]).
     pub fn keep_experts(&mut self, n: usize, c: &TextConfig, device: &B::Device) {
         let (d, i) = (c.hidden_size, c.moe_intermediate_size);
-        self.experts.gate_proj = Initializer::Zeros.init([n, d, i], device);
-        self.experts.up_proj = Initializer::Zeros.init([n, d, i], device);
-        self.experts.down_proj = Initializer::Zeros.init([n, i, d], device);
+        self.experts.gate_proj = Some(Initializer::Zeros.init([n, d, i], device));
+        self.experts.up_proj = Some(Initializer::Zeros.init([n, d, i], device));
+        self.experts.down_proj = Some(Initializer::Zeros.init([n, i, d], device));
+        self.experts.fp8 = None;
     }
 
     /// `x` `[B, S, D]` → (`[B, S, D]`, router logits `[B·S, E]`).

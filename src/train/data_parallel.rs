@@ -209,7 +209,7 @@ pub fn expert_param_ids<B: burn::tensor::backend::Backend>(model: &Glm5ForCausal
                 let e = &moe.experts;
                 // an expert's LoRA stacks are split, reduced and clipped with the expert
                 let lora = [&e.lora_gate_up, &e.lora_down].into_iter().flatten().flat_map(|l| [l.a.id, l.b.id]);
-                Some([e.gate_proj.id, e.up_proj.id, e.down_proj.id].into_iter().chain(lora).collect::<Vec<_>>())
+                Some([&e.gate_proj, &e.up_proj, &e.down_proj].into_iter().flatten().map(|p| p.id).chain(lora).collect::<Vec<_>>())
             }
             _ => None,
         })
@@ -266,7 +266,7 @@ pub(crate) fn expert_parallel_model<B: burn::tensor::backend::Backend>(
     let plan = Arc::new(ExpertParallel::new(ep, model.num_experts)?);
     for layer in model.language_model.layers.iter_mut() {
         let Ffn::Moe(moe) = &mut layer.mlp else { continue };
-        let held = moe.experts.gate_proj.dims()[0];
+        let held = moe.experts.dims()[0];
         if held == plan.local_experts() && held != plan.n_experts {
             moe.experts.parallel = Some(plan.clone());
         } else {

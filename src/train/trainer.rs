@@ -759,7 +759,7 @@ fn expert_stacks<B: burn::tensor::backend::Backend>(model: &Glm5ForCausalLM<B>) 
         .layers
         .iter()
         .find_map(|layer| match &layer.mlp {
-            crate::text::decoder::Ffn::Moe(moe) => Some(moe.experts.gate_proj.dims()[0]),
+            crate::text::decoder::Ffn::Moe(moe) => Some(moe.experts.dims()[0]),
             _ => None,
         })
         .unwrap_or(0)

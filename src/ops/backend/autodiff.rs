@@ -159,6 +159,21 @@ impl<B: Glm5Backend, const N: usize> Backward<B, N> for Fp8LinearBackward {
     }
 }
 
+/// The routed experts' products on frozen FP8 weights: holds the codes, scales and group
+/// sizes and gives `∂x`.
+#[derive(Debug)]
+struct Fp8GroupedBackward;
+
+impl<B: Glm5Backend> Backward<B, 1> for Fp8GroupedBackward {
+    type State = (IntTensor<B>, FloatTensor<B>, [usize; 2], Vec<usize>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (codes, scales, block, sizes) = ops.state;
+        register!(grads, ops.parents, [B::fp8_grouped_matmul_backward(grad, codes, scales, block, &sizes)]);
+    }
+}
+
 /// The routed experts' grouped product; checkpoints `x` only when `w` is tracked and `w` only
 /// when `x` is, as [`LinearBackward`] (a sharded expert weight is re-gathered, not kept).
 #[derive(Debug)]
@@ -521,6 +536,17 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
             None => finish!(Fp8LinearBackward.prepare::<C>([x.node.clone()])),
             Some(b) => finish!(Fp8LinearBackward.prepare::<C>([x.node.clone(), b.node.clone()])),
         }
+    }
+
+    fn fp8_grouped_matmul(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        sizes: &[usize],
+    ) -> FloatTensor<Self> {
+        let out = B::fp8_grouped_matmul(x.primitive.clone(), codes.clone(), scales.primitive.clone(), block, sizes);
+        record!(Fp8GroupedBackward, [x], (codes, scales.primitive, block, sizes.to_vec()), out)
     }
 
     fn cross_entropy_sum(logits: FloatTensor<Self>, targets: &[i64]) -> FloatTensor<Self> {

@@ -130,6 +130,19 @@ fn fp8_host(
     (codes.dtype() == DType::U8 && block[0] > 0 && block[1] > 0 && sdims == g.scale_shape()).then(|| (codes.clone().to_contiguous(), g))
 }
 
+/// [`fp8_host`] for a stack of experts' FP8 weights `[G, N, K]` with scales `[G, gn, gk]`: the
+/// bytes and one expert's geometry.
+fn fp8_stack_host(
+    codes: &IntTensor<Flex>,
+    scales: &FloatTensor<Flex>,
+    block: [usize; 2],
+) -> Option<(burn_flex::FlexTensor, crate::ops::fp8_linear::Fp8Geometry)> {
+    use burn::tensor::TensorMetadata;
+    let ([e, rows, cols], [se, gn, gk]) = (codes.shape().dims::<3>(), scales.shape().dims::<3>());
+    let g = crate::ops::fp8_linear::Fp8Geometry { rows, cols, block };
+    (codes.dtype() == DType::U8 && block[0] > 0 && block[1] > 0 && se == e && [gn, gk] == g.scale_shape()).then(|| (codes.clone().to_contiguous(), g))
+}
+
 /// Flex: each op as host loops over its buffers (the equations and loops live with the op in
 /// `ops::*`); fp32 only, other dtypes take the reference bodies.
 impl Glm5Backend for Flex {
@@ -299,6 +312,40 @@ impl Glm5Backend for Flex {
         let ((grad, [n, _]), (s, _)) = (host_n::<2>(grad), host_n::<2>(scales));
         let dx = crate::ops::fp8_linear::host_backward(&grad, codes.as_slice::<u8>().expect("contiguous U8 codes"), &s, g, n);
         in_dtype(flex_tensor(dx, [n, g.cols]), dtype)
+    }
+
+    fn fp8_grouped_matmul(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        sizes: &[usize],
+    ) -> FloatTensor<Self> {
+        let dtype = x.dtype();
+        let Some((codes, g)) = fp8_stack_host(&codes, &scales, block).filter(|_| matches!(dtype, DType::F32 | DType::BF16)) else {
+            let codes = Tensor::<Self, 3, Int>::from_primitive(codes);
+            return crate::ops::fp8_linear::grouped_reference_forward(f2::<Self>(x), codes, f3(scales), block, sizes).into_primitive().tensor();
+        };
+        let ((x, [m, _]), (s, _)) = (host_n::<2>(x), host_n::<3>(scales));
+        let y = crate::ops::fp8_linear::host_grouped_forward(&x, codes.as_slice::<u8>().expect("contiguous U8 codes"), &s, g, sizes);
+        in_dtype(flex_tensor(y, [m, g.rows]), dtype)
+    }
+
+    fn fp8_grouped_matmul_backward(
+        grad: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        sizes: &[usize],
+    ) -> FloatTensor<Self> {
+        let dtype = grad.dtype();
+        let Some((codes, g)) = fp8_stack_host(&codes, &scales, block).filter(|_| matches!(dtype, DType::F32 | DType::BF16)) else {
+            let codes = Tensor::<Self, 3, Int>::from_primitive(codes);
+            return crate::ops::fp8_linear::grouped_reference_backward(f2::<Self>(grad), codes, f3(scales), block, sizes).into_primitive().tensor();
+        };
+        let ((grad, [m, _]), (s, _)) = (host_n::<2>(grad), host_n::<3>(scales));
+        let dx = crate::ops::fp8_linear::host_grouped_backward(&grad, codes.as_slice::<u8>().expect("contiguous U8 codes"), &s, g, sizes);
+        in_dtype(flex_tensor(dx, [m, g.cols]), dtype)
     }
 
     fn grouped_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>, sizes: &[usize]) -> FloatTensor<Self> {

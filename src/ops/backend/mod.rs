@@ -23,6 +23,7 @@
 //! | `kda_forget_gate` (+ backward; KDA's log-space gate) | `ops::kda_gate` | fused host loops | reference | hand-written backward |
 //! | `linear_layer` (+ backward; every `Linear` layer's `x·W + b`) | `ops::linear`: Burn's `linear` | `gemm` on the strided operands | reference | hand-written backward (only the tracked inputs' gradients) |
 //! | `fp8_linear` (+ backward of `x`; a frozen FP8 weight's `x·Wᵀ + b`) | `ops::fp8_linear`: dequantise whole, Burn's `linear` | panels dequantised into `gemm` | reference | hand-written backward (`∂x`, `∂b`) |
+//! | `fp8_grouped_matmul` (+ backward of `x`; the routed experts on a frozen FP8 base) | a loop of `fp8_linear`'s reference | `fp8_linear`'s panel body per expert | reference | hand-written backward (`∂x`) |
 //! | `grouped_matmul` (+ backward; the routed experts' `x_g·W[g]`) | `ops::grouped_matmul`: a loop of `matmul`s | `gemm` / BF16 GEMM per group | reference | hand-written backward (only the tracked inputs' gradients) |
 //! | `cross_entropy_sum` (+ backward; the LM loss) | `ops::cross_entropy`: `log_softmax` + `gather` | fused host loops | reference | hand-written backward |
 //! | `adamw_step` (the optimizer's update) | `ops::adamw` | fused host loop | reference | the inner backend's (no gradient) |
@@ -375,6 +376,33 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         fp8_linear::reference_backward(f2::<Self>(grad), codes, f2(scales), block).into_primitive().tensor()
     }
 
+    /// The routed experts' products on frozen FP8 weights (`ops::fp8_linear`): rows `x`
+    /// `[M, K]` in groups of `sizes` (one per expert), `codes` `[G, N, K]` (`U8`, each expert's
+    /// `[out, in]`), `scales` `[G, ⌈N/b_r⌉, ⌈K/b_c⌉]` → `[M, N]` in `x`'s dtype. Default: a
+    /// loop of [`Self::fp8_linear`]'s reference over the groups.
+    fn fp8_grouped_matmul(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        sizes: &[usize],
+    ) -> FloatTensor<Self> {
+        let codes = Tensor::<Self, 3, Int>::from_primitive(codes);
+        fp8_linear::grouped_reference_forward(f2::<Self>(x), codes, f3(scales), block, sizes).into_primitive().tensor()
+    }
+
+    /// Backward of [`Self::fp8_grouped_matmul`] for `∂y` `[M, N]`: `∂x` `[M, K]`.
+    fn fp8_grouped_matmul_backward(
+        grad: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        sizes: &[usize],
+    ) -> FloatTensor<Self> {
+        let codes = Tensor::<Self, 3, Int>::from_primitive(codes);
+        fp8_linear::grouped_reference_backward(f2::<Self>(grad), codes, f3(scales), block, sizes).into_primitive().tensor()
+    }
+
     /// Backward of [`Self::linear_layer`]: `(∂x, ∂w, ∂b)` — `∂x` when `w` is given, `∂w` when `x`
     /// is, `∂b` when `bias` (each gradient needs only the other operand). Default: the
     /// reference products.
@@ -606,6 +634,29 @@ pub fn fp8_matmul_bias<B: Glm5Backend>(
         block,
         b.map(|b| b.into_primitive().tensor()),
     ))
+}
+
+/// [`Glm5Backend::fp8_grouped_matmul`] on tensors: rows `x` `[M, K]` in groups of `sizes`
+/// times each expert's FP8 weight `codes[g]` `[N, K]` → `[M, N]`.
+///
+/// # Panics
+/// If `sizes` does not hold one count per expert summing to `M`, or the widths differ (a bug
+/// of the caller: the MoE layer builds both from its routing).
+pub fn fp8_grouped_matmul<B: Glm5Backend>(
+    x: Tensor<B, 2>,
+    codes: Tensor<B, 3, Int>,
+    scales: Tensor<B, 3>,
+    block: [usize; 2],
+    sizes: &[usize],
+) -> Tensor<B, 2> {
+    let ([m, k], [g, _, ck]) = (x.dims(), codes.dims());
+    assert!(
+        sizes.len() == g && sizes.iter().sum::<usize>() == m && k == ck,
+        "fp8_grouped_matmul: {} group sizes summing to {} for {m} rows of width {k} and {g} experts of width {ck}",
+        sizes.len(),
+        sizes.iter().sum::<usize>()
+    );
+    f2(B::fp8_grouped_matmul(x.into_primitive().tensor(), codes.into_primitive(), scales.into_primitive().tensor(), block, sizes))
 }
 
 /// [`Glm5Backend::grouped_matmul`] on tensors: rows `x` `[M, K]` in groups of `sizes` (one per
