@@ -4,7 +4,12 @@
 //! cargo run --release --example convert -- --input FP8_DIR --output BF16_DIR [--dtype bf16|f32] [--max-shard-size 5GB]
 //! cargo run --release --example convert -- --inspect DIR      # DIR may hold only config.json
 //! cargo run --release --example convert -- --input BASE --merge-lora ADAPTER --output MERGED [--dtype bf16|f32|fp8]
+//! cargo run --release --example convert -- --input BF16_DIR --output FP8_DIR --dtype fp8 [--fp8-block 128,128]
 //! ```
+//!
+//! `--dtype fp8` on a BF16/F32 checkpoint quantises it in the release's FP8 layout: the
+//! decoder's MLP weights (dense, shared and routed experts) become E4M3 with block scales, the
+//! rest keeps its dtype, and `config.json` gets the `quantization_config`.
 //!
 //! With `--merge-lora`, `--dtype fp8` re-quantises the weights that `BASE` holds in FP8 (its
 //! block size, fresh block scales from the merged values) and writes every other tensor in the
@@ -37,6 +42,9 @@ struct Args {
     /// `--input` stores them in).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32", "fp8"])]
     dtype: String,
+    /// Block `ROWS,COLS` of the scales when quantising a BF16/F32 checkpoint (`--dtype fp8`).
+    #[arg(long, default_value = "128,128", value_name = "ROWS,COLS")]
+    fp8_block: String,
     /// Largest output shard, e.g. 5GB, 500MB.
     #[arg(long, default_value = "5GB")]
     max_shard_size: String,
@@ -81,7 +89,8 @@ fn run(args: Args) -> Result<()> {
         return merge_lora(&input, adapter, &output, &args.dtype);
     }
     if args.dtype == "fp8" {
-        bail!("--dtype fp8 writes a merged checkpoint: use it with --merge-lora (conversion dequantises FP8 to bf16 or f32)");
+        glm5_burn::io::check_output_dir("--output", &output, &[("--input", &input)])?;
+        return quantize(&input, &output, parse_block(&args.fp8_block)?);
     }
     glm5_burn::io::check_output_dir("--output", &output, &[("--input", &input)])?;
     let opts =
@@ -140,6 +149,56 @@ fn merge_lora(input: &Path, adapter: &Path, output: &Path, dtype: &str) -> Resul
         adapter.display(),
         config.r,
         config.lora_alpha,
+        start.elapsed()
+    );
+    Ok(())
+}
+
+fn parse_block(s: &str) -> Result<[usize; 2]> {
+    let parts: Vec<usize> = s
+        .split(',')
+        .map(|p| p.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("--fp8-block {s:?}: expected ROWS,COLS (e.g. 128,128)"))?;
+    match parts[..] {
+        [r, c] if r > 0 && c > 0 => Ok([r, c]),
+        _ => bail!("--fp8-block {s:?}: expected two positive sizes ROWS,COLS (e.g. 128,128)"),
+    }
+}
+
+/// `--dtype fp8` on a BF16/F32 checkpoint: the release's FP8 layout
+/// ([`Fp8Output::release_layout`]), each weight quantised once from its f32 values.
+fn quantize(input: &Path, output: &Path, block: [usize; 2]) -> Result<()> {
+    use glm5_burn::checkpoint::{
+        convert::copy_companions, load_causal_lm, save_causal_lm_fp8, CheckpointConfig, CheckpointError, Fp8Output, LoadOptions,
+    };
+    type B = burn::backend::Flex;
+    let start = std::time::Instant::now();
+    if std::fs::read_dir(output).is_ok_and(|mut d| d.next().is_some()) {
+        bail!("--output {} is not empty (the quantised checkpoint goes into an empty or new directory)", output.display());
+    }
+    let fp8 = Fp8Output::release_layout(input, block).context("--dtype fp8")?;
+    let device = Default::default();
+    let loaded = match load_causal_lm::<B>(input, &device, &LoadOptions { vision: true, ..LoadOptions::default() }) {
+        Err(CheckpointError::NoVisionTower { .. }) => load_causal_lm::<B>(input, &device, &LoadOptions::default())?,
+        other => other?,
+    };
+    let config = CheckpointConfig::from_json(fp8.config_json(&loaded.config.json), &input.join("config.json").display().to_string())?;
+    // staged beside the output, renamed into place once whole
+    let staging = output.with_extension("partial");
+    let _ = std::fs::remove_dir_all(&staging);
+    save_causal_lm_fp8(&loaded.model, &config, &staging, &fp8)?;
+    let copied = copy_companions(input, &staging)?;
+    if output.exists() {
+        std::fs::remove_dir(output).with_context(|| format!("--output {}", output.display()))?;
+    }
+    std::fs::rename(&staging, output).with_context(|| format!("moving {} to {}", staging.display(), output.display()))?;
+    println!(
+        "wrote {}: {} weights quantised to FP8 (blocks {block:?}), {} tensors kept, {} in {:.1?}",
+        output.display(),
+        fp8.names.len(),
+        fp8.others.len(),
+        if copied.is_empty() { "nothing else copied".to_string() } else { format!("copied {}", copied.join(", ")) },
         start.elapsed()
     );
     Ok(())

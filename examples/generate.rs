@@ -48,6 +48,10 @@ struct Args {
     /// adapter_model.safetensors), applied unmerged on top of the checkpoint.
     #[arg(long)]
     adapter: Option<PathBuf>,
+    /// Keep the checkpoint's FP8 weights (E4M3 with `weight_scale_inv`) in FP8 in memory,
+    /// dequantised per use — a byte a weight — instead of dequantising them at load.
+    #[arg(long)]
+    fp8_base: bool,
     /// Input safetensors (`input_ids`, optional `attention_mask`, `pixel_values`, `image_grid_thw`).
     #[arg(long, required_unless_present = "prompt", conflicts_with = "prompt")]
     input: Option<PathBuf>,
@@ -202,7 +206,7 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
         Some(dir) => Some(load_tokenizer(dir)?),
         None => None,
     };
-    let load = LoadOptions { vision: inputs.images.is_some(), ..LoadOptions::with_dtype(dtype) };
+    let load = LoadOptions { vision: inputs.images.is_some(), fp8_base: args.fp8_base, ..LoadOptions::with_dtype(dtype) };
     let mut loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
     loaded.model = with_adapter(loaded.model, args.adapter.as_deref())?;
     let text = &loaded.config.resolved.text_config;
@@ -246,7 +250,11 @@ fn answer<B: Glm5Backend>(args: &Args, question: &str, dtype: DType, eos: Vec<i6
     let chat = ChatFormat::from_dir(dir).with_context(|| format!("loading the tokenizer and chat template from {}", dir.display()))?;
     let images = args.images.iter().map(|p| RgbImage::open(p)).collect::<Result<Vec<_>, _>>()?;
     let p = glm5_burn::data::user_prompt(&chat, &ImageProcessor::default(), &images, question)?;
-    let mut loaded = load_causal_lm::<B>(&args.checkpoint, device, &LoadOptions { vision: !images.is_empty(), ..LoadOptions::with_dtype(dtype) })?;
+    let mut loaded = load_causal_lm::<B>(
+        &args.checkpoint,
+        device,
+        &LoadOptions { vision: !images.is_empty(), fp8_base: args.fp8_base, ..LoadOptions::with_dtype(dtype) },
+    )?;
     loaded.model = with_adapter(loaded.model, args.adapter.as_deref())?;
     let image_id = chat.tokenizer.token_to_id("<|image|>").map(|x| x as i64);
     if !images.is_empty() && image_id != Some(loaded.config.resolved.image_token_id) {

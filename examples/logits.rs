@@ -72,6 +72,10 @@ struct Args {
     /// adapter_model.safetensors), applied unmerged on top of the checkpoint.
     #[arg(long)]
     adapter: Option<PathBuf>,
+    /// Keep the checkpoint's FP8 weights (E4M3 with `weight_scale_inv`) in FP8 in memory,
+    /// dequantised per use — a byte a weight — instead of dequantising them at load.
+    #[arg(long)]
+    fp8_base: bool,
     /// Input safetensors with `input_ids` (I64 [B, S]) and optional `attention_mask`.
     #[arg(long, required_unless_present = "prompt")]
     input: Option<PathBuf>,
@@ -131,7 +135,7 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
         Precision::Bf16 => DType::BF16,
     };
     // the vision tower is loaded only when the input carries images
-    let load = LoadOptions { vision: inputs.images.is_some(), ..LoadOptions::with_dtype(dtype) };
+    let load = LoadOptions { vision: inputs.images.is_some(), fp8_base: args.fp8_base, ..LoadOptions::with_dtype(dtype) };
     let start = std::time::Instant::now();
     let mut loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
     eprintln!("loaded {} in {:.2?}", args.checkpoint.display(), start.elapsed());
@@ -192,7 +196,7 @@ fn run_prompt<B: Glm5Backend>(args: &Args, prompt: &str, device: &B::Device) -> 
     let images = args.images.iter().map(|p| RgbImage::open(p)).collect::<Result<Vec<_>, _>>()?;
     let p = glm5_burn::data::user_prompt(&chat, &ImageProcessor::default(), &images, prompt)?;
     let dtype = if matches!(args.dtype, Precision::Bf16) { DType::BF16 } else { DType::F32 };
-    let load = LoadOptions { vision: !images.is_empty(), ..LoadOptions::with_dtype(dtype) };
+    let load = LoadOptions { vision: !images.is_empty(), fp8_base: args.fp8_base, ..LoadOptions::with_dtype(dtype) };
     let mut loaded = load_causal_lm::<B>(&args.checkpoint, device, &load)?;
     loaded.model = with_adapter(loaded.model, args.adapter.as_deref())?;
     let image_id = chat.tokenizer.token_to_id("<|image|>").map(|x| x as i64);

@@ -144,7 +144,7 @@ fn plan_refuses_nonsense_and_answers_quickly() {
         (vec!["--base-dtype", "fp8"], "give --peft"),
         (vec!["--base-dtype", "int4", "--peft", "r=8"], "expected fp8, bf16 or f32"),
         (vec!["--peft", "targets=attention"], "the rank r=… is required"),
-        (vec!["--peft", "r=16,targets=qkv"], "\"qkv\" matches no linear layer"),
+        (vec!["--peft", "r=16,targets=qkv_proj"], "\"qkv_proj\" matches no linear layer"),
         (vec!["--peft", "r=16,dropout=0.1"], "unknown key"),
         (vec!["--peft", "r=9999,targets=b_proj"], "b_proj"),
     ] {

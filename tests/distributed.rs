@@ -673,7 +673,15 @@ mod mpi_engine {
         BUILD.call_once(|| {
             let status = Command::new(env!("CARGO"))
                 // the features of this test binary: one build of the library serves both
-                .args(["build", "--features", if cfg!(feature = "nccl") { "mpi,nccl" } else { "mpi" }, "--example", "finetune"])
+                .args([
+                    "build",
+                    "--features",
+                    if cfg!(feature = "nccl") { "mpi,nccl" } else { "mpi" },
+                    "--example",
+                    "finetune",
+                    "--example",
+                    "convert",
+                ])
                 .current_dir(env!("CARGO_MANIFEST_DIR"))
                 .status()
                 .expect("run cargo");
@@ -972,6 +980,63 @@ mod mpi_engine {
             assert!(ok, "{from} resumed under {np:?} ranks, ep {ep}:\n{out}");
             assert!(out.contains("resumed from") && out.contains("(step 2,"), "did not resume from step 2:\n{out}");
             compare(&format!("{from} resumed under ep {ep}"), &metrics(&dir));
+        }
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// LoRA on a frozen FP8 base (`model.base_dtype: fp8`, the one-process run's step-1 base
+    /// quantised by `convert --dtype fp8`) under ep 2 × dp 2 on 4 ranks — each rank holding
+    /// its experts' FP8 stacks, read from the checkpoint alone — and dp 2 follows the
+    /// single-process run on that base: loss and gradient norm within 1e-5 relative over 4
+    /// steps.
+    #[test]
+    fn lora_on_an_fp8_base_under_ep_and_dp_follows_one_process() {
+        let root = std::env::temp_dir().join(format!("glm5_lora_fp8_{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let mut base_args = resumable_args(&root.join("base"), 1);
+        base_args.push("--step_scheduler.ckpt_every_steps=1".into());
+        let (ok, out) = run_finetune(None, &base_args);
+        assert!(ok, "{out}");
+        let fp8 = root.join("fp8");
+        let exe = finetune().with_file_name("convert");
+        let base = root.join("base/step_000001/model");
+        let out = Command::new(&exe)
+            .args(["--input", base.to_str().unwrap(), "--output", fp8.to_str().unwrap(), "--dtype", "fp8", "--fp8-block", "16,16"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let steps = 4;
+        let args = |dir: &std::path::Path, np: usize, ep: usize| -> Vec<String> {
+            let mut a = resumable_args(dir, steps);
+            a.extend([
+                format!("--model.checkpoint={}", fp8.display()),
+                "--model.base_dtype=fp8".into(),
+                "--optimizer.lr=1e-3".into(),
+                "--peft.r=4".into(),
+                "--peft.lora_alpha=8".into(),
+                "--peft.target_modules=[q_proj, o_proj, q_a_proj, kv_b_proj, gate_proj, up_proj, down_proj]".into(),
+                "--peft.target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]".into(),
+                format!("--distributed.dp_size={np}"),
+                format!("--distributed.ep_size={ep}"),
+            ]);
+            a
+        };
+        let (ok, out) = run_finetune(None, &args(&root.join("one"), 1, 1));
+        assert!(ok, "{out}");
+        let reference = metrics(&root.join("one"));
+        assert_eq!(reference.len(), steps);
+        for (name, np, ep) in [("ep2x2", 4, 2), ("dp2", 2, 1)] {
+            let (ok, out) = run_finetune(Some(np), &args(&root.join(name), np, ep));
+            assert!(ok, "{name}:\n{out}");
+            let got = metrics(&root.join(name));
+            assert_eq!(got.len(), steps, "{name}: one metrics line per step");
+            for (x, y) in reference.iter().zip(&got) {
+                for key in ["loss", "grad_norm"] {
+                    let (p, q) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
+                    assert!((p - q).abs() <= 1e-5 * p.abs(), "{name}, step {}: {key} {p} (one process) vs {q}", x["step"]);
+                }
+            }
+            println!("{name}: 4 LoRA steps on the FP8 base follow one process");
         }
         let _ = std::fs::remove_dir_all(&root);
     }

@@ -1,18 +1,22 @@
 #!/bin/bash
-# full fine-tune vs LoRA on configs/bench_small_medpix.json, one process, interleaved rounds
+# full fine-tune vs LoRA (the f32 base) vs LoRA on the same base quantised to FP8 and kept in FP8
+# (model.base_dtype: fp8), on configs/bench_small_medpix.json, one process, interleaved rounds
 set -e
 cd "$(dirname "$0")/.."
-cargo build --release --example finetune
+cargo build --release --example finetune --example convert
 F=target/release/examples/finetune
 W=${W:-/tmp/lora_vs_full}; rm -rf $W; mkdir -p $W
 common="--model.tokenizer=examples/data/tiny_medpix --step_scheduler.global_batch_size=4 --step_scheduler.local_batch_size=1 --validation_dataset=null"
 $F --model.config=configs/bench_small_medpix.json $common --step_scheduler.max_steps=1 --step_scheduler.ckpt_every_steps=1 --checkpoint.checkpoint_dir=$W/base > $W/base.log 2>&1
 BASE=$W/base/step_000001/model
+target/release/examples/convert --input $BASE --output $W/fp8 --dtype fp8 > $W/fp8.log
 lora="--peft.r=16 --peft.lora_alpha=32 --peft.target_modules=[q_proj,k_proj,v_proj,o_proj,q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj] --peft.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"
 for round in 1 2; do
-  for mode in full lora; do
-    extra=""; [ $mode = lora ] && extra="$lora"
-    $F --model.checkpoint=$BASE $common --step_scheduler.max_steps=12 --checkpoint.enabled=false --checkpoint.checkpoint_dir=$W/$mode$round $extra > $W/$mode$round.log 2>&1
+  for mode in full lora lora_fp8; do
+    extra=""; base=$BASE
+    [ $mode = lora ] && extra="$lora"
+    [ $mode = lora_fp8 ] && extra="$lora --model.base_dtype=fp8" && base=$W/fp8
+    $F --model.checkpoint=$base $common --step_scheduler.max_steps=12 --checkpoint.enabled=false --checkpoint.checkpoint_dir=$W/$mode$round $extra > $W/$mode$round.log 2>&1
     python3 - $W/$mode$round <<'PY'
 import json, sys, statistics
 rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl") if '"loss"' in l]

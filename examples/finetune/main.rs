@@ -518,6 +518,9 @@ where
             if rank == 0 && root.join("metrics.jsonl").exists() {
                 truncate_metrics(&root.join("metrics.jsonl"), 0)?;
             }
+            // the seeded draws (a seeded base's weights, LoRA's adapters) start from the
+            // recipe's seed whatever loading the base consumed
+            B::seed(&device, seed);
             let mut t = Trainer::try_new(model, options)?;
             t.data_fingerprint = Some(fingerprint.clone());
             (t, Sampler::new(train.packs.len(), seed))

@@ -52,7 +52,7 @@ pub struct ConvertReport {
 /// Copy the regular files of `input`'s top level that are neither weights (safetensors or
 /// another format's), their index nor `config.json` (rewritten) into `out`: what makes the
 /// output usable by `generate`/`logits`.
-fn copy_companions(input: &Path, out: &Path) -> Result<Vec<String>, CheckpointError> {
+pub fn copy_companions(input: &Path, out: &Path) -> Result<Vec<String>, CheckpointError> {
     let io = |path: &Path, error: std::io::Error| CheckpointError::Io { path: path.to_path_buf(), error };
     let mut copied = Vec::new();
     for entry in std::fs::read_dir(input).map_err(|e| io(input, e))? {

@@ -505,6 +505,50 @@ impl Fp8Output {
     }
 }
 
+impl Fp8Output {
+    /// The release's FP8 layout for the BF16/F32 checkpoint in `dir`: every 2-D weight of the
+    /// decoder's MLPs — dense MLPs, shared experts and routed experts — quantised in `block`s;
+    /// the attention projections (MLA, KDA), embeddings, LM head, norms, router, indexer and
+    /// vision tower stay in the dtype `dir` stores them in (GLM-5.3-Flash's FP8 release keeps
+    /// the attention projections in BF16: they have no scales). Errors if `dir` already holds
+    /// FP8 weights (their FP8 layout is [`Fp8Output::like`]).
+    pub fn release_layout(dir: &Path, block: [usize; 2]) -> Result<Self, CheckpointError> {
+        let files = SafetensorsFiles::open_dir(dir)?;
+        if let Some(name) = files.fp8_scales.keys().next() {
+            return Err(CheckpointError::Tensor {
+                path: files.shard_path(name).map(Path::to_path_buf).unwrap_or_default(),
+                name: name.clone(),
+                message: "is already FP8: the checkpoint is quantised (FP8 output of it re-quantises a merge: --merge-lora)".into(),
+            });
+        }
+        let quantised = |name: &str, shape: &[usize]| {
+            shape.len() == 2 && name.starts_with("model.language_model.layers.") && name.contains(".mlp.") && name.ends_with("_proj.weight")
+        };
+        let (mut names, mut others) = (std::collections::BTreeSet::new(), BTreeMap::new());
+        for (name, e) in &files.tensors {
+            if quantised(name, &e.shape) {
+                names.insert(name.clone());
+            } else if matches!(e.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
+                others.insert(name.clone(), e.dtype);
+            }
+        }
+        Ok(Self { names, block, others })
+    }
+
+    /// `config`'s JSON with the `quantization_config` of this layout (HF's fine-grained FP8:
+    /// `quant_method: fp8`, `fmt: e4m3`, dynamic activations, `weight_block_size`).
+    pub fn config_json(&self, config: &serde_json::Value) -> serde_json::Value {
+        let mut json = config.clone();
+        if let Some(map) = json.as_object_mut() {
+            map.insert(
+                "quantization_config".into(),
+                serde_json::json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": self.block}),
+            );
+        }
+        json
+    }
+}
+
 /// [`save_causal_lm`] with the weights named in `fp8` re-quantised to FP8 E4M3 with fresh
 /// block scales ([`fp8::quantize_blocks`]; `NAME` as `F8_E4M3` and `NAME_scale_inv` as `F32`,
 /// the layout the loader and HF's fine-grained FP8 read), the rest in the dtypes of

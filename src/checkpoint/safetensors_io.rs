@@ -333,6 +333,8 @@ impl SafetensorsFiles {
     pub fn read_fp8(&self, name: &str) -> Result<(super::fp8::BlockGrid, Vec<u8>, Vec<f32>), CheckpointError> {
         let (grid, scales) = self.fp8_scales_f32(name)?;
         let codes = self.row_bytes(name, 0..grid.rows)?.to_vec();
+        // the copy is what the model holds: the mapped pages go (as the dense loader's do)
+        self.release(name, 0..grid.rows);
         let [_, gk] = grid.scale_shape();
         let bad = |message: String| CheckpointError::Tensor {
             path: self.shard_path(name).map(Path::to_path_buf).unwrap_or_default(),

@@ -26,7 +26,7 @@
 use burn::tensor::{backend::Backend, DType, Int, IntDType, Tensor};
 
 use super::e4m3::E4M3_TABLE;
-use super::linear::{gemm_f32, Operand};
+use super::linear::{gemm_f32, gemm_f32_columns, Operand};
 
 /// `[rows, cols]` of an FP8 weight and its block size `[b_r, b_c]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,19 +76,30 @@ pub fn reference_backward<B: Backend>(grad: Tensor<B, 2>, codes: Tensor<B, 2, In
     grad.matmul(w)
 }
 
-/// Rows `rows` of the dequantised weight into `out` (`rows.len() × K`, f32, BF16-rounded values).
+/// Rows `rows` of the dequantised weight into `out` (`rows.len() × K`, f32, BF16-rounded
+/// values). The rows lie in one block row (panels are block-aligned), so each column block's
+/// 256 possible values are tabulated once and every weight is one lookup.
 fn dequantize_panel(codes: &[u8], scales: &[f32], g: Fp8Geometry, rows: std::ops::Range<usize>, out: &mut [f32]) {
     use rayon::prelude::*;
-    let (k, [_, gk]) = (g.cols, g.scale_shape());
-    out.par_chunks_mut(k.max(1)).zip(codes[rows.start * k..rows.end * k].par_chunks(k.max(1))).enumerate().for_each(|(i, (dst, src))| {
-        let srow = &scales[((rows.start + i) / g.block[0]) * gk..][..gk];
-        for (c, (d, &b)) in dst.iter_mut().zip(src).enumerate() {
-            *d = half::bf16::from_f32(E4M3_TABLE[b as usize] * srow[c / g.block[1]]).to_f32();
+    let (k, [_, gk], [br, bc]) = (g.cols, g.scale_shape(), g.block);
+    if rows.is_empty() || k == 0 {
+        return;
+    }
+    let block_row = rows.start / br;
+    debug_assert_eq!((rows.end - 1) / br, block_row, "a panel spans one block row");
+    let luts: Vec<[f32; 256]> = scales[block_row * gk..(block_row + 1) * gk]
+        .iter()
+        .map(|&s| std::array::from_fn(|b| half::bf16::from_f32(E4M3_TABLE[b] * s).to_f32()))
+        .collect();
+    out.par_chunks_mut(k).zip(codes[rows.start * k..rows.end * k].par_chunks(k)).for_each(|(dst, src)| {
+        for ((d, s), lut) in dst.chunks_mut(bc).zip(src.chunks(bc)).zip(&luts) {
+            d.iter_mut().zip(s).for_each(|(d, &b)| *d = lut[b as usize]);
         }
     });
 }
 
-/// Host forward: `x` `[n, K]` f32 → `[n, M]`, plus `bias` `[M]`.
+/// Host forward: `x` `[n, K]` f32 → `[n, M]`, plus `bias` `[M]`: each block-row panel of `W`
+/// dequantised and multiplied straight into its columns of the output.
 ///
 /// # Panics
 /// If a buffer does not match the geometry (a bug of the caller, which checked the shapes).
@@ -100,25 +111,22 @@ pub(crate) fn host_forward(x: &[f32], codes: &[u8], scales: &[f32], g: Fp8Geomet
         x.len() == n * k && codes.len() == m * k && scales.len() == gm * gk && bias.is_none_or(|b| b.len() == m),
         "fp8_linear: buffers do not match"
     );
-    if n == 0 || m == 0 {
-        return vec![0.0; n * m];
-    }
-    // yᵀ [M, n]: a panel of W's rows gives a contiguous block of yᵀ's rows
-    let panel_rows = g.block[0].min(m);
-    let mut yt = vec![0f32; m * n];
-    let mut panel = vec![0f32; panel_rows * k];
-    for (p, block) in yt.chunks_mut(panel_rows * n).enumerate() {
-        let rows = block.len() / n;
-        let r0 = p * panel_rows;
-        dequantize_panel(codes, scales, g, r0..r0 + rows, &mut panel[..rows * k]);
-        gemm_f32(block, false, Operand::plain(&panel[..rows * k], k), Operand::transposed(x, k), rows, n, k);
-    }
     let mut y = vec![0f32; n * m];
-    y.par_chunks_mut(m).enumerate().for_each(|(i, row)| {
-        for (j, v) in row.iter_mut().enumerate() {
-            *v = yt[j * n + i] + bias.map_or(0.0, |b| b[j]);
-        }
-    });
+    if n == 0 || m == 0 {
+        return y;
+    }
+    if let Some(b) = bias {
+        y.par_chunks_mut(m).for_each(|row| row.copy_from_slice(b));
+    }
+    let panel_rows = g.block[0].min(m);
+    let mut panel = vec![0f32; panel_rows * k];
+    for r0 in (0..m).step_by(panel_rows) {
+        let rows = panel_rows.min(m - r0);
+        let panel = &mut panel[..rows * k];
+        dequantize_panel(codes, scales, g, r0..r0 + rows, panel);
+        // y[:, r0..r0+rows] (+)= x · panelᵀ
+        gemm_f32_columns(&mut y, m, r0..r0 + rows, bias.is_some(), Operand::plain(x, k), Operand::transposed(panel, k), n, k);
+    }
     y
 }
 
@@ -144,6 +152,39 @@ pub(crate) fn host_backward(grad: &[f32], codes: &[u8], scales: &[f32], g: Fp8Ge
     dx
 }
 
+/// Expert `e`'s weight `[N, K]` and scales of a stack.
+fn expert<B: Backend>(codes: &Tensor<B, 3, Int>, scales: &Tensor<B, 3>, e: usize) -> (Tensor<B, 2, Int>, Tensor<B, 2>) {
+    let ([_, n, k], [_, gn, gk]) = (codes.dims(), scales.dims());
+    (codes.clone().slice([e..e + 1, 0..n, 0..k]).reshape([n, k]), scales.clone().slice([e..e + 1, 0..gn, 0..gk]).reshape([gn, gk]))
+}
+
+/// `f(rows of group e, W_e, S_e)` for every non-empty group of `sizes` over `x`'s rows,
+/// concatenated; `[0, width]` when every group is empty.
+fn per_group<B: Backend>(
+    x: Tensor<B, 2>,
+    codes: Tensor<B, 3, Int>,
+    scales: Tensor<B, 3>,
+    sizes: &[usize],
+    width: usize,
+    f: impl Fn(Tensor<B, 2>, Tensor<B, 2, Int>, Tensor<B, 2>) -> Tensor<B, 2>,
+) -> Tensor<B, 2> {
+    let (m, g) = (x.dims()[0], codes.dims()[0]);
+    assert!(sizes.len() == g && sizes.iter().sum::<usize>() == m, "fp8_grouped_matmul: group sizes do not match");
+    let mut parts = Vec::new();
+    let mut start = 0;
+    for (e, &rows) in sizes.iter().enumerate() {
+        if rows > 0 {
+            let (w, s) = expert(&codes, &scales, e);
+            parts.push(f(x.clone().narrow(0, start, rows), w, s));
+        }
+        start += rows;
+    }
+    if parts.is_empty() {
+        return Tensor::zeros([0, width], (&x.device(), x.dtype()));
+    }
+    Tensor::cat(parts, 0)
+}
+
 /// The routed experts' products on frozen FP8 weights (the body of
 /// [`crate::ops::backend::Glm5Backend::fp8_grouped_matmul`]): rows `x` `[M, K]` in consecutive
 /// groups of `sizes` (one per expert), expert `g`'s codes `codes[g]` `[N, K]` (HF's per-expert
@@ -159,22 +200,8 @@ pub fn grouped_reference_forward<B: Backend>(
     block: [usize; 2],
     sizes: &[usize],
 ) -> Tensor<B, 2> {
-    let ([m, _], [g, n, k], [_, gn, gk]) = (x.dims(), codes.dims(), scales.dims());
-    assert!(sizes.len() == g && sizes.iter().sum::<usize>() == m, "fp8_grouped_matmul: group sizes do not match");
-    let mut parts = Vec::new();
-    let mut start = 0;
-    for (e, &rows) in sizes.iter().enumerate() {
-        if rows > 0 {
-            let w = codes.clone().slice([e..e + 1, 0..n, 0..k]).reshape([n, k]);
-            let s = scales.clone().slice([e..e + 1, 0..gn, 0..gk]).reshape([gn, gk]);
-            parts.push(reference_forward(x.clone().narrow(0, start, rows), w, s, block, None));
-        }
-        start += rows;
-    }
-    if parts.is_empty() {
-        return Tensor::zeros([0, n], (&x.device(), x.dtype()));
-    }
-    Tensor::cat(parts, 0)
+    let n = codes.dims()[1];
+    per_group(x, codes, scales, sizes, n, |x, w, s| reference_forward(x, w, s, block, None))
 }
 
 /// Reference backward of [`grouped_reference_forward`]: `∂x` `[M, K]` for `∂y` `[M, N]`.
@@ -185,21 +212,8 @@ pub fn grouped_reference_backward<B: Backend>(
     block: [usize; 2],
     sizes: &[usize],
 ) -> Tensor<B, 2> {
-    let ([m, _], [_, n, k], [_, gn, gk]) = (grad.dims(), codes.dims(), scales.dims());
-    let mut parts = Vec::new();
-    let mut start = 0;
-    for (e, &rows) in sizes.iter().enumerate() {
-        if rows > 0 {
-            let w = codes.clone().slice([e..e + 1, 0..n, 0..k]).reshape([n, k]);
-            let s = scales.clone().slice([e..e + 1, 0..gn, 0..gk]).reshape([gn, gk]);
-            parts.push(reference_backward(grad.clone().narrow(0, start, rows), w, s, block));
-        }
-        start += rows;
-    }
-    if parts.is_empty() {
-        return Tensor::zeros([m, k], (&grad.device(), grad.dtype()));
-    }
-    Tensor::cat(parts, 0)
+    let k = codes.dims()[2];
+    per_group(grad, codes, scales, sizes, k, |g, w, s| reference_backward(g, w, s, block))
 }
 
 /// Host forward of the grouped product: each expert's rows through [`host_forward`] on its

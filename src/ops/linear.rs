@@ -91,6 +91,16 @@ fn check_operands(lhs: Operand, rhs: Operand, m: usize, n: usize, k: usize) {
 /// The operands cover their extents ([`check_operands`]), `m·n > 0`, `k > 0`, and `dst` is
 /// valid for `m·n` writes (and reads, with `read_dst`).
 unsafe fn gemm_raw(dst: *mut f32, read_dst: bool, lhs: Operand, rhs: Operand, m: usize, n: usize, k: usize) {
+    // SAFETY: the caller's contract, with the destination's rows `n` apart
+    unsafe { gemm_strided(dst, n, read_dst, lhs, rhs, m, n, k) }
+}
+
+/// [`gemm_raw`] into a destination whose rows are `dst_row_stride` elements apart.
+///
+/// # Safety
+/// As [`gemm_raw`], with `dst` valid for the `[m, n]` block at that row stride.
+#[allow(clippy::too_many_arguments)] // gemm's own shape: the destination, two operands, m, n, k
+unsafe fn gemm_strided(dst: *mut f32, dst_row_stride: usize, read_dst: bool, lhs: Operand, rhs: Operand, m: usize, n: usize, k: usize) {
     let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_FLOPS { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
     gemm::gemm(
         m,
@@ -98,7 +108,7 @@ unsafe fn gemm_raw(dst: *mut f32, read_dst: bool, lhs: Operand, rhs: Operand, m:
         k,
         dst,
         1,
-        n as isize,
+        dst_row_stride as isize,
         read_dst,
         lhs.data.as_ptr(),
         lhs.col_stride as isize,
@@ -160,6 +170,38 @@ pub(super) fn gemm_f32(dst: &mut [f32], read_dst: bool, lhs: Operand, rhs: Opera
     }
     // SAFETY: extents checked above; `dst` holds exactly `m·n` initialised elements.
     unsafe { gemm_raw(dst.as_mut_ptr(), read_dst, lhs, rhs, m, n, k) }
+}
+
+/// [`gemm_f32`] into columns `cols` of a row-major `dst` whose rows hold `row_len` elements
+/// (`m` rows): one column block of a larger output, written in place.
+///
+/// # Panics
+/// If an operand or `dst` is shorter than its shape needs, or `cols` is not `n` wide inside
+/// the row (a bug of the caller).
+#[allow(clippy::too_many_arguments)] // gemm's own shape plus the block's place
+pub(super) fn gemm_f32_columns(
+    dst: &mut [f32],
+    row_len: usize,
+    cols: std::ops::Range<usize>,
+    read_dst: bool,
+    lhs: Operand,
+    rhs: Operand,
+    m: usize,
+    k: usize,
+) {
+    let n = cols.len();
+    check_operands(lhs, rhs, m, n, k);
+    assert!(cols.end <= row_len && (m == 0 || (m - 1) * row_len + cols.end <= dst.len()), "linear: column block outside the output");
+    if m * n == 0 || (k == 0 && read_dst) {
+        return;
+    }
+    if k == 0 {
+        dst.chunks_mut(row_len).take(m).for_each(|r| r[cols.clone()].fill(0.0));
+        return;
+    }
+    // SAFETY: operand extents checked above; the block's last element, row m−1 column
+    // cols.end−1, lies inside `dst`, whose elements are all initialised.
+    unsafe { gemm_strided(dst.as_mut_ptr().add(cols.start), row_len, read_dst, lhs, rhs, m, n, k) }
 }
 
 /// Rows per parallel block when broadcasting the bias.

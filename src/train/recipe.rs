@@ -136,7 +136,8 @@ pub struct ModelSection {
     pub backend: BackendSelect,
     /// How the frozen base of a LoRA run is held: `fp8` keeps the checkpoint's FP8 projections
     /// in FP8 (a byte a weight). Absent: in `dtype`, like the rest of the model. Needs `peft`
-    /// and an FP8 `checkpoint`; one process for now.
+    /// and an FP8 `checkpoint`. Under expert parallelism a rank holds its experts' FP8 stacks;
+    /// the FP8 projections are replicated over the data-parallel ranks (not sharded).
     #[serde(default)]
     pub base_dtype: Option<BaseDtype>,
 }
@@ -574,7 +575,6 @@ impl Recipe {
             }
         }
         if self.model.base_dtype == Some(BaseDtype::Fp8) {
-            let d = &self.distributed;
             if self.peft.is_none() {
                 return bad(
                     "model.base_dtype",
@@ -583,12 +583,6 @@ impl Recipe {
             }
             if self.model.checkpoint.is_none() {
                 return bad("model.base_dtype", "fp8 holds the FP8 weights of model.checkpoint: set one (seeded weights have none)".into());
-            }
-            if d.dp_size * d.cp_size > 1 || d.ep_size > 1 {
-                return bad(
-                    "model.base_dtype",
-                    "fp8: a frozen FP8 base is not sharded over ranks yet; run it in one process (dp_size, ep_size, cp_size 1)".into(),
-                );
             }
         }
         let s = &self.step_scheduler;
