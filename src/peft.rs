@@ -245,7 +245,7 @@ pub(crate) fn attach_with<B: Backend>(
             let keep = |p: burn::module::Param<burn::tensor::Tensor<B, 3>>| {
                 let t = p.val();
                 let [_, a, b] = t.dims();
-                burn::module::Param::from_tensor(t.slice([part * local..(part + 1) * local, 0..a, 0..b]))
+                burn::module::Param::from_tensor(t.slice([part * local..(part + 1) * local, 0..a, 0..b]).detach())
             };
             ExpertLora { a: keep(l.a), b: keep(l.b), scaling: l.scaling }
         }

@@ -988,7 +988,8 @@ mod mpi_engine {
     /// quantised by `convert --dtype fp8`) under ep 2 × dp 2 on 4 ranks — each rank holding
     /// its experts' FP8 stacks, read from the checkpoint alone — and dp 2 follows the
     /// single-process run on that base: loss and gradient norm within 1e-5 relative over 4
-    /// steps.
+    /// steps (adapters on the attention projections and the FP8 experts; the FP8 MLPs frozen
+    /// under them). It also loads a LoRA run's base rank-locally under expert parallelism.
     #[test]
     fn lora_on_an_fp8_base_under_ep_and_dp_follows_one_process() {
         let root = std::env::temp_dir().join(format!("glm5_lora_fp8_{}", std::process::id()));
@@ -1014,7 +1015,7 @@ mod mpi_engine {
                 "--optimizer.lr=1e-3".into(),
                 "--peft.r=4".into(),
                 "--peft.lora_alpha=8".into(),
-                "--peft.target_modules=[q_proj, o_proj, q_a_proj, kv_b_proj, gate_proj, up_proj, down_proj]".into(),
+                "--peft.target_modules=[q_proj, k_proj, v_proj, o_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj]".into(),
                 "--peft.target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]".into(),
                 format!("--distributed.dp_size={np}"),
                 format!("--distributed.ep_size={ep}"),
