@@ -881,15 +881,7 @@ mod mpi_engine {
         let (ok, out) = run_finetune(Some(2), &args(&root.join("ep2"), 2, 2));
         assert!(ok, "{out}");
         assert!(out.contains("expert parallel: ep_size 2"), "{out}");
-        let compare = |what: &str, got: &[serde_json::Value]| {
-            assert_eq!(got.len(), steps, "{what}: one metrics line per step");
-            for (x, y) in reference.iter().zip(got) {
-                for key in ["loss", "grad_norm"] {
-                    let (p, q) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
-                    assert!((p - q).abs() <= 1e-5 * p.abs(), "{what}, step {}: {key} {p} (one process) vs {q}", x["step"]);
-                }
-            }
-        };
+        let compare = |what: &str, got: &[serde_json::Value]| follows(what, &reference, got);
         compare("ep 2 on 2 ranks", &metrics(&root.join("ep2")));
         let (ok, out) = run_finetune(Some(4), &args(&root.join("ep2x2"), 4, 2));
         assert!(ok, "{out}");
@@ -913,6 +905,31 @@ mod mpi_engine {
         let _ = std::fs::remove_dir_all(&root);
     }
 
+    /// The LoRA keys of the LoRA `finetune` tests: r 4, α 8 on every attention projection and
+    /// the routed experts, lr 1e-3.
+    fn lora_keys() -> Vec<String> {
+        [
+            "--optimizer.lr=1e-3",
+            "--peft.r=4",
+            "--peft.lora_alpha=8",
+            "--peft.target_modules=[q_proj, k_proj, v_proj, o_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj]",
+            "--peft.target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    /// `got` follows `reference` step by step: loss and gradient norm within 1e-5 relative.
+    fn follows(what: &str, reference: &[serde_json::Value], got: &[serde_json::Value]) {
+        assert_eq!(got.len(), reference.len(), "{what}: one metrics line per step");
+        for (x, y) in reference.iter().zip(got) {
+            for key in ["loss", "grad_norm"] {
+                let (p, q) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
+                assert!((p - q).abs() <= 1e-5 * p.abs(), "{what}, step {}: {key} {p} (one process) vs {q}", x["step"]);
+            }
+        }
+    }
+
     /// A LoRA `finetune` (attention + expert adapters on the seeded, frozen base) under a mesh
     /// follows the single-process LoRA run — ep 2 × dp 2 on 4 ranks (expert adapters with
     /// their experts, the rest sharded), cp 2 on 2 ranks — loss and gradient norm within 1e-5
@@ -925,16 +942,8 @@ mod mpi_engine {
         let steps = 4;
         let args = |dir: &std::path::Path, np: usize, ep: usize, cp: usize| -> Vec<String> {
             let mut a = resumable_args(dir, steps);
-            a.extend([
-                "--optimizer.lr=1e-3".into(),
-                "--peft.r=4".into(),
-                "--peft.lora_alpha=8".into(),
-                "--peft.target_modules=[q_proj, k_proj, v_proj, o_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj]".into(),
-                "--peft.target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]".into(),
-                format!("--distributed.dp_size={}", np / cp),
-                format!("--distributed.ep_size={ep}"),
-                format!("--distributed.cp_size={cp}"),
-            ]);
+            a.extend(lora_keys());
+            a.extend([format!("--distributed.dp_size={}", np / cp), format!("--distributed.ep_size={ep}"), format!("--distributed.cp_size={cp}")]);
             a
         };
         let (ok, out) = run_finetune(None, &args(&root.join("one"), 1, 1, 1));
@@ -1009,14 +1018,10 @@ mod mpi_engine {
         let steps = 4;
         let args = |dir: &std::path::Path, np: usize, ep: usize| -> Vec<String> {
             let mut a = resumable_args(dir, steps);
+            a.extend(lora_keys());
             a.extend([
                 format!("--model.checkpoint={}", fp8.display()),
                 "--model.base_dtype=fp8".into(),
-                "--optimizer.lr=1e-3".into(),
-                "--peft.r=4".into(),
-                "--peft.lora_alpha=8".into(),
-                "--peft.target_modules=[q_proj, k_proj, v_proj, o_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj]".into(),
-                "--peft.target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]".into(),
                 format!("--distributed.dp_size={np}"),
                 format!("--distributed.ep_size={ep}"),
             ]);
@@ -1029,14 +1034,7 @@ mod mpi_engine {
         for (name, np, ep) in [("ep2x2", 4, 2), ("dp2", 2, 1)] {
             let (ok, out) = run_finetune(Some(np), &args(&root.join(name), np, ep));
             assert!(ok, "{name}:\n{out}");
-            let got = metrics(&root.join(name));
-            assert_eq!(got.len(), steps, "{name}: one metrics line per step");
-            for (x, y) in reference.iter().zip(&got) {
-                for key in ["loss", "grad_norm"] {
-                    let (p, q) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
-                    assert!((p - q).abs() <= 1e-5 * p.abs(), "{name}, step {}: {key} {p} (one process) vs {q}", x["step"]);
-                }
-            }
+            follows(name, &reference, &metrics(&root.join(name)));
             println!("{name}: 4 LoRA steps on the FP8 base follow one process");
         }
         let _ = std::fs::remove_dir_all(&root);

@@ -494,7 +494,7 @@ fn lora_on_an_fp8_base_follows_the_dequantised_base_and_resumes() {
     let next = |fp8_base: bool| {
         let mut cmd = Command::new(example("logits"));
         cmd.args(["--checkpoint", fp8.to_str().unwrap(), "--adapter", adapter.to_str().unwrap(), "--image", image.to_str().unwrap()]);
-        cmd.args(["--prompt", "Which imaging modality was used?"]);
+        cmd.args(["--prompt", "Which imaging modality was used?", "--tokenizer", fp8.join("tokenizer.json").to_str().unwrap()]);
         if fp8_base {
             cmd.arg("--fp8-base");
         }

@@ -507,6 +507,15 @@ fn lora_on_an_fp8_resident_base_matches_the_dequantised_base() {
     let worst = gd.iter().map(|(k, g)| rel_err(&gq[k], g)).fold(0f32, f32::max);
     println!("LoRA: loss {loss_q:.7} (dequantised base {loss_d:.7}); {} adapter gradients, worst max|Δ|/max|ref| {worst:.2e}", gd.len());
     assert!(((loss_q - loss_d) / loss_d).abs() <= 1e-6 && worst <= 1e-5, "loss {loss_q} vs {loss_d}, gradients {worst:e}");
+    // saving the FP8-resident base is refused (it holds no parameter a checkpoint would get)
+    let e = glm5_burn::checkpoint::save_causal_lm(
+        &fp8,
+        &load_causal_lm::<A>(&dir, &Default::default(), &LoadOptions::default()).unwrap().config,
+        tmp.path().join("saved"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("FP8") && e.contains("mlp"), "{e}");
     // merging onto the FP8 base (dequantised, then W + s·A·B) gives the dense merge
     let st = logit_stats(&logits_of(&merge(dense)), &logits_of(&merge(fp8)), 128, &mask);
     println!("merged: FP8 base vs dequantised base: mean KL {:.2e}, max|Δ| {:.2e}", st.mean_kl, st.max_abs);

@@ -570,6 +570,18 @@ fn save_with<B: Backend>(
     dir: &Path,
     fp8: Option<&Fp8Output>,
 ) -> Result<PathBuf, CheckpointError> {
+    // an FP8-resident base is no parameter: written as one, the checkpoint would lack it
+    if let Some(name) = crate::peft::sites(&mut model.clone()).into_iter().find_map(|(name, site)| match site {
+        crate::peft::Site::Linear(l) => l.fp8.is_some().then_some(name),
+        crate::peft::Site::Experts(ex) => ex.fp8.is_some().then_some(name),
+    }) {
+        return Err(CheckpointError::ModuleTensor {
+            path: name,
+            message: "holds its base in FP8 (LoadOptions::fp8_base), which a saved checkpoint would lack: save the adapters \
+                      (adapter::save_adapter), merge them (peft::merge), or load the base without fp8_base to save it"
+                .into(),
+        });
+    }
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.to_path_buf(), error: e })?;
     let n_experts = model.num_experts;
     let kernel_shapes = config.kernel_shapes();
