@@ -181,7 +181,7 @@ fn main() -> Result<()> {
             trainable / 1e9,
             split.trainable_experts / 1e9,
             split.frozen / 1e9,
-            if base_fp8 { "as FP8 E4M3 + 128×128 block scales (projections), bf16 (the rest)" } else { "in --param-bytes" }
+            if base_fp8 { "as FP8 E4M3 + 128×128 block scales (MLPs and routed experts, as released), bf16 (the rest)" } else { "in --param-bytes" }
         ),
         None => println!("full fine-tune: {:.2} B trainable values, {:.2} B frozen", trainable / 1e9, split.frozen / 1e9),
     }

@@ -211,6 +211,9 @@ pub struct ParamSplit {
     pub frozen_dense_bytes: f64,
     /// Bytes of the frozen routed-expert values as held.
     pub frozen_expert_bytes: f64,
+    /// Of `frozen_dense_bytes`, those held in FP8 (an FP8 base's MLP projections): module
+    /// constants, whole on every rank, not sharded like parameters.
+    pub fp8_dense_bytes: f64,
     /// The largest decoder layer's non-expert bytes as held (one FSDP unit).
     pub largest_unit_bytes: f64,
     /// The largest decoder layer's trainable non-expert values.
@@ -227,13 +230,13 @@ pub struct ParamSplit {
 /// FP8 block size of the release checkpoint (`quantization_config.weight_block_size`).
 const FP8_BLOCK: usize = 128;
 
-/// Whether a checkpoint tensor is one of the projection matrices an FP8 release stores as
-/// E4M3 + block scales (attention, indexer, MLP, experts, MTP's `eh_proj`), not an
-/// embedding, LM head, router, norm, mHC or vision tensor.
+/// Whether a checkpoint tensor is one the release stores as E4M3 + block scales and an FP8
+/// base keeps in FP8: the decoder's MLP projections — routed experts, shared experts, dense
+/// MLPs (`checkpoint::Fp8Output::release_layout`). The attention projections have no scales
+/// in the release (they stay BF16), nor do the embedding, LM head, router, norms, mHC and
+/// vision tower.
 fn held_in_fp8(e: &crate::checkpoint::inventory::Entry) -> bool {
-    let Some(module) = e.name.strip_suffix(".weight") else { return false };
-    let last = module.rsplit('.').next().unwrap_or_default();
-    e.part != Part::Vision && e.shape.len() == 2 && (last.contains("proj") || last == "wq_b" || last == "wk")
+    e.part == Part::Trunk && e.shape.len() == 2 && e.name.contains(".mlp.") && e.name.ends_with("_proj.weight")
 }
 
 /// Bytes of an inventory tensor as a frozen base holds it.
@@ -271,7 +274,12 @@ pub fn param_split(config: &Glm5Config, inputs: &PlanInputs) -> Result<ParamSpli
             };
         let bytes = if frozen { frozen_bytes(&e, inputs) } else { n * p };
         match (frozen, e.routed_expert) {
-            (true, false) => (s.frozen, s.frozen_dense_bytes) = (s.frozen + n, s.frozen_dense_bytes + bytes),
+            (true, false) => {
+                (s.frozen, s.frozen_dense_bytes) = (s.frozen + n, s.frozen_dense_bytes + bytes);
+                if inputs.base_fp8 && held_in_fp8(&e) {
+                    s.fp8_dense_bytes += bytes;
+                }
+            }
             (true, true) => (s.frozen, s.frozen_expert_bytes) = (s.frozen + n, s.frozen_expert_bytes + bytes),
             (false, false) => s.trainable_dense += n,
             (false, true) => s.trainable_experts += n,
@@ -380,7 +388,15 @@ pub(crate) fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSpli
     let pt = if inputs.peft.is_some() { 4.0 } else { p };
     let trainable = s.trainable_dense + s.trainable_experts;
     let held = trainable * pt + s.frozen_dense_bytes + s.frozen_expert_bytes;
-    let mut m = RankMemory { params: held / w, grads: trainable * g / w, optimizer: trainable * o / w, ..Default::default() };
+    // an FP8 base is held as the loader builds it: its dense FP8 projections whole on every
+    // rank and the FP8 experts as each expert-parallel rank's share (constants, which FSDP
+    // does not shard); the rest sharded over the world
+    let params = if inputs.base_fp8 {
+        (held - s.fp8_dense_bytes - s.frozen_expert_bytes) / w + s.fp8_dense_bytes + s.frozen_expert_bytes / mesh.ep as f64
+    } else {
+        held / w
+    };
+    let mut m = RankMemory { params, grads: trainable * g / w, optimizer: trainable * o / w, ..Default::default() };
     let edp = (mesh.world() / mesh.ep) as f64;
     // one unit gathered and one prefetched, its fp32 gradient before the reduce-scatter (of
     // its trainable values only); the experts of a layer are gathered over the
@@ -612,9 +628,12 @@ mod tests {
         // routed experts are all projections: one byte each + a 4-byte scale per 16,384 values
         let ratio = fp8.frozen_expert_bytes / bf16.frozen_expert_bytes;
         assert!((ratio - (1.0 + 4.0 / 16384.0) / 2.0).abs() < 1e-6, "{ratio}");
-        // embedding, LM head (2 × 154,880 × 4,096), norms, routers, mHC and vision stay bf16
-        let kept = (fp8.frozen_dense_bytes - 0.5 * bf16.frozen_dense_bytes) * 2.0;
-        assert!(kept > 2.0 * 2.0 * 154880.0 * 4096.0 && kept < 0.25 * bf16.frozen_dense_bytes, "{kept}");
+        // of the dense part only the MLPs (dense and shared experts) go FP8: embedding, LM head
+        // (2 × 154,880 × 4,096), attention, norms, routers, mHC and vision stay bf16
+        let kept = fp8.frozen_dense_bytes - fp8.fp8_dense_bytes;
+        assert!(kept > 2.0 * 2.0 * 154880.0 * 4096.0 && fp8.fp8_dense_bytes > 0.0, "{kept}");
+        let mlp = bf16.frozen_dense_bytes - kept;
+        assert!((fp8.fp8_dense_bytes / mlp - (1.0 + 4.0 / 16384.0) / 2.0).abs() < 1e-3, "{}", fp8.fp8_dense_bytes / mlp);
         // an FP8 base without adapters is not a plan
         let e = check_inputs(&PlanInputs { base_fp8: true, ..PlanInputs::medpix_recipe(mesh) }).unwrap_err();
         assert_eq!(e.field, "base_fp8");
