@@ -13,6 +13,8 @@
 //!   same order of summation as the reference where that matters.
 //!
 //! Kernels:
+//! * [`fp8_dequant`]: a frozen base's FP8 E4M3 weights with block scales, dequantised
+//!   (rounded through BF16) into the activations' dtype for the backend's matmul.
 //! * [`kda_pairs`]: KDA's in-chunk pair sums `Σ_d a_rd k_sd e^{min(Γ_rd−Γ_sd,0)}` and their
 //!   backward (the `L`/`P` terms of the chunked scan, `glm5_burn::ops::kda`).
 //! * [`kda_solve`]: KDA's in-chunk UT transform as triangular solves with `I + L` (forward
@@ -27,6 +29,7 @@
 //!   (MLA's absorbed form, index lists with −1 = none): forward with an online softmax, and
 //!   the backward.
 
+pub mod fp8_dequant;
 pub mod kda_pairs;
 pub mod kda_solve;
 pub mod kda_states;

@@ -73,6 +73,52 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> Glm5Backen
         glm5_cubecl_kernels::kpool_compress::compress(k, gate, ape, first.into_primitive())
     }
 
+    fn fp8_linear_impl() -> OpImpl {
+        OpImpl::Kernel
+    }
+
+    fn fp8_linear(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let codes = Tensor::<Self, 2, Int>::from_primitive(codes).unsqueeze_dim::<3>(0);
+        let w = dequantize_on_cube(codes, f2::<Self>(scales).unsqueeze_dim(0), block, x.dtype).squeeze_dim::<2>(0);
+        crate::ops::linear::reference_forward(f2::<Self>(x), w.transpose(), b.map(f1)).into_primitive().tensor()
+    }
+
+    fn fp8_linear_backward(grad: FloatTensor<Self>, codes: IntTensor<Self>, scales: FloatTensor<Self>, block: [usize; 2]) -> FloatTensor<Self> {
+        let codes = Tensor::<Self, 2, Int>::from_primitive(codes).unsqueeze_dim::<3>(0);
+        let w = dequantize_on_cube(codes, f2::<Self>(scales).unsqueeze_dim(0), block, grad.dtype).squeeze_dim::<2>(0);
+        f2::<Self>(grad).matmul(w).into_primitive().tensor()
+    }
+
+    /// The stack dequantised by the kernel, then the backend's grouped product on it.
+    fn fp8_grouped_matmul(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        sizes: &[usize],
+    ) -> FloatTensor<Self> {
+        let w = dequantize_on_cube(Tensor::<Self, 3, Int>::from_primitive(codes), f3::<Self>(scales), block, x.dtype);
+        Self::grouped_matmul(x, w.swap_dims(1, 2).into_primitive().tensor(), sizes)
+    }
+
+    fn fp8_grouped_matmul_backward(
+        grad: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        sizes: &[usize],
+    ) -> FloatTensor<Self> {
+        let w = dequantize_on_cube(Tensor::<Self, 3, Int>::from_primitive(codes), f3::<Self>(scales), block, grad.dtype);
+        let w = w.swap_dims(1, 2).into_primitive().tensor();
+        Self::grouped_matmul_backward(None, Some(w), grad, sizes).0.expect("∂x when the weight is given")
+    }
+
     fn kda_pair_sums(k: FloatTensor<Self>, q: FloatTensor<Self>, gam: FloatTensor<Self>) -> FloatTensor<Self> {
         kda_pairs::pair_sums(k, q, gam)
     }
@@ -115,6 +161,19 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> Glm5Backen
 
 /// Queries per indexer-kernel launch: bounds the `[tile, P]` score buffer to 16 M floats.
 const KPOOL_TILE_SCORES: usize = 1 << 24;
+
+/// A stack of FP8 codes `[G, M, K]` and their scales dequantised by the `fp8_dequant` kernel
+/// into `dtype`. Codes the backend holds in an integer dtype other than `U8` are cast first.
+fn dequantize_on_cube<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    codes: Tensor<CubeBackend<R, F, I, BT>, 3, Int>,
+    scales: Tensor<CubeBackend<R, F, I, BT>, 3>,
+    block: [usize; 2],
+    dtype: burn::tensor::DType,
+) -> Tensor<CubeBackend<R, F, I, BT>, 3> {
+    let codes = if codes.dtype() == burn::tensor::DType::U8 { codes } else { codes.cast(burn::tensor::IntDType::U8) };
+    let scales = scales.cast(burn::tensor::DType::F32).into_primitive().tensor();
+    Tensor::from_primitive(TensorPrimitive::Float(glm5_cubecl_kernels::fp8_dequant::dequantize(codes.into_primitive(), scales, block, dtype)))
+}
 
 fn kpool_on_cube<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     q: FloatTensor<CubeBackend<R, F, I, BT>>,

@@ -22,8 +22,8 @@
 //! | `silu` (+ backward; KDA's activation after the short conv) | `ops::swiglu` | fused host loops | reference | hand-written backward |
 //! | `kda_forget_gate` (+ backward; KDA's log-space gate) | `ops::kda_gate` | fused host loops | reference | hand-written backward |
 //! | `linear_layer` (+ backward; every `Linear` layer's `x·W + b`) | `ops::linear`: Burn's `linear` | `gemm` on the strided operands | reference | hand-written backward (only the tracked inputs' gradients) |
-//! | `fp8_linear` (+ backward of `x`; a frozen FP8 weight's `x·Wᵀ + b`) | `ops::fp8_linear`: dequantise whole, Burn's `linear` | panels dequantised into `gemm` | reference | hand-written backward (`∂x`, `∂b`) |
-//! | `fp8_grouped_matmul` (+ backward of `x`; the routed experts on a frozen FP8 base) | a loop of `fp8_linear`'s reference | `fp8_linear`'s panel body per expert | reference | hand-written backward (`∂x`) |
+//! | `fp8_linear` (+ backward of `x`; a frozen FP8 weight's `x·Wᵀ + b`) | `ops::fp8_linear`: dequantise whole, Burn's `linear` | panels dequantised into `gemm` | dequantisation kernel, then the backend's matmul | hand-written backward (`∂x`, `∂b`) |
+//! | `fp8_grouped_matmul` (+ backward of `x`; the routed experts on a frozen FP8 base) | a loop of `fp8_linear`'s reference | `fp8_linear`'s panel body per expert | dequantisation kernel, then `grouped_matmul` | hand-written backward (`∂x`) |
 //! | `grouped_matmul` (+ backward; the routed experts' `x_g·W[g]`) | `ops::grouped_matmul`: a loop of `matmul`s | `gemm` / BF16 GEMM per group | reference | hand-written backward (only the tracked inputs' gradients) |
 //! | `cross_entropy_sum` (+ backward; the LM loss) | `ops::cross_entropy`: `log_softmax` + `gather` | fused host loops | reference | hand-written backward |
 //! | `adamw_step` (the optimizer's update) | `ops::adamw` | fused host loop | reference | the inner backend's (no gradient) |
@@ -350,7 +350,8 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         linear::reference_forward(f2::<Self>(x), f2(w), b.map(f1)).into_primitive().tensor()
     }
 
-    /// What [`Self::fp8_linear`] runs here (Flex: panels dequantised into the product).
+    /// What [`Self::fp8_linear`] runs here (Flex: panels dequantised into the product; CubeCL
+    /// backends: the dequantisation kernel before the backend's matmul).
     fn fp8_linear_impl() -> OpImpl {
         OpImpl::Reference
     }
