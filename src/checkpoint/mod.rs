@@ -289,9 +289,9 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
 }
 
 /// `t` (F32/BF16/F16 bytes) stored as `dtype` instead.
-fn recast(t: &OwnedTensor, dtype: Dtype) -> OwnedTensor {
-    let values = dtype::decode_f32(t.dtype, &t.data).unwrap_or_default();
-    OwnedTensor { dtype, shape: t.shape.clone(), data: encode(&values, dtype) }
+fn recast(name: &str, t: &OwnedTensor, dtype: Dtype) -> Result<OwnedTensor, CheckpointError> {
+    let values = dtype::decode_f32(t.dtype, &t.data).ok_or_else(|| CheckpointError::Internal(format!("{name}: cannot read {:?}", t.dtype)))?;
+    Ok(OwnedTensor { dtype, shape: t.shape.clone(), data: encode(&values, dtype) })
 }
 
 /// One 2-D checkpoint tensor (F32/BF16/F16 bytes) → `NAME` (`F8_E4M3`) and `NAME_scale_inv`
@@ -503,9 +503,7 @@ impl Fp8Output {
             .collect();
         Ok(Self { names: files.fp8_scales.keys().cloned().collect(), block: files.fp8_block, others })
     }
-}
 
-impl Fp8Output {
     /// The release's FP8 layout for the BF16/F32 checkpoint in `dir`: every 2-D weight of the
     /// decoder's MLPs — dense MLPs, shared experts and routed experts — quantised in `block`s;
     /// the attention projections (MLA, KDA), embeddings, LM head, norms, router, indexer and
@@ -570,6 +568,9 @@ fn save_with<B: Backend>(
     dir: &Path,
     fp8: Option<&Fp8Output>,
 ) -> Result<PathBuf, CheckpointError> {
+    if let Some(f) = fp8.filter(|f| f.block.contains(&0)) {
+        return Err(CheckpointError::Internal(format!("FP8 output with an empty block {:?}", f.block)));
+    }
     // an FP8-resident base is no parameter: written as one, the checkpoint would lack it
     if let Some(name) = crate::peft::sites(&mut model.clone()).into_iter().find_map(|(name, site)| match site {
         crate::peft::Site::Linear(l) => l.fp8.is_some().then_some(name),
@@ -603,7 +604,10 @@ fn save_with<B: Backend>(
             let pieces = match quantise {
                 None => match stored {
                     None => vec![(name, t)],
-                    Some(d) => vec![(name, recast(&t, d))],
+                    Some(d) => {
+                        let t = recast(&name, &t, d)?;
+                        vec![(name, t)]
+                    }
                 },
                 Some(f) => quantised(name, &t, f.block)?,
             };
@@ -615,7 +619,9 @@ fn save_with<B: Backend>(
         }
     }
     if let Some(f) = fp8 {
-        if let Some(name) = f.names.iter().find(|n| !tensors.contains_key(n.as_str())) {
+        // a checkpoint's MTP layer is not part of the model (nor of what it writes)
+        let layers = config.resolved.text_config.num_hidden_layers;
+        if let Some(name) = f.names.iter().find(|n| !tensors.contains_key(n.as_str()) && !hf_map::is_ignored(n, layers)) {
             return Err(CheckpointError::ModuleTensor {
                 path: name.clone(),
                 message: "named for FP8 output but the model has no such checkpoint tensor".into(),
