@@ -29,6 +29,10 @@
 //! * `cross_entropy_sum` (`ops::cross_entropy`): labelled, −100 and out-of-vocabulary targets,
 //!   peaked rows (logits up to ±40), a one-word vocabulary; unlabelled rows take no gradient;
 //!   forward and backward the same bits on one thread and on all.
+//! * `cast_float` (`ops::backend::cast`): f32 → BF16/F16 and back, against an integer
+//!   round-to-nearest-even written here, on values straddling every BF16 tie (a tie exactly,
+//!   one ulp either side, and the f32 bits that Flex's own cast drops), NaN, ±∞, overflow and
+//!   subnormals; the gradient under autodiff comes back in the source dtype.
 //!
 //! Bar: 1e-5 relative (fp32, different association orders of the same sums).
 
@@ -798,4 +802,58 @@ fn fused_fp8_grouped_matmul_matches_the_dequantised_products_and_autodiff() {
         let grads = (y * t::<A, 2>(&gy, [m, n])).sum().backward();
         check(&format!("{what}: ∂x (autodiff)"), &host(xa.grad(&grads).expect("∂x")), &want_dx);
     }
+}
+
+/// Round-to-nearest-even f32 → BF16 on the bits (the independent oracle; NaN stays quiet NaN).
+fn bf16_rne(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) as u16) | 0x40;
+    }
+    ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16
+}
+
+#[test]
+fn cast_rounds_to_nearest_even_and_differentiates() {
+    use burn::tensor::{DType, TensorData};
+    use glm5_burn::ops::backend::cast;
+    let mut v: Vec<f32> = Vec::new();
+    // around ties: every low half from 0x7FF8 to 0x8008 on a few even and odd BF16 values
+    for hi in [0x3EC6u32, 0x3EC7, 0x3F92, 0xBE22, 0x0080, 0x7F7F] {
+        for lo in 0x7FF8u32..=0x8008 {
+            v.push(f32::from_bits((hi << 16) | lo));
+        }
+    }
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    for _ in 0..100_000 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        v.push(f32::from_bits((state >> 32) as u32 & 0x7F7F_FFFF) * if state & 1 == 0 { 1.0 } else { -1.0 });
+    }
+    v.extend([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, f32::MIN_POSITIVE, 1e-40, f32::NAN]);
+    let n = v.len();
+    let t = Tensor::<Flex, 1>::from_data(TensorData::new(v.clone(), [n]), &Default::default());
+    let b = cast(t.clone(), DType::BF16);
+    assert_eq!(b.dtype(), DType::BF16);
+    let got: Vec<u16> = b.clone().into_data().into_vec::<half::bf16>().unwrap().iter().map(|x| x.to_bits()).collect();
+    let want: Vec<u16> = v.iter().map(|&x| bf16_rne(x)).collect();
+    let wrong = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+    let flex_wrong =
+        t.clone().cast(DType::BF16).into_data().into_vec::<half::bf16>().unwrap().iter().zip(&want).filter(|(g, w)| g.to_bits() != **w).count();
+    println!("f32 -> BF16 of {n} values: {wrong} rounded otherwise than to nearest even (Flex's own cast: {flex_wrong})");
+    assert_eq!(wrong, 0);
+    // back to f32 exactly, and F16 as `half` rounds it (correctly rounded, IEEE)
+    let back = cast(b, DType::F32).into_data().into_vec::<f32>().unwrap();
+    assert!(back.iter().zip(&want).all(|(x, w)| x.to_bits() == (*w as u32) << 16));
+    let h = cast(t.clone(), DType::F16).into_data().into_vec::<half::f16>().unwrap();
+    assert!(h.iter().zip(&v).all(|(x, y)| x.to_bits() == half::f16::from_f32(*y).to_bits() || y.is_nan() && x.is_nan()));
+    // under autodiff: the cast's gradient is the upstream gradient in the source dtype
+    type A = Autodiff<Flex>;
+    let x = Tensor::<A, 1>::from_data(TensorData::new(vec![1.5f32, -2.25, 3.0], [3]), &Default::default()).require_grad();
+    let y = cast(x.clone(), DType::BF16) * 2.0;
+    let g = y.sum().backward();
+    let dx = x.grad(&g).unwrap();
+    assert_eq!(dx.dtype(), DType::F32);
+    assert_eq!(dx.into_data().into_vec::<f32>().unwrap(), vec![2.0, 2.0, 2.0]);
 }

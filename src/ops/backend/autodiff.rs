@@ -210,6 +210,19 @@ impl<B: Glm5Backend> Backward<B, 1> for CrossEntropyBackward {
     }
 }
 
+/// A cast; holds the source dtype (the gradient goes back in it).
+#[derive(Debug)]
+struct CastBackward;
+
+impl<B: Glm5Backend> Backward<B, 1> for CastBackward {
+    type State = burn::tensor::FloatDType;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        register!(grads, ops.parents, [B::cast_float(grad, ops.state)]);
+    }
+}
+
 /// SiLU; holds `x`.
 #[derive(Debug)]
 struct SiluBackward;
@@ -379,6 +392,16 @@ impl<B: Glm5Backend> Backward<B, 3> for BlockAttentionBackward {
 }
 
 impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
+    fn cast_float(x: FloatTensor<Self>, dtype: burn::tensor::FloatDType) -> FloatTensor<Self> {
+        use burn::tensor::TensorMetadata;
+        let source = x.primitive.dtype().into();
+        let out = B::cast_float(x.primitive, dtype);
+        match CastBackward.prepare::<C>([x.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(source, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
     fn kda_pairs_impl() -> OpImpl {
         B::kda_pairs_impl()
     }

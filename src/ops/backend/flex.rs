@@ -34,11 +34,53 @@ impl std::ops::Deref for HostF32 {
     }
 }
 
+/// `t` in `dtype`, every value rounded once to nearest even ([`Glm5Backend::cast_float`]):
+/// between f32 and the 16-bit floats straight through `half` (no f64 copy), in parallel;
+/// f64 sources and targets take Flex's own cast.
+pub(crate) fn flex_cast(t: FloatTensor<Flex>, dtype: DType) -> FloatTensor<Flex> {
+    use burn::tensor::ops::FloatTensorOps;
+    use half::slice::HalfFloatSliceExt;
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    let from = t.dtype();
+    if from == dtype {
+        return t;
+    }
+    let t = t.to_contiguous();
+    let dims = t.layout().shape().clone();
+    let n = t.layout().num_elements();
+    let out = |bytes: burn::tensor::Bytes| burn_flex::FlexTensor::new(bytes, burn_flex::Layout::contiguous(dims.clone()), dtype);
+    macro_rules! narrow {
+        ($half:ty) => {{
+            let src = t.as_slice::<f32>().expect("a contiguous fp32 tensor");
+            let mut v = vec![<$half>::ZERO; n];
+            v.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| d.convert_from_f32_slice(s));
+            out(burn::tensor::Bytes::from_elems(v))
+        }};
+    }
+    macro_rules! widen {
+        ($half:ty) => {{
+            let src = t.as_slice::<$half>().expect("a contiguous 16-bit tensor");
+            let mut v = vec![0f32; n];
+            v.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| s.convert_to_f32_slice(d));
+            out(burn::tensor::Bytes::from_elems(v))
+        }};
+    }
+    match (from, dtype) {
+        (DType::F32, DType::BF16) => narrow!(half::bf16),
+        (DType::F32, DType::F16) => narrow!(half::f16),
+        (DType::BF16, DType::F32) => widen!(half::bf16),
+        (DType::F16, DType::F32) => widen!(half::f16),
+        // exact to f32, then one rounding
+        (DType::BF16 | DType::F16, DType::BF16 | DType::F16) => flex_cast(flex_cast(t, DType::F32), dtype),
+        _ => Flex::float_cast(t, dtype.into()),
+    }
+}
+
 /// A rank-`D` Flex tensor as host fp32 data and its shape.
 fn host_n<const D: usize>(t: FloatTensor<Flex>) -> (HostF32, [usize; D]) {
-    use burn::tensor::ops::FloatTensorOps;
     use burn::tensor::TensorMetadata;
-    let t = if t.dtype() == DType::F32 { t } else { Flex::float_cast(t, burn::tensor::FloatDType::F32) };
+    let t = flex_cast(t, DType::F32);
     let t = t.to_contiguous();
     let dims = t.shape().dims::<D>();
     (HostF32(t), dims)
@@ -98,12 +140,7 @@ fn all_f32(ts: &[Option<&FloatTensor<Flex>>]) -> bool {
 
 /// An fp32 result in `dtype` (rounded once; unchanged when `dtype` is F32).
 fn in_dtype(t: FloatTensor<Flex>, dtype: DType) -> FloatTensor<Flex> {
-    use burn::tensor::ops::FloatTensorOps;
-    if dtype == DType::F32 {
-        t
-    } else {
-        Flex::float_cast(t, dtype.into())
-    }
+    flex_cast(t, dtype)
 }
 
 /// Whether every given tensor is fp32 or a 16-bit float (BF16/F16): mHC's stream products
@@ -146,6 +183,10 @@ fn fp8_stack_host(
 /// Flex: each op as host loops over its buffers (the equations and loops live with the op in
 /// `ops::*`); fp32 only, other dtypes take the reference bodies.
 impl Glm5Backend for Flex {
+    fn cast_float(x: FloatTensor<Self>, dtype: burn::tensor::FloatDType) -> FloatTensor<Self> {
+        flex_cast(x, dtype.into())
+    }
+
     fn kda_pairs_impl() -> OpImpl {
         OpImpl::Fused
     }

@@ -115,6 +115,15 @@ impl<T, Tb> ScanInputs<T, Tb> {
 /// The library's backend requirements: Burn's `Backend` plus the model's custom ops, and the
 /// collectives a sharded model gathers its parameters with.
 pub trait Glm5Backend: crate::distributed::CollectiveBackend {
+    /// `x` in `dtype`, every value rounded once to nearest, ties to even (PyTorch's `.to()`,
+    /// `half`'s `from_f32`). Default: the backend's `float_cast`. Flex overrides it: its
+    /// `float_cast` widens to f64 and rounds with `half`'s `from_f64`, which drops the f64's low
+    /// 32 bits first — an f32's last 3 mantissa bits — so an f32 a few ulps above a BF16 tie
+    /// rounds as the tie, down when the BF16 below is even (1 value in ~16k).
+    fn cast_float(x: FloatTensor<Self>, dtype: burn::tensor::FloatDType) -> FloatTensor<Self> {
+        <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_cast(x, dtype)
+    }
+
     /// What [`Self::kda_pair_sums`] runs here (Flex: fused host loops; CubeCL backends: a
     /// kernel). The `op` path falls back to the reference tensor ops where it is the reference.
     fn kda_pairs_impl() -> OpImpl {
@@ -575,6 +584,29 @@ pub fn causal_conv1d<B: Glm5Backend>(x: Tensor<B, 3>, w: Tensor<B, 2>) -> Tensor
 pub fn block_attention<B: Glm5Backend>(q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>, scale: f32) -> Tensor<B, 3> {
     let p = |t: Tensor<B, 3>| t.into_primitive().tensor();
     f3::<B>(B::block_attention(p(q), p(k), p(v), scale).0)
+}
+
+/// `x` in `dtype`, rounded once to nearest even ([`Glm5Backend::cast_float`]); `x` itself when
+/// it already is. Flex's fused ops round their results through it; the model's other casts
+/// (activations, the bf16 compute copy of fp32 weights) are still `Tensor::cast`, whose Flex
+/// rounding differs in about one value in 16k (`docs/parity.md`, "Rounding").
+pub fn cast<B: Glm5Backend, const D: usize>(x: Tensor<B, D>, dtype: burn::tensor::DType) -> Tensor<B, D> {
+    if x.dtype() == dtype {
+        return x;
+    }
+    Tensor::from_primitive(TensorPrimitive::Float(B::cast_float(x.into_primitive().tensor(), dtype.into())))
+}
+
+/// [`cast`] as a method, for the library's float casts: `x.cast_rne(DType::BF16)`.
+pub trait CastRne {
+    /// `self` in `dtype`, rounded once to nearest even.
+    fn cast_rne(self, dtype: burn::tensor::DType) -> Self;
+}
+
+impl<B: Glm5Backend, const D: usize> CastRne for Tensor<B, D> {
+    fn cast_rne(self, dtype: burn::tensor::DType) -> Self {
+        cast(self, dtype)
+    }
 }
 
 /// [`Glm5Backend::rms_norm`] on tensors.
