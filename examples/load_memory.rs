@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! cargo run --release --example load_memory -- --generate /tmp/ckpt --config configs/mem_test.json --shard-mb 500
-//! cargo run --release --example load_memory -- --checkpoint /tmp/ckpt [--dtype bf16|f32]
+//! cargo run --release --example load_memory -- --checkpoint /tmp/ckpt [--dtype bf16|f32] [--fp8-base]
+//! cargo run --release --example load_memory -- --checkpoint /tmp/ckpt --dtype bf16 --lora-step 64 [--fp8-base]
 //! ```
 //!
 //! It reports the load time, the peak resident set (`VmHWM`, file pages included) over the
@@ -12,6 +13,12 @@
 //! The load samples `RssAnon` (anonymous memory: file-backed pages of the memory-mapped shards
 //! do not count) every millisecond; the loader's own peak is that peak minus the baseline
 //! before loading and minus the destination tensors themselves (the model's bytes).
+//!
+//! `--lora-step TOKENS` goes on to train: LoRA (r 16 on the attention projections and the
+//! routed experts) on the frozen base as loaded, two AdamW steps on one synthetic row of
+//! `TOKENS` tokens, in `--dtype` (`bf16`: the base held in bf16, `model.base_dtype: bf16`; with
+//! `--fp8-base`, `fp8`). It reports the peak of anonymous memory over the load and the steps,
+//! so a BF16 and an FP8 base can be compared on the bytes they hold.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -47,6 +54,13 @@ struct Args {
     /// Model dtype for the load.
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     dtype: String,
+    /// Keep the checkpoint's FP8 weights in FP8 (`LoadOptions::fp8_base`).
+    #[arg(long)]
+    fp8_base: bool,
+    /// Then train LoRA adapters for two steps on one row of this many tokens (≥ 2) and report
+    /// the peak memory of load and steps.
+    #[arg(long)]
+    lora_step: Option<usize>,
 }
 
 fn status_kb(field: &str) -> u64 {
@@ -123,16 +137,23 @@ fn main() -> Result<()> {
     let files = glm5_burn::checkpoint::safetensors_io::SafetensorsFiles::open_dir(&dir)?;
     let ckpt_bytes: u64 = files.tensors.values().map(|e| (e.bytes.end - e.bytes.start) as u64).sum();
     let largest = files.tensors.values().map(|e| e.bytes.end - e.bytes.start).max().unwrap_or(0) as u64;
-    drop(files);
     // destination bytes: every loaded tensor in the model dtype (fp32-kept ones in f32)
+    // (with --fp8-base: the FP8 weights a byte each and their f32 block scales; the indexer's
+    // are dequantised at load, as the loader does)
     let elem = if dtype == DType::F32 { 4 } else { 2 };
+    let fp8_held = |name: &str| args.fp8_base && !name.contains(".indexer.") && files.tensors.get(name).is_some_and(|e| e.dtype == Dtype::F8_E4M3);
     let dest: u64 = inventory(&config, false, false)
         .iter()
         .map(|e| {
             let keep_f32 = hf_map::RULES.iter().any(|r| r.keep_f32 && matches_rule(r.hf, &e.name));
+            if fp8_held(&e.name) {
+                let scales = files.tensors.get(&format!("{}_scale_inv", e.name)).map_or(0, |s| s.bytes.end - s.bytes.start);
+                return e.numel() + scales as u64;
+            }
             e.numel() * if keep_f32 { 4 } else { elem }
         })
         .sum();
+    drop(files);
 
     let baseline = status_kb("RssAnon:");
     let peak = Arc::new(AtomicU64::new(baseline));
@@ -146,8 +167,30 @@ fn main() -> Result<()> {
             }
         })
     };
+    if let Some(tokens) = args.lora_step {
+        let out = lora_steps(&dir, dtype, args.fp8_base, tokens, &peak)?;
+        stop.store(true, Ordering::Relaxed);
+        sampler.join().expect("sampler thread");
+        let gb = |kb: u64| (kb.saturating_sub(baseline) * 1024) as f64 / 1e9;
+        println!(
+            "{}",
+            serde_json::json!({
+                "base": if args.fp8_base { "fp8" } else { &args.dtype },
+                "destination_gb": dest as f64 / 1e9,
+                "load_seconds": out.load_seconds,
+                "peak_rss_anon_load_gb": gb(out.load_peak_kb),
+                "peak_rss_anon_load_and_steps_gb": gb(peak.load(Ordering::Relaxed)),
+                "vm_hwm_gb": (status_kb("VmHWM:") * 1024) as f64 / 1e9,
+                "trainable": out.trainable,
+                "step_seconds": out.step_seconds,
+                "losses": out.losses,
+            })
+        );
+        return Ok(());
+    }
     let start = std::time::Instant::now();
-    let loaded = load_causal_lm::<Flex>(&dir, &Default::default(), &LoadOptions::with_dtype(dtype))?;
+    let load = LoadOptions { fp8_base: args.fp8_base, ..LoadOptions::with_dtype(dtype) };
+    let loaded = load_causal_lm::<Flex>(&dir, &Default::default(), &load)?;
     let secs = start.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     sampler.join().expect("sampler thread");
@@ -173,6 +216,56 @@ fn main() -> Result<()> {
     let fault_in = fault_in_seconds(dest as usize);
     println!("{}", serde_json::json!({ "fault_in_destination_bytes_seconds": fault_in, "load_over_fault_in": secs / fault_in }));
     Ok(())
+}
+
+struct LoraSteps {
+    load_seconds: f64,
+    load_peak_kb: u64,
+    trainable: usize,
+    step_seconds: Vec<f64>,
+    losses: Vec<f64>,
+}
+
+/// Load `dir` as a LoRA run's frozen base and train two steps on one row of `tokens` tokens.
+fn lora_steps(dir: &std::path::Path, dtype: DType, fp8_base: bool, tokens: usize, peak: &AtomicU64) -> Result<LoraSteps> {
+    use glm5_burn::train::recipe::{BaseDtype, Precision, Recipe};
+    use glm5_burn::train::trainer::{PeftOptions, StepOutcome, TrainOptions, Trainer};
+    type A = burn::backend::Autodiff<Flex>;
+    anyhow::ensure!(tokens >= 2, "--lora-step {tokens}: a row of at least 2 tokens (one label)");
+    let recipe = Recipe::from_yaml(include_str!("../configs/tiny_medpix_lora.yaml"), "configs/tiny_medpix_lora.yaml", &[])?;
+    let mut options = TrainOptions::from_recipe(&recipe);
+    options.precision = if dtype == DType::BF16 { Precision::Bf16 } else { Precision::F32 };
+    let lora: glm5_burn::text::lora::LoraConfig = serde_json::from_value(serde_json::json!({
+        "r": 16, "lora_alpha": 32,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"],
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    }))?;
+    let base_dtype = match (fp8_base, dtype) {
+        (true, _) => BaseDtype::Fp8,
+        (false, DType::BF16) => BaseDtype::Bf16,
+        _ => BaseDtype::F32,
+    };
+    options.peft = Some(PeftOptions { config: lora, base: Some(dir.to_path_buf()), base_dtype });
+    let device = Default::default();
+    let start = std::time::Instant::now();
+    let model = load_causal_lm::<A>(dir, &device, &options.base_load_options(false))?.model;
+    let load_seconds = start.elapsed().as_secs_f64();
+    let load_peak_kb = peak.load(Ordering::Relaxed).max(status_kb("RssAnon:"));
+    let vocab = model.vocab_size as i64;
+    let mut trainer = Trainer::<A>::try_new(model, options)?;
+    let trainable = glm5_burn::train::params::trainable_counts(trainer.model()).0;
+    let ids: Vec<i64> = (0..tokens as i64).map(|t| (t * 7919 + 11) % vocab).collect();
+    let batch = glm5_burn::data::batch::MicroBatch::text(ids.clone(), ids, 1, tokens, None);
+    let (mut step_seconds, mut losses) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        let t = std::time::Instant::now();
+        match trainer.step(std::slice::from_ref(&batch))? {
+            StepOutcome::Applied(m) => losses.push(m.loss),
+            StepOutcome::Skipped { what, .. } => anyhow::bail!("a non-finite {what}"),
+        }
+        step_seconds.push(t.elapsed().as_secs_f64());
+    }
+    Ok(LoraSteps { load_seconds, load_peak_kb, trainable, step_seconds, losses })
 }
 
 /// The machine's floor for any load: seconds to fault in `bytes` of fresh memory (one write

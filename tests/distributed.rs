@@ -1544,7 +1544,7 @@ mod mpi_engine {
         )
         .unwrap();
         let mut options = TrainOptions::from_recipe(&recipe);
-        options.peft = Some(PeftOptions { config: lora, base: None, fp8_base: false });
+        options.peft = Some(PeftOptions { config: lora, base: None, base_dtype: Default::default() });
         let mut mesh = options.clone();
         mesh.parallel.data_parallel = Some(g.clone() as Group);
         mesh.parallel.expert_parallel = p;

@@ -430,6 +430,52 @@ fn lora_run_trains_adapters_only_and_resumes_from_them() {
     assert!(log.contains("M trainable") && tmp.path().join("quick/step_000002/adapter/adapter_model.safetensors").is_file(), "{log}");
 }
 
+/// `model.base_dtype: bf16`: a LoRA run in bf16 on a BF16 checkpoint loads its base straight
+/// into bf16 (no fp32 masters) and follows, bit for bit, the same run holding that base in
+/// fp32, whose steps cast it into the same bf16 values; it resumes from its adapters.
+#[test]
+fn lora_on_a_bf16_base_follows_the_fp32_base_in_bf16() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base_run = tmp.path().join("base");
+    let mut args = overrides(&base_run);
+    args.extend(["--step_scheduler.max_steps=2".to_string(), "--validation_dataset=null".to_string()]);
+    run_with(&args);
+    // the published checkpoints' values: every weight a BF16 value (stored in f32), so that
+    // holding it in fp32 and casting per step rounds nothing
+    let base = tmp.path().join("bf16_values");
+    {
+        use burn::tensor::DType;
+        use glm5_burn::checkpoint::{load_causal_lm, save_causal_lm, LoadOptions};
+        let options = LoadOptions { vision: true, ..LoadOptions::with_dtype(DType::BF16) };
+        let loaded = load_causal_lm::<burn::backend::Flex>(&base_run.join("step_000002/model"), &Default::default(), &options).unwrap();
+        let model = glm5_burn::train::params::cast_weights(loaded.model, DType::F32);
+        save_causal_lm(&model, &loaded.config, &base).unwrap();
+    }
+    let lora = |dir: &Path, base_dtype: &str, steps: usize| {
+        let mut a = overrides(dir);
+        a.extend([
+            format!("--model.checkpoint={}", base.display()),
+            format!("--step_scheduler.max_steps={steps}"),
+            "--validation_dataset=null".into(),
+            "--model.dtype=bf16".into(),
+            format!("--model.base_dtype={base_dtype}"),
+            "--peft.r=4".into(),
+            "--peft.lora_alpha=8".into(),
+            "--peft.target_modules=[q_proj, o_proj, q_a_proj, kv_b_proj, gate_proj, down_proj]".into(),
+            "--peft.target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]".into(),
+        ]);
+        run_with(&a)
+    };
+    let (held16, held32) = (tmp.path().join("held_bf16"), tmp.path().join("held_f32"));
+    lora(&held16, "bf16", 2);
+    lora(&held16, "bf16", 4);
+    lora(&held32, "f32", 4);
+    let (a, b) = (trace(&held16), trace(&held32));
+    println!("4 LoRA steps in bf16 (step, loss, grad norm): bf16 base (resumed at 2) {a:?}\n  fp32 base {b:?}");
+    assert_eq!(a.len(), 4);
+    assert_eq!(a, b, "a bf16 base computes what the fp32 base's bf16 compute copy computes");
+}
+
 /// `model.base_dtype: fp8`: a LoRA run on an FP8 checkpoint (the default run's base quantised
 /// by `convert --dtype fp8`: its MLPs and routed experts E4M3 with block scales) keeps that
 /// base in FP8 and follows, step for step, the same run on the dequantised base (`convert

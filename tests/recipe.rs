@@ -165,3 +165,26 @@ fn overrides_are_told_from_program_flags() {
     keys.sort();
     assert_eq!(sections, keys);
 }
+
+/// `model.base_dtype`: `f32` (the default), `bf16` and `fp8` parse; a frozen base below fp32
+/// needs a LoRA run, and a bf16 base a bf16 run (it computes in the dtype it is held in).
+#[test]
+fn base_dtype_values_and_their_requirements() {
+    use glm5_burn::train::recipe::BaseDtype;
+    let lora = shipped("tiny_medpix_lora.yaml");
+    let r = Recipe::from_file(&lora, &[]).unwrap();
+    assert_eq!(r.model.base_dtype, None);
+    let r = Recipe::from_file(&lora, &["--model.dtype=bf16".into(), "--model.base_dtype=bf16".into()]).unwrap();
+    assert_eq!(r.model.base_dtype, Some(BaseDtype::Bf16));
+    let r = Recipe::from_file(&lora, &["--model.base_dtype=f32".into()]).unwrap();
+    assert_eq!(r.model.base_dtype, Some(BaseDtype::F32));
+    let e = Recipe::from_file(&lora, &["--model.base_dtype=bf16".into()]).unwrap_err().to_string();
+    assert!(e.contains("model.base_dtype") && e.contains("model.dtype: bf16"), "{e}");
+    let e = Recipe::from_file(&lora, &["--model.base_dtype=fp4".into()]).unwrap_err().to_string();
+    assert!(e.contains("model.base_dtype") && e.contains("fp4"), "{e}");
+    let full = shipped("tiny_medpix.yaml");
+    for base in ["bf16", "fp8"] {
+        let e = Recipe::from_file(&full, &["--model.dtype=bf16".into(), format!("--model.base_dtype={base}")]).unwrap_err().to_string();
+        assert!(e.contains("model.base_dtype") && e.contains("peft"), "{base}: {e}");
+    }
+}

@@ -33,6 +33,18 @@ fn setup() -> (Glm5Config, glm5_burn::checkpoint::CheckpointConfig, Vec<MicroBat
     (config, json, micro, TrainOptions::from_recipe(&recipe))
 }
 
+fn dtypes<M: Module<A>>(m: &M) -> Vec<(String, DType, bool)> {
+    struct V(Vec<(String, DType, bool)>);
+    impl burn::module::ModuleVisitor<A> for V {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<A, D>>) {
+            self.0.push((format!("{:?}", p.id), p.val().dtype(), p.is_require_grad()));
+        }
+    }
+    let mut v = V(Vec::new());
+    m.visit(&mut v);
+    v.0
+}
+
 /// A seeded model, initialised now: parameters are lazy, and the RNG is process-global (tests
 /// run in parallel threads), so seeding and drawing happen under one lock.
 fn model(config: &Glm5Config, seed: u64) -> Glm5ForCausalLM<A> {
@@ -201,4 +213,62 @@ fn save_and_resume_continue_exactly() {
     .unwrap()
     .to_string();
     assert!(e.contains("trainer_state.json"), "{e}");
+}
+
+/// `model.base_dtype: bf16`: a LoRA run in bf16 holds its frozen base in bf16 (cast once, no
+/// fp32 masters: half the base's bytes) and trains exactly as the same run on an fp32 base,
+/// whose every step casts the base into the same bf16 compute copy — bit for bit, three steps.
+/// The adapters stay fp32, as do the fp32-kept tensors (router bias, mHC scales).
+#[test]
+fn a_bf16_base_holds_half_the_bytes_and_trains_as_the_fp32_base_in_bf16() {
+    use glm5_burn::train::recipe::BaseDtype;
+    use glm5_burn::train::trainer::PeftOptions;
+    let (config, _, micro, mut opts) = setup();
+    let lora: glm5_burn::text::lora::LoraConfig = serde_json::from_value(serde_json::json!({
+        "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj", "gate_proj", "down_proj"],
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    }))
+    .unwrap();
+    // attached once, so that both runs start from the same adapters
+    let (m, _) = glm5_burn::peft::attach(model(&config, 7), &lora).unwrap();
+    opts.precision = Precision::Bf16;
+    let run = |base_dtype| {
+        let mut o = opts.clone();
+        o.peft = Some(PeftOptions { config: lora.clone(), base: None, base_dtype });
+        Trainer::<A>::new(m.clone(), o)
+    };
+    let (mut f32_base, mut bf16_base) = (run(BaseDtype::F32), run(BaseDtype::Bf16));
+    let bytes = |t: &Trainer<A>| -> usize {
+        let mut n = 0;
+        struct B<'a>(&'a mut usize);
+        impl burn::module::ModuleVisitor<A> for B<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<A, D>>) {
+                let v = p.val();
+                *self.0 += v.shape().num_elements() * v.dtype().size();
+            }
+        }
+        t.model().visit(&mut B(&mut n));
+        n
+    };
+    let (held32, held16) = (dtypes(f32_base.model()), dtypes(bf16_base.model()));
+    let (mut frozen16, mut kept32) = (0, 0);
+    for ((id, d32, grad), (id16, d16, grad16)) in held32.iter().zip(&held16) {
+        assert_eq!((id, grad), (id16, grad16));
+        assert_eq!(*d32, DType::F32, "{id}: an fp32 base");
+        match (grad, d16) {
+            (true, d) => assert_eq!(*d, DType::F32, "{id}: an adapter stays fp32"),
+            (false, DType::BF16) => frozen16 += 1,
+            (false, _) => kept32 += 1,
+        }
+    }
+    println!("bf16 base: {frozen16} frozen tensors in bf16, {kept32} kept fp32; {} -> {} bytes", bytes(&f32_base), bytes(&bf16_base));
+    assert!(frozen16 > 50 && kept32 > 0, "{frozen16} bf16, {kept32} fp32-kept");
+    assert!((bytes(&bf16_base) as f64) < 0.56 * bytes(&f32_base) as f64);
+    for step in 0..3 {
+        let (StepOutcome::Applied(a), StepOutcome::Applied(b)) = (f32_base.step(&micro).unwrap(), bf16_base.step(&micro).unwrap()) else { panic!() };
+        println!("step {step}: loss {:.6} / {:.6}, grad norm {:.6} / {:.6}", a.loss, b.loss, a.grad_norm, b.grad_norm);
+        assert_eq!((a.loss.to_bits(), a.grad_norm.to_bits()), (b.loss.to_bits(), b.grad_norm.to_bits()), "step {step}");
+    }
+    let trained = |t: &Trainer<A>| values(t.model()).into_iter().zip(dtypes(t.model())).filter(|(_, d)| d.2).map(|(v, _)| v).collect::<Vec<_>>();
+    assert_eq!(trained(&f32_base), trained(&bf16_base), "the same adapters after three steps");
 }

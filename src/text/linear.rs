@@ -71,8 +71,9 @@ impl<B: Backend> Linear<B> {
     /// `(K, M)`.
     pub fn in_out(&self) -> (usize, usize) {
         match (&self.weight, &self.fp8) {
+            // the shape without initialising a lazy weight (a load replacing it by FP8 asks)
             (Some(w), _) => {
-                let [k, m] = w.dims();
+                let [k, m] = w.lazy_shape().dims::<2>();
                 (k, m)
             }
             (None, Some(q)) => q.in_out(),

@@ -212,7 +212,8 @@ impl<B: Backend> Experts<B> {
     /// `[E, D, I]`: the experts held, the hidden size and one expert's intermediate width.
     pub fn dims(&self) -> [usize; 3] {
         match (&self.gate_proj, &self.fp8) {
-            (Some(g), _) => g.dims(),
+            // the shape without initialising a lazy stack (a load replacing it by FP8 asks)
+            (Some(g), _) => g.lazy_shape().dims::<3>(),
             (None, Some(q)) => {
                 let [e, i, d] = q.gate_proj.codes.dims();
                 [e, d, i]

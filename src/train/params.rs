@@ -196,8 +196,9 @@ impl<B: AutodiffBackend> ModuleMapper<B> for CastCompute {
         let grad = tensor.is_require_grad();
         let inner = tensor.inner();
         let inner = match self.0.target() {
-            Some(dtype) => inner.cast(dtype),
-            None => inner,
+            // a base already held in `dtype` (recipe `model.base_dtype`) is used as it is
+            Some(dtype) if inner.dtype() != dtype => inner.cast(dtype),
+            _ => inner,
         };
         // a fresh leaf: gradients land on the same id as the master parameter
         let mut t = Tensor::<B, D>::from_inner(inner);
@@ -224,6 +225,34 @@ impl<B: Backend> ModuleMapper<B> for CastWeights {
             None => param,
         }
     }
+}
+
+/// Casts the frozen parameters only ([`hold_frozen_in`]).
+struct CastFrozen(CastPlan);
+
+impl<B: Backend> ModuleMapper<B> for CastFrozen {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.0.tracker.enter(name, container_type);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.0.tracker.exit();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        match self.0.target() {
+            Some(dtype) if !param.is_require_grad() && param.val().dtype() != dtype => {
+                let (id, tensor, mapper) = param.consume();
+                Param::from_mapped_value(id, tensor.cast(dtype), mapper)
+            }
+            _ => param,
+        }
+    }
+}
+
+/// The frozen base of a LoRA run held in `dtype` (recipe `model.base_dtype`): every frozen
+/// parameter cast except the checkpoint's fp32-kept tensors and the adapters; trainable
+/// parameters keep their dtype (fp32 masters). A base loaded in `dtype` is left as it is.
+pub(crate) fn hold_frozen_in<B: Backend>(model: Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
+    model.map(&mut CastFrozen(CastPlan::new(dtype)))
 }
 
 /// `model` for inference in `dtype`: every parameter cast, except the tensors the checkpoint

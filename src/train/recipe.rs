@@ -106,13 +106,34 @@ pub enum Precision {
     Bf16,
 }
 
-/// How a frozen base's weights are held (`model.base_dtype`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// How the frozen base of a LoRA run is held in memory (`model.base_dtype`). The checkpoint's
+/// fp32-kept tensors (router bias, mHC scales) stay fp32 whatever this says, and the adapters
+/// are fp32 (PEFT's `autocast_adapter_dtype`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BaseDtype {
+    /// fp32, like full fine-tuning's master weights (the default). With `model.dtype: bf16`
+    /// every step casts the base into its bf16 compute copy.
+    #[default]
+    F32,
+    /// bf16, cast once at load (2 bytes a weight instead of fp32's 4 plus the step's bf16
+    /// copy). Needs `model.dtype: bf16`: the base then computes in the dtype it is held in.
+    Bf16,
     /// The projections the checkpoint stores in FP8 (E4M3 + block scales) stay FP8 in memory,
-    /// dequantised per use ([`crate::checkpoint::LoadOptions::fp8_base`]).
+    /// dequantised per use ([`crate::checkpoint::LoadOptions::fp8_base`]); the rest of the
+    /// base is held in `model.dtype`.
     Fp8,
+}
+
+impl BaseDtype {
+    /// The dtype the base's weights that are not FP8-resident are held in, when training in
+    /// `precision`.
+    pub fn held_dtype(self, precision: Precision) -> burn::tensor::DType {
+        match (self, precision) {
+            (BaseDtype::Bf16 | BaseDtype::Fp8, Precision::Bf16) => burn::tensor::DType::BF16,
+            _ => burn::tensor::DType::F32,
+        }
+    }
 }
 
 /// `model`: what to train and how.
@@ -134,10 +155,11 @@ pub struct ModelSection {
     /// Op implementations.
     #[serde(default)]
     pub backend: BackendSelect,
-    /// How the frozen base of a LoRA run is held: `fp8` keeps the checkpoint's FP8 projections
-    /// in FP8 (a byte a weight). Absent: in `dtype`, like the rest of the model. Needs `peft`
-    /// and an FP8 `checkpoint`. Under expert parallelism a rank holds its experts' FP8 stacks;
-    /// the FP8 projections are replicated over the data-parallel ranks (not sharded).
+    /// How the frozen base of a LoRA run is held: `f32` (absent: the default), `bf16` (needs
+    /// `dtype: bf16`) or `fp8`, which keeps the checkpoint's FP8 projections in FP8 (a byte a
+    /// weight) and the rest in `dtype`. `bf16` and `fp8` need `peft`; `fp8` an FP8
+    /// `checkpoint`. Under expert parallelism a rank holds its experts' FP8 stacks; the FP8
+    /// projections are replicated over the data-parallel ranks (not sharded).
     #[serde(default)]
     pub base_dtype: Option<BaseDtype>,
 }
@@ -574,16 +596,20 @@ impl Recipe {
                 return bad(&format!("peft.{field}"), message);
             }
         }
-        if self.model.base_dtype == Some(BaseDtype::Fp8) {
+        if let Some(base @ (BaseDtype::Bf16 | BaseDtype::Fp8)) = self.model.base_dtype {
+            let name = if base == BaseDtype::Fp8 { "fp8" } else { "bf16" };
             if self.peft.is_none() {
                 return bad(
                     "model.base_dtype",
-                    "fp8 keeps the base frozen in FP8: it needs a `peft` section (full fine-tuning trains every weight)".into(),
+                    format!("{name} holds a frozen base: it needs a `peft` section (full fine-tuning trains every weight in fp32 masters)"),
                 );
             }
-            if self.model.checkpoint.is_none() {
-                return bad("model.base_dtype", "fp8 holds the FP8 weights of model.checkpoint: set one (seeded weights have none)".into());
-            }
+        }
+        if self.model.base_dtype == Some(BaseDtype::Bf16) && self.model.dtype != Precision::Bf16 {
+            return bad("model.base_dtype", "bf16 computes the base in the dtype it is held in: it needs model.dtype: bf16".into());
+        }
+        if self.model.base_dtype == Some(BaseDtype::Fp8) && self.model.checkpoint.is_none() {
+            return bad("model.base_dtype", "fp8 holds the FP8 weights of model.checkpoint: set one (seeded weights have none)".into());
         }
         let s = &self.step_scheduler;
         if s.local_batch_size == 0 || s.global_batch_size == 0 || !s.global_batch_size.is_multiple_of(s.local_batch_size) {

@@ -39,8 +39,8 @@ use super::data_parallel::{
     all_reduce_grads, all_reduce_grads_except, drop_grads, expert_parallel_model, expert_parallel_of, expert_param_ids, gather_usize, plan_of,
     shard_model_where, sum_f64, sum_usize, zero_missing_grads, ExpertMesh,
 };
-use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, materialize, param_ids};
-use super::recipe::{FreezeConfig, NonFinitePolicy, Precision, Recipe};
+use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, hold_frozen_in, materialize, param_ids};
+use super::recipe::{BaseDtype, FreezeConfig, NonFinitePolicy, Precision, Recipe};
 use super::schedule::LrSchedule;
 use super::sharded;
 use super::step::{accumulate, micro_loss_sum, non_finite, Accumulated, GlobalBatch, LossSum, StepContext, StepMetrics, TrainError};
@@ -134,9 +134,10 @@ pub struct PeftOptions {
     /// The base checkpoint directory (`model.checkpoint`): checkpoints reference it and hold
     /// the adapters only. `None` (seeded base weights): checkpoints hold the base too.
     pub base: Option<PathBuf>,
-    /// Keep the base's FP8 projections in FP8 (recipe `model.base_dtype: fp8`;
-    /// [`crate::checkpoint::LoadOptions::fp8_base`]) when loading it.
-    pub fp8_base: bool,
+    /// How the frozen base is held (recipe `model.base_dtype`): `Fp8` keeps its FP8
+    /// projections in FP8 ([`crate::checkpoint::LoadOptions::fp8_base`]); `Bf16` (and `Fp8`'s
+    /// other weights under bf16 precision) holds it in bf16, without fp32 masters.
+    pub base_dtype: BaseDtype,
 }
 
 impl TrainOptions {
@@ -148,10 +149,21 @@ impl TrainOptions {
         (p > 1).then(|| crate::checkpoint::select::ExpertShard { rank: g.rank() % p, size: p })
     }
 
-    /// The load options of this run's base: this rank's experts, and an FP8 base as the LoRA
-    /// section says.
+    /// The load options of this run's base: this rank's experts, and the base held as the LoRA
+    /// section says (FP8, bf16 or fp32).
     pub fn base_load_options(&self, vision: bool) -> LoadOptions {
-        LoadOptions { vision, experts: self.expert_shard(), fp8_base: self.peft.as_ref().is_some_and(|p| p.fp8_base), ..LoadOptions::default() }
+        LoadOptions {
+            vision,
+            experts: self.expert_shard(),
+            fp8_base: self.peft.as_ref().is_some_and(|p| p.base_dtype == BaseDtype::Fp8),
+            ..LoadOptions::with_dtype(self.base_weight_dtype())
+        }
+    }
+
+    /// The dtype the frozen base's weights are held in (those not FP8-resident): fp32 unless a
+    /// LoRA run trains in bf16 on a `bf16` or `fp8` base.
+    pub fn base_weight_dtype(&self) -> DType {
+        self.peft.as_ref().map_or(DType::F32, |p| p.base_dtype.held_dtype(self.precision))
     }
 }
 
@@ -189,7 +201,7 @@ impl TrainOptions {
             peft: r.peft.as_ref().map(|p| PeftOptions {
                 config: p.lora_config(r.model.checkpoint.as_deref()),
                 base: r.model.checkpoint.as_ref().map(|b| std::fs::canonicalize(b).unwrap_or_else(|_| b.clone())),
-                fp8_base: r.model.base_dtype == Some(crate::train::recipe::BaseDtype::Fp8),
+                base_dtype: r.model.base_dtype.unwrap_or_default(),
             }),
         }
     }
@@ -284,6 +296,8 @@ where
                 let shard = Self::expert_shard(&options).filter(|s| model.num_experts > 0 && expert_stacks(&model) * s.size == model.num_experts);
                 model = crate::peft::attach_shard(model, &peft.config, shard.map(|s| (s.rank, s.size))).map_err(|e| TrainError::Lora(Box::new(e)))?.0;
             }
+            // a base held below fp32 (loaded so, or seeded in fp32 and cast once here)
+            model = hold_frozen_in(model, options.base_weight_dtype());
         }
         materialize(&model);
         let mut experts = None;
