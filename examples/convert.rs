@@ -90,7 +90,7 @@ fn run(args: Args) -> Result<()> {
     }
     if args.dtype == "fp8" {
         glm5_burn::io::check_output_dir("--output", &output, &[("--input", &input)])?;
-        return quantize(&input, &output, parse_block(&args.fp8_block)?);
+        return quantize(&input, &output, parse_block(&args.fp8_block)?, parse_size(&args.max_shard_size)?);
     }
     glm5_burn::io::check_output_dir("--output", &output, &[("--input", &input)])?;
     let opts =
@@ -167,38 +167,30 @@ fn parse_block(s: &str) -> Result<[usize; 2]> {
 }
 
 /// `--dtype fp8` on a BF16/F32 checkpoint: the release's FP8 layout
-/// ([`Fp8Output::release_layout`]), each weight quantised once from its f32 values.
-fn quantize(input: &Path, output: &Path, block: [usize; 2]) -> Result<()> {
-    use glm5_burn::checkpoint::{
-        convert::copy_companions, load_causal_lm, save_causal_lm_fp8, CheckpointConfig, CheckpointError, Fp8Output, LoadOptions,
-    };
-    type B = burn::backend::Flex;
+/// ([`glm5_burn::checkpoint::Fp8Output::release_layout`]), streamed a tensor at a time, each
+/// weight quantised once from its stored values.
+fn quantize(input: &Path, output: &Path, block: [usize; 2], max_shard_bytes: usize) -> Result<()> {
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}")
+            .expect("valid template"),
+    );
     let start = std::time::Instant::now();
-    if std::fs::read_dir(output).is_ok_and(|mut d| d.next().is_some()) {
-        bail!("--output {} is not empty (the quantised checkpoint goes into an empty or new directory)", output.display());
-    }
-    let fp8 = Fp8Output::release_layout(input, block).context("--dtype fp8")?;
-    let device = Default::default();
-    let loaded = match load_causal_lm::<B>(input, &device, &LoadOptions { vision: true, ..LoadOptions::default() }) {
-        Err(CheckpointError::NoVisionTower { .. }) => load_causal_lm::<B>(input, &device, &LoadOptions::default())?,
-        other => other?,
-    };
-    let config = CheckpointConfig::from_json(fp8.config_json(&loaded.config.json), &input.join("config.json").display().to_string())?;
-    // staged beside the output, renamed into place once whole
-    let staging = output.with_extension("partial");
-    let _ = std::fs::remove_dir_all(&staging);
-    save_causal_lm_fp8(&loaded.model, &config, &staging, &fp8)?;
-    let copied = copy_companions(input, &staging)?;
-    if output.exists() {
-        std::fs::remove_dir(output).with_context(|| format!("--output {}", output.display()))?;
-    }
-    std::fs::rename(&staging, output).with_context(|| format!("moving {} to {}", staging.display(), output.display()))?;
+    let report = glm5_burn::checkpoint::convert::quantize_checkpoint(input, output, block, max_shard_bytes, |done, total, name| {
+        bar.set_length(total);
+        bar.set_position(done);
+        bar.set_message(name.rsplit('.').take(3).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("."));
+    })
+    .context("--dtype fp8")?;
+    bar.finish_and_clear();
     println!(
-        "wrote {}: {} weights quantised to FP8 (blocks {block:?}), {} tensors kept, {} in {:.1?}",
-        output.display(),
-        fp8.names.len(),
-        fp8.others.len(),
-        if copied.is_empty() { "nothing else copied".to_string() } else { format!("copied {}", copied.join(", ")) },
+        "wrote {}: {} weights quantised to FP8 (blocks {block:?}), {} tensors kept, {} shard(s), {:.3} GB, {} in {:.1?}",
+        report.output.display(),
+        report.quantised,
+        report.kept,
+        report.shards,
+        report.bytes_written as f64 / 1e9,
+        if report.copied.is_empty() { "nothing else copied".to_string() } else { format!("copied {}", report.copied.join(", ")) },
         start.elapsed()
     );
     Ok(())

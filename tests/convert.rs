@@ -215,3 +215,75 @@ fn companion_files_are_copied() {
     assert!(!out.join(".lock").exists() && !out.join("pytorch_model.bin").exists());
     assert_eq!(glm5_burn::generate::checkpoint_eos_ids(&out).unwrap(), [1]);
 }
+
+/// E4M3FN code → value (sign, 4 exponent bits biased by 7, 3 mantissa bits; exponent 0 is
+/// subnormal), written out here from the format's definition.
+fn e4m3(code: u8) -> f32 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = (((code >> 3) & 0xF) as i32, (code & 7) as f32);
+    sign * if e == 0 { m / 8.0 * 2f32.powi(-6) } else { (1.0 + m / 8.0) * 2f32.powi(e - 7) }
+}
+
+/// `quantize_checkpoint` (`convert --dtype fp8`): the release's FP8 layout streamed from an
+/// f32 checkpoint into shards — every decoder MLP weight (dense, shared and routed experts)
+/// `F8_E4M3` with an F32 `_scale_inv` per 16×16 block equal to the block's amax / 448 and
+/// codes within half an E4M3 step of `w / scale`; every other tensor byte for byte; a
+/// `quantization_config`; the result loads (FP8-resident or dequantised) and quantising it
+/// again is refused.
+#[test]
+fn fp8_quantisation_streams_the_release_layout() {
+    use glm5_burn::checkpoint::convert::quantize_checkpoint;
+    use glm5_burn::checkpoint::safetensors_io::SafetensorsFiles;
+    let src = fixtures().join("base_k4");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("fp8");
+    let report = quantize_checkpoint(&src, &out, [16, 16], 50_000, |_, _, _| {}).unwrap();
+    assert!(report.shards > 1, "{report:?}");
+    let (input, output) = (SafetensorsFiles::open_dir(&src).unwrap(), SafetensorsFiles::open_dir(&out).unwrap());
+    let bytes = |f: &SafetensorsFiles, name: &str| f.row_bytes(name, 0..f.shape(name).unwrap()[0]).unwrap().to_vec();
+    let mlp = |name: &str, shape: &[usize]| {
+        shape.len() == 2 && name.starts_with("model.language_model.layers.") && name.contains(".mlp.") && name.ends_with("_proj.weight")
+    };
+    let (mut quantised, mut worst) = (0, 0f32);
+    for (name, e) in &input.tensors {
+        let got = &output.tensors[name];
+        if !mlp(name, &e.shape) {
+            assert_eq!((got.dtype, &got.shape), (e.dtype, &e.shape), "{name}");
+            assert_eq!(bytes(&output, name), bytes(&input, name), "{name} is copied byte for byte");
+            continue;
+        }
+        quantised += 1;
+        assert_eq!(got.dtype, Dtype::F8_E4M3, "{name}");
+        let (rows, cols) = (e.shape[0], e.shape[1]);
+        let w = input.read_f32(name).unwrap();
+        let codes = bytes(&output, name);
+        let scale_name = format!("{name}_scale_inv");
+        assert_eq!(output.tensors[&scale_name].shape, vec![rows.div_ceil(16), cols.div_ceil(16)]);
+        let scales = output.read_f32(&scale_name).unwrap();
+        for (bi, s) in scales.iter().enumerate() {
+            let (br, bc) = (bi / cols.div_ceil(16), bi % cols.div_ceil(16));
+            let cells = || (br * 16..(br * 16 + 16).min(rows)).flat_map(move |r| (bc * 16..(bc * 16 + 16).min(cols)).map(move |c| r * cols + c));
+            let amax = cells().map(|i| w[i].abs()).fold(0f32, f32::max);
+            let want = if amax == 0.0 { 1.0 } else { amax / 448.0 };
+            assert!((s - want).abs() <= 1e-6 * want, "{scale_name}[{br}, {bc}]: {s} vs amax / 448 = {want}");
+            for i in cells() {
+                let (x, q) = (w[i] / s, e4m3(codes[i]));
+                let step = 2f32.powi((q.abs().max(2f32.powi(-6)).log2().floor() as i32) - 3);
+                worst = worst.max((x - q).abs() / step);
+                assert!((x - q).abs() <= 0.5 * step * (1.0 + 1e-5), "{name}[{}, {}]: w/s {x} coded {q}", i / cols, i % cols);
+            }
+        }
+    }
+    println!("{quantised} weights quantised ({:?}), worst |w/s − e4m3| {worst:.3} of a step", report);
+    assert!(quantised > 0 && quantised == report.quantised);
+    assert_eq!(output.tensors.len(), input.tensors.len() + quantised);
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["quantization_config"]["weight_block_size"], serde_json::json!([16, 16]));
+    // it loads, kept in FP8 or dequantised
+    let device = Default::default();
+    load_causal_lm::<B>(&out, &device, &LoadOptions { fp8_base: true, ..LoadOptions::default() }).unwrap();
+    load_causal_lm::<B>(&out, &device, &LoadOptions::default()).unwrap();
+    let again = quantize_checkpoint(&out, &tmp.path().join("again"), [16, 16], 50_000, |_, _, _| {}).unwrap_err().to_string();
+    assert!(again.contains("already FP8"), "{again}");
+    assert!(!tmp.path().join("again").exists());
+}

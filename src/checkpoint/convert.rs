@@ -154,3 +154,109 @@ pub fn convert_checkpoint(
     let output = staging.commit()?;
     Ok(ConvertReport { output, tensors: n_tensors, dequantised, bytes_written: done, shards: shards.len(), copied })
 }
+
+/// What [`quantize_checkpoint`] did.
+#[derive(Debug, Clone)]
+pub struct QuantizeReport {
+    /// The output directory.
+    pub output: PathBuf,
+    /// Weights written in FP8 (each with its `_scale_inv`).
+    pub quantised: usize,
+    /// Other tensors, copied byte for byte.
+    pub kept: usize,
+    /// Bytes written, headers included.
+    pub bytes_written: u64,
+    /// Safetensors shards written.
+    pub shards: usize,
+    /// The input's other files copied beside the weights (tokenizer, chat template, …).
+    pub copied: Vec<String>,
+}
+
+/// A BF16/F32 checkpoint → the release's FP8 layout ([`super::Fp8Output::release_layout`]:
+/// the decoder MLPs' 2-D weights, routed experts included), streaming one tensor at a time:
+/// each such weight is read as f32 and quantised in `block`s ([`super::fp8::quantize_blocks`],
+/// transformers' fine-grained FP8 quantiser) into `NAME` (`F8_E4M3`) and `NAME_scale_inv`
+/// (`F32`); every other tensor — attention, norms, embeddings, head, vision tower, and tensors
+/// the model does not read (an MTP layer) — is copied byte for byte. `config.json` gets the
+/// `quantization_config`, the companions (tokenizer, chat template) are copied, and the output
+/// appears only once whole (a staging directory). Memory: one weight's f32 values and codes;
+/// each tensor's mapped pages are released once read.
+pub fn quantize_checkpoint(
+    input: &Path,
+    output: &Path,
+    block: [usize; 2],
+    max_shard_bytes: usize,
+    mut progress: impl FnMut(u64, u64, &str),
+) -> Result<QuantizeReport, CheckpointError> {
+    use super::fp8::{quantize_blocks, BlockGrid};
+    let config = super::read_config(input)?;
+    let layout = super::Fp8Output::release_layout(input, block)?;
+    let files = SafetensorsFiles::open_dir(input)?;
+    let grid = |shape: &[usize]| BlockGrid { rows: shape[0], cols: shape[1], block_rows: block[0], block_cols: block[1] };
+    let mut planned = Vec::new();
+    for (name, e) in &files.tensors {
+        if layout.names.contains(name) {
+            planned.push(PlannedTensor { name: name.clone(), dtype: Dtype::F8_E4M3, shape: e.shape.clone() });
+            planned.push(PlannedTensor { name: format!("{name}_scale_inv"), dtype: Dtype::F32, shape: grid(&e.shape).scale_shape().to_vec() });
+        } else {
+            planned.push(PlannedTensor { name: name.clone(), dtype: e.dtype, shape: e.shape.clone() });
+        }
+    }
+    let total: u64 = planned.iter().map(|t| t.n_bytes() as u64).sum();
+    let (n_tensors, quantised) = (planned.len(), layout.names.len());
+    let shards = plan_shards(planned, max_shard_bytes);
+    let staging = Staging::new(output)?;
+    let mut done = 0u64;
+    // a weight's codes and scales are two tensors: the second one written takes what the
+    // first one's quantisation left here
+    let mut pending: std::collections::HashMap<String, Vec<u8>> = std::collections::HashMap::new();
+    for (file, tensors) in &shards {
+        let path = staging.dir.join(file);
+        write_safetensors(&path, tensors, |i, out| {
+            let t = &tensors[i];
+            let weight = t.name.strip_suffix("_scale_inv").filter(|w| layout.names.contains(*w)).unwrap_or(&t.name);
+            let bytes = if layout.names.contains(weight) {
+                match pending.remove(&t.name) {
+                    Some(bytes) => bytes,
+                    None => {
+                        let shape =
+                            files.shape(weight).ok_or_else(|| CheckpointError::Internal(format!("{weight}: planned but not in the input")))?;
+                        let values = files.read_f32(weight)?;
+                        // read once: this process stops mapping its pages (the page cache keeps them)
+                        files.release(weight, 0..shape[0]);
+                        let (codes, scales) = quantize_blocks(&values, grid(shape)).map_err(|(r, c)| CheckpointError::Tensor {
+                            path: files.shard_path(weight).map(Path::to_path_buf).unwrap_or_default(),
+                            name: weight.to_string(),
+                            message: format!("non-finite value at [{r}, {c}] cannot be quantised to FP8"),
+                        })?;
+                        let scales: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+                        let (now, later, later_name) =
+                            if t.name == weight { (codes, scales, format!("{weight}_scale_inv")) } else { (scales, codes, weight.to_string()) };
+                        pending.insert(later_name, later);
+                        now
+                    }
+                }
+            } else {
+                let rows = t.shape.first().copied().unwrap_or(1);
+                out.write_all(files.row_bytes(&t.name, 0..rows)?).map_err(|error| CheckpointError::Io { path: path.clone(), error })?;
+                files.release(&t.name, 0..rows);
+                Vec::new()
+            };
+            out.write_all(&bytes).map_err(|error| CheckpointError::Io { path: path.clone(), error })?;
+            done += t.n_bytes() as u64;
+            progress(done, total, &t.name);
+            Ok(())
+        })?;
+    }
+    if shards.len() > 1 {
+        let index = serde_json::to_vec_pretty(&index_json(&shards))
+            .map_err(|e| CheckpointError::Encode { what: "model.safetensors.index.json".into(), message: e.to_string() })?;
+        super::safetensors_io::write_atomic(&staging.dir.join("model.safetensors.index.json"), &index)?;
+    }
+    let cfg = serde_json::to_vec_pretty(&layout.config_json(&config.json))
+        .map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
+    super::safetensors_io::write_atomic(&staging.dir.join("config.json"), &cfg)?;
+    let copied = copy_companions(input, &staging.dir)?;
+    let output = staging.commit()?;
+    Ok(QuantizeReport { output, quantised, kept: n_tensors - 2 * quantised, bytes_written: done, shards: shards.len(), copied })
+}
