@@ -119,6 +119,15 @@ fn run(args: Args) -> Result<()> {
     if !report.copied.is_empty() {
         println!("copied beside the weights: {}", report.copied.join(", "));
     }
+    if report.dequantised == 0 {
+        // the tensors were copied as stored: say so, rather than let `--dtype` look applied
+        eprintln!(
+            "note: {} holds no FP8 weights, so nothing was dequantised: every tensor was copied in the dtype it is stored in \
+             (re-sharded), not cast to --dtype {}",
+            input.display(),
+            args.dtype
+        );
+    }
     Ok(())
 }
 

@@ -345,3 +345,15 @@ fn a_resumed_run_keeps_its_schedule() {
         run("finetune", &[&format!("--checkpoint.checkpoint_dir={}", tmp.path().join("empty").display()), "--step_scheduler.max_steps=0"]);
     assert!(!o.status.success() && text.contains("step_scheduler.max_steps") && !text.contains("already holds"), "{text}");
 }
+
+/// `convert` dequantises FP8: on a checkpoint without FP8 weights it copies every tensor as
+/// stored, and says so instead of letting `--dtype bf16` look applied.
+#[test]
+fn convert_says_when_there_is_nothing_to_dequantise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/base_k4");
+    let (status, text) = run("convert", &["--input", s(&src), "--output", s(&out), "--dtype", "bf16"]);
+    assert!(status.status.success(), "{text}");
+    assert!(text.contains("holds no FP8 weights") && text.contains("not cast to --dtype bf16"), "{text}");
+}
