@@ -95,17 +95,9 @@ fn run(args: Args) -> Result<()> {
     glm5_burn::io::check_output_dir("--output", &output, &[("--input", &input)])?;
     let opts =
         ConvertOptions { dtype: if args.dtype == "f32" { Dtype::F32 } else { Dtype::BF16 }, max_shard_bytes: parse_size(&args.max_shard_size)? };
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}")
-            .expect("valid template"),
-    );
+    let bar = progress_bar();
     let start = std::time::Instant::now();
-    let report = convert_checkpoint(&input, &output, &opts, |done, total, name| {
-        bar.set_length(total);
-        bar.set_position(done);
-        bar.set_message(name.rsplit('.').take(3).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("."));
-    })?;
+    let report = convert_checkpoint(&input, &output, &opts, progress(&bar))?;
     bar.finish_and_clear();
     println!(
         "wrote {}: {} tensors ({} dequantised from FP8), {} shard(s), {:.3} GB in {:.1?}",
@@ -179,18 +171,9 @@ fn parse_block(s: &str) -> Result<[usize; 2]> {
 /// ([`glm5_burn::checkpoint::Fp8Output::release_layout`]), streamed a tensor at a time, each
 /// weight quantised once from its stored values.
 fn quantize(input: &Path, output: &Path, block: [usize; 2], max_shard_bytes: usize) -> Result<()> {
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}")
-            .expect("valid template"),
-    );
+    let bar = progress_bar();
     let start = std::time::Instant::now();
-    let report = glm5_burn::checkpoint::convert::quantize_checkpoint(input, output, block, max_shard_bytes, |done, total, name| {
-        bar.set_length(total);
-        bar.set_position(done);
-        bar.set_message(name.rsplit('.').take(3).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("."));
-    })
-    .context("--dtype fp8")?;
+    let report = glm5_burn::checkpoint::convert::quantize_checkpoint(input, output, block, max_shard_bytes, progress(&bar)).context("--dtype fp8")?;
     bar.finish_and_clear();
     println!(
         "wrote {}: {} weights quantised to FP8 (blocks {block:?}), {} tensors kept, {} shard(s), {:.3} GB, {} in {:.1?}",
@@ -203,6 +186,25 @@ fn quantize(input: &Path, output: &Path, block: [usize; 2], max_shard_bytes: usi
         start.elapsed()
     );
     Ok(())
+}
+
+/// The bar's update after each tensor: bytes so far, the tensor's last three name parts.
+fn progress(bar: &ProgressBar) -> impl FnMut(u64, u64, &str) + '_ {
+    |done, total, name| {
+        bar.set_length(total);
+        bar.set_position(done);
+        bar.set_message(name.rsplit('.').take(3).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("."));
+    }
+}
+
+/// A bytes-written bar.
+fn progress_bar() -> ProgressBar {
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} {msg}")
+            .expect("valid template"),
+    );
+    bar
 }
 
 fn billions(n: u64) -> String {

@@ -137,22 +137,33 @@ pub fn convert_checkpoint(
             Ok(())
         })?;
     }
-    if shards.len() > 1 {
-        let index = serde_json::to_vec_pretty(&index_json(&shards))
-            .map_err(|e| CheckpointError::Encode { what: "model.safetensors.index.json".into(), message: e.to_string() })?;
-        super::safetensors_io::write_atomic(&staging.dir.join("model.safetensors.index.json"), &index)?;
-    }
     if let Some(obj) = config.as_object_mut() {
         obj.remove("quantization_config");
         if let Some(Value::Object(t)) = obj.get_mut("text_config") {
             t.remove("quantization_config");
         }
     }
-    let cfg = serde_json::to_vec_pretty(&config).map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
+    let (output, copied) = finish(staging, &shards, &config, input)?;
+    Ok(ConvertReport { output, tensors: n_tensors, dequantised, bytes_written: done, shards: shards.len(), copied })
+}
+
+/// Completes a staged conversion: the shard index (when sharded), `config`, the input's
+/// companion files; then the staging directory becomes the output.
+fn finish(
+    staging: Staging,
+    shards: &[(String, Vec<PlannedTensor>)],
+    config: &Value,
+    input: &Path,
+) -> Result<(PathBuf, Vec<String>), CheckpointError> {
+    if shards.len() > 1 {
+        let index = serde_json::to_vec_pretty(&index_json(shards))
+            .map_err(|e| CheckpointError::Encode { what: "model.safetensors.index.json".into(), message: e.to_string() })?;
+        super::safetensors_io::write_atomic(&staging.dir.join("model.safetensors.index.json"), &index)?;
+    }
+    let cfg = serde_json::to_vec_pretty(config).map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
     super::safetensors_io::write_atomic(&staging.dir.join("config.json"), &cfg)?;
     let copied = copy_companions(input, &staging.dir)?;
-    let output = staging.commit()?;
-    Ok(ConvertReport { output, tensors: n_tensors, dequantised, bytes_written: done, shards: shards.len(), copied })
+    Ok((staging.commit()?, copied))
 }
 
 /// What [`quantize_checkpoint`] did.
@@ -248,15 +259,6 @@ pub fn quantize_checkpoint(
             Ok(())
         })?;
     }
-    if shards.len() > 1 {
-        let index = serde_json::to_vec_pretty(&index_json(&shards))
-            .map_err(|e| CheckpointError::Encode { what: "model.safetensors.index.json".into(), message: e.to_string() })?;
-        super::safetensors_io::write_atomic(&staging.dir.join("model.safetensors.index.json"), &index)?;
-    }
-    let cfg = serde_json::to_vec_pretty(&layout.config_json(&config.json))
-        .map_err(|e| CheckpointError::Encode { what: "config.json".into(), message: e.to_string() })?;
-    super::safetensors_io::write_atomic(&staging.dir.join("config.json"), &cfg)?;
-    let copied = copy_companions(input, &staging.dir)?;
-    let output = staging.commit()?;
+    let (output, copied) = finish(staging, &shards, &layout.config_json(&config.json), input)?;
     Ok(QuantizeReport { output, quantised, kept: n_tensors - 2 * quantised, bytes_written: done, shards: shards.len(), copied })
 }

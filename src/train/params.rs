@@ -209,41 +209,26 @@ impl<B: AutodiffBackend> ModuleMapper<B> for CastCompute {
     }
 }
 
-/// Casts in place (inference weights, [`cast_weights`]).
-struct CastWeights(CastPlan);
+/// Casts in place: every parameter (inference weights, [`cast_weights`]) or the frozen ones
+/// only ([`hold_frozen_in`]).
+struct CastWeights {
+    plan: CastPlan,
+    frozen_only: bool,
+}
 
 impl<B: Backend> ModuleMapper<B> for CastWeights {
     fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.0.tracker.enter(name, container_type);
+        self.plan.tracker.enter(name, container_type);
     }
     fn exit_module(&mut self, _: &str, _: &str) {
-        self.0.tracker.exit();
+        self.plan.tracker.exit();
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        match self.0.target() {
+        match self.plan.target() {
+            Some(_) if self.frozen_only && param.is_require_grad() => param,
+            // `map` keeps a trainable parameter trainable
             Some(dtype) => param.map(|t| t.cast(dtype)),
             None => param,
-        }
-    }
-}
-
-/// Casts the frozen parameters only ([`hold_frozen_in`]).
-struct CastFrozen(CastPlan);
-
-impl<B: Backend> ModuleMapper<B> for CastFrozen {
-    fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.0.tracker.enter(name, container_type);
-    }
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.0.tracker.exit();
-    }
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        match self.0.target() {
-            Some(dtype) if !param.is_require_grad() && param.val().dtype() != dtype => {
-                let (id, tensor, mapper) = param.consume();
-                Param::from_mapped_value(id, tensor.cast(dtype), mapper)
-            }
-            _ => param,
         }
     }
 }
@@ -252,14 +237,14 @@ impl<B: Backend> ModuleMapper<B> for CastFrozen {
 /// parameter cast except the checkpoint's fp32-kept tensors and the adapters; trainable
 /// parameters keep their dtype (fp32 masters). A base loaded in `dtype` is left as it is.
 pub(crate) fn hold_frozen_in<B: Backend>(model: Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
-    model.map(&mut CastFrozen(CastPlan::new(dtype)))
+    model.map(&mut CastWeights { plan: CastPlan::new(dtype), frozen_only: true })
 }
 
 /// `model` for inference in `dtype`: every parameter cast, except the tensors the checkpoint
 /// keeps in fp32 (router bias, mHC scales), as a load with [`crate::checkpoint::LoadOptions`]
 /// `dtype` gives them.
 pub fn cast_weights<B: Backend>(model: Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
-    model.map(&mut CastWeights(CastPlan::new(dtype)))
+    model.map(&mut CastWeights { plan: CastPlan::new(dtype), frozen_only: false })
 }
 
 /// The compute copy of fp32 master weights: every parameter cast to `dtype` (the checkpoint's
