@@ -252,6 +252,8 @@ fn lora_steps(dir: &std::path::Path, dtype: DType, fp8_base: bool, tokens: usize
     let load_seconds = start.elapsed().as_secs_f64();
     let load_peak_kb = peak.load(Ordering::Relaxed).max(status_kb("RssAnon:"));
     let vocab = model.vocab_size as i64;
+    // the adapters' draws (PEFT's Kaiming-uniform A) from a fixed seed: runs compare step for step
+    <A as burn::tensor::backend::Backend>::seed(&device, 0);
     let mut trainer = Trainer::<A>::try_new(model, options)?;
     let trainable = glm5_burn::train::params::trainable_counts(trainer.model()).0;
     let ids: Vec<i64> = (0..tokens as i64).map(|t| (t * 7919 + 11) % vocab).collect();
