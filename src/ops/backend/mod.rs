@@ -597,18 +597,6 @@ pub fn cast<B: Glm5Backend, const D: usize>(x: Tensor<B, D>, dtype: burn::tensor
     Tensor::from_primitive(TensorPrimitive::Float(B::cast_float(x.into_primitive().tensor(), dtype.into())))
 }
 
-/// [`cast`] as a method, for the library's float casts: `x.cast_rne(DType::BF16)`.
-pub trait CastRne {
-    /// `self` in `dtype`, rounded once to nearest even.
-    fn cast_rne(self, dtype: burn::tensor::DType) -> Self;
-}
-
-impl<B: Glm5Backend, const D: usize> CastRne for Tensor<B, D> {
-    fn cast_rne(self, dtype: burn::tensor::DType) -> Self {
-        cast(self, dtype)
-    }
-}
-
 /// [`Glm5Backend::rms_norm`] on tensors.
 pub fn rms_norm<B: Glm5Backend>(x: Tensor<B, 2>, w: Option<Tensor<B, 1>>, eps: f64) -> Tensor<B, 2> {
     f2(B::rms_norm(x.into_primitive().tensor(), w.map(|w| w.into_primitive().tensor()), eps))
