@@ -226,6 +226,8 @@ impl<B: Backend> ModuleMapper<B> for CastWeights {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         match self.plan.target() {
             Some(_) if self.frozen_only && param.is_require_grad() => param,
+            // already in `dtype` (a base loaded so): no cast node, no copy
+            Some(dtype) if param.val().dtype() == dtype => param,
             // `map` keeps a trainable parameter trainable
             Some(dtype) => param.map(|t| t.cast(dtype)),
             None => param,
@@ -236,7 +238,9 @@ impl<B: Backend> ModuleMapper<B> for CastWeights {
 /// The frozen base of a LoRA run held in `dtype` (recipe `model.base_dtype`): every frozen
 /// parameter cast except the checkpoint's fp32-kept tensors and the adapters; trainable
 /// parameters keep their dtype (fp32 masters). A base loaded in `dtype` is left as it is.
-pub(crate) fn hold_frozen_in<B: Backend>(model: Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
+/// [`crate::train::trainer::Trainer`] does this for a LoRA run; a loop of one's own calls it
+/// after [`crate::peft::attach`] (a model whose forward then runs in `dtype`).
+pub fn hold_frozen_in<B: Backend>(model: Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
     model.map(&mut CastWeights { plan: CastPlan::new(dtype), frozen_only: true })
 }
 
