@@ -9,8 +9,9 @@ read from burn-backend's sources, as `forward!` lists that `Distributed<B>` dele
 
 Every method is listed, those with default bodies too: a defaulted op left out would run
 Burn's generic default instead of `B`'s own implementation. Ops whose signatures carry
-backend-generic structs (`TensorPrimitive<B>`, `MaxPool2dWithIndices<B>`, …) are written by
-hand in decorator/mod.rs and skipped here; `tr_execute` keeps its default body (its argument
+backend-generic structs (`TensorPrimitive<B>`, `MaxPool2dWithIndices<B>`, …) or the device
+(`Distributed<B>`'s is `MeshDevice<B::Device>`) are written out with the conversions of
+decorator/mod.rs (`convert::*_in` / `*_out`); `tr_execute` keeps its default body (its argument
 has a private field), which reads through the forwarded `*_into_data` ops.
 """
 import os
@@ -25,7 +26,7 @@ TRAITS = {
     "ActivationOps": ("backend/ops/activation.rs", "ops_activation.rs"),
     "QTensorOps": ("backend/ops/qtensor.rs", "ops_quantized.rs"),
 }
-BY_HAND = ("TensorPrimitive<", "MaxPool1dWithIndices<", "MaxPool2dWithIndices<", "MaxPool1dBackward<",
+BY_HAND = ("Device<", "TensorPrimitive<", "MaxPool1dWithIndices<", "MaxPool2dWithIndices<", "MaxPool1dBackward<",
            "MaxPool2dBackward<", "DeformConv2dBackward<", "QuantizationParametersPrimitive<", "TransactionPrimitive<")
 
 
@@ -55,7 +56,7 @@ def methods(text, trait, header=None):
 
 
 # backend-generic structs: how a value crosses between `Distributed<B>` and `B`
-CONVERT = {"TensorPrimitive": "primitive", "QuantizationParametersPrimitive": "qparams", "MaxPool1dWithIndices": "pool1d",
+CONVERT = {"Device": "device", "TensorPrimitive": "primitive", "QuantizationParametersPrimitive": "qparams", "MaxPool1dWithIndices": "pool1d",
            "MaxPool2dWithIndices": "pool2d", "MaxPool1dBackward": "pool1d_grad", "MaxPool2dBackward": "pool2d_grad",
            "DeformConv2dBackward": "deform_grad"}
 
@@ -78,7 +79,7 @@ def explicit(sig):
     call = []
     for a in args:
         arg, ty = a.split(":", 1)
-        kind = next((v for k, v in CONVERT.items() if ty.strip().startswith(k + "<")), None)
+        kind = next((v for k, v in CONVERT.items() if ty.strip().lstrip("&").startswith(k + "<")), None)
         call.append(f"convert::{kind}_in({arg.strip()})" if kind else arg.strip())
     ret = sig.rsplit("->", 1)[1].strip()
     kind = next((v for k, v in CONVERT.items() if ret.startswith(k + "<")), None)

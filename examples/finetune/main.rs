@@ -43,7 +43,7 @@ use glm5_burn::data::fingerprint::DataFingerprint;
 use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions, Sampler};
 use glm5_burn::distributed::typed::all_gather;
-use glm5_burn::distributed::Group;
+use glm5_burn::distributed::{DistError, Group, Mesh, MeshSizes};
 use glm5_burn::ops::OpImpl;
 use glm5_burn::train::checkpoint as ckpt;
 use glm5_burn::train::params::trainable_counts;
@@ -52,6 +52,7 @@ use glm5_burn::train::trainer::{DataPosition, StepOutcome, TrainOptions, Trainer
 use glm5_burn::{Glm5Backend, Glm5ForCausalLM};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
+use std::sync::Arc;
 
 /// Supervised fine-tuning from a recipe (no recipe: the embedded tiny MedPix default).
 #[derive(Parser, Debug)]
@@ -108,15 +109,6 @@ impl std::fmt::Display for ReportedByAnotherRank {
 
 impl std::error::Error for ReportedByAnotherRank {}
 
-/// This process's rank as the launcher (OpenMPI, MPICH/PMI, Slurm) numbers it, before MPI
-/// is started; 0 for one process.
-fn launcher_rank() -> usize {
-    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok().and_then(|r| r.parse().ok()))
-        .unwrap_or(0)
-}
-
 /// Errors reach the user once: a refusal every rank reaches alike (arguments, recipe, mesh)
 /// is printed by rank 0 alone, and a failure the ranks agreed on by the rank that had it; the
 /// process then exits with status 1 — no MPI abort, so no launcher noise on top.
@@ -124,7 +116,7 @@ fn main() -> std::process::ExitCode {
     match real_main() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            if !e.is::<ReportedByAnotherRank>() && launcher_rank() == 0 {
+            if !e.is::<ReportedByAnotherRank>() && glm5_burn::distributed::mesh::launcher_rank() == 0 {
                 eprintln!("Error: {e:?}");
             }
             std::process::ExitCode::FAILURE
@@ -284,69 +276,26 @@ fn truncate_metrics(path: &Path, step: usize) -> Result<()> {
     Ok(())
 }
 
-/// The data-parallel group of this run: `None` for one process; under `mpirun`, the world,
-/// which must hold exactly `distributed.dp_size × distributed.cp_size` processes running the
-/// same recipe.
-fn data_parallel_group(recipe: &Recipe) -> Result<Option<Group>> {
-    let dp = recipe.distributed.dp_size * recipe.distributed.cp_size;
-    let launched: usize = std::env::var("OMPI_COMM_WORLD_SIZE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
-    #[cfg(feature = "mpi")]
-    if dp > 1 || launched > 1 {
-        use glm5_burn::distributed::{MpiGroup, ProcessGroup};
-        let world = MpiGroup::world()?;
-        let refusal = if world.size() != dp {
-            let d = &recipe.distributed;
-            Some(if d.cp_size > 1 {
-                anyhow::anyhow!(
-                    "distributed.dp_size × distributed.cp_size is {} × {} = {dp} but mpirun started {} processes: launch with `mpirun -np {dp}`",
-                    d.dp_size,
-                    d.cp_size,
-                    world.size()
-                )
-            } else {
-                anyhow::anyhow!(
-                    "distributed.dp_size is {dp} but mpirun started {} processes: launch with `mpirun -np {dp}`, or pass --distributed.dp_size={}",
-                    world.size(),
-                    world.size()
-                )
-            })
-        } else {
-            // every rank must run the same recipe (batch sizes, seed, data): compare a hash of it
-            let text = serde_json::to_string(recipe)?;
-            let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-            let hashes = all_gather(&world, &[hash])?;
-            hashes.iter().position(|&h| h != hashes[0]).map(|r| {
-                anyhow::anyhow!(
-                    "rank {r} runs a different recipe than rank 0 (recipe hash {:016x} vs {:016x}): give every rank the same recipe and overrides",
-                    hashes[r],
-                    hashes[0]
-                )
-            })
-        };
-        if let Some(e) = refusal {
-            // Every rank reached this refusal alike: rank 0 prints it, and no rank exits before
-            // it has — the launcher kills the job at the first non-zero exit, which would
-            // otherwise race rank 0's message.
-            if world.rank() == 0 {
-                eprintln!("Error: {e:?}");
-            }
-            all_gather(&world, &[0u64])?;
-            return Err(ReportedByAnotherRank.into());
+/// The mesh of this run ([`Mesh::from_env`]): one process, or under `mpirun` the world, which
+/// must hold exactly `distributed.dp_size × distributed.cp_size` processes running the same
+/// recipe (a hash of it agreed on). The library reports a refusal every rank reaches alike once.
+fn run_mesh(recipe: &Recipe) -> Result<Arc<Mesh>> {
+    let d = &recipe.distributed;
+    let reported = |e: DistError| -> anyhow::Error {
+        match e {
+            DistError::Mesh { reported: true, .. } => ReportedByAnotherRank.into(),
+            e => e.into(),
         }
-        // debug: every collective checked to be the same on every rank (distributed::checked)
-        if std::env::var("GLM5_CHECK_COLLECTIVES").is_ok_and(|v| v == "1") {
-            println!("collectives: checked across ranks (GLM5_CHECK_COLLECTIVES=1)");
-            return Ok(Some(std::sync::Arc::new(glm5_burn::distributed::CheckedGroup::new(Box::new(world)))));
-        }
-        return Ok(Some(std::sync::Arc::new(world)));
+    };
+    let mesh = Mesh::from_env(Some(MeshSizes { dp: d.dp_size, cp: d.cp_size, ep: d.ep_size })).map_err(reported)?;
+    if mesh.size() > 1 && std::env::var("GLM5_CHECK_COLLECTIVES").is_ok_and(|v| v == "1") {
+        println!("collectives: checked across ranks (GLM5_CHECK_COLLECTIVES=1)");
     }
-    if dp > 1 || launched > 1 {
-        bail!(
-            "distributed.dp_size is {dp} and {launched} processes were launched: data parallelism needs the MPI engine — \
-             build with `--features mpi` and launch with `mpirun -np {dp} target/release/examples/finetune …`"
-        );
-    }
-    Ok(None)
+    // every rank must run the same recipe (batch sizes, seed, data)
+    let text = serde_json::to_string(recipe)?;
+    let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    mesh.agree("recipe", hash, "give every rank the same recipe and overrides").map_err(reported)?;
+    Ok(Arc::new(mesh))
 }
 
 /// Ranks other than 0 stay quiet: their stdout goes to /dev/null (errors still reach stderr).
@@ -365,8 +314,9 @@ fn run<B: AutodiffBackend + Glm5Backend>(recipe: &Recipe, args: &Args) -> Result
 where
     B::InnerBackend: Glm5Backend,
 {
-    let group = data_parallel_group(recipe)?;
-    match train::<B>(recipe, args, group.clone()) {
+    let mesh = run_mesh(recipe)?;
+    let group = mesh.data_parallel().cloned();
+    match train::<B>(recipe, args, &mesh) {
         Err(e) if e.is::<ReportedByAnotherRank>() => Err(e),
         // the other ranks may be waiting in a collective this rank will not join: end the job
         Err(e) if group.as_ref().is_some_and(|g| g.size() > 1) => {
@@ -378,10 +328,11 @@ where
     }
 }
 
-fn train<B: AutodiffBackend + Glm5Backend>(recipe: &Recipe, args: &Args, group: Option<Group>) -> Result<()>
+fn train<B: AutodiffBackend + Glm5Backend>(recipe: &Recipe, args: &Args, mesh: &Arc<Mesh>) -> Result<()>
 where
     B::InnerBackend: Glm5Backend,
 {
+    let group = mesh.data_parallel().cloned();
     let (rank, ranks) = group.as_ref().map(|g| (g.rank(), g.size())).unwrap_or((0, 1));
     quiet_unless_rank_zero(rank);
     // the ranks of a context-parallel group (cp consecutive ranks) share micro-batches
@@ -455,7 +406,7 @@ where
         recipe.step_scheduler.local_batch_size,
     );
     let mut options = TrainOptions::from_recipe(recipe);
-    options.parallel.data_parallel = group.clone();
+    options.parallel = options.parallel.on_mesh(mesh)?;
     let checkpoints = if recipe.checkpoint.enabled { ckpt::list(&root) } else { Vec::new() };
     let latest = checkpoints.last().map(|(_, p)| p.clone());
     let (mut trainer, mut sampler) = match latest {

@@ -29,4 +29,13 @@ pub enum DistError {
         /// What failed.
         message: String,
     },
+    /// A mesh the processes cannot form (sizes against the launched world, ranks that disagree
+    /// on their recipe), reached alike by every rank.
+    #[error("{message}")]
+    Mesh {
+        /// What does not fit, naming the sizes or the rank.
+        message: String,
+        /// Already written to stderr once, by rank 0 (a launcher's front end prints nothing more).
+        reported: bool,
+    },
 }

@@ -11,6 +11,10 @@
 //!   bootstrapped over MPI.
 //! * [`CheckedGroup`] (`checked.rs`): a debug wrapper checking that every rank issues the same
 //!   collectives.
+//! * [`Mesh`] (`mesh.rs`): the world of a run and its data-, context- and expert-parallel
+//!   groups (Megatron's layout), from an explicit group or from the launcher's environment.
+//! * [`MeshDevice`] (`device.rs`): the device of [`Distributed`]`<B>` — `B`'s device and the
+//!   mesh bound to it, found again from every tensor made on it ([`mesh_of`]).
 //! * [`fsdp`]: parameter sharding over a group (FSDP), gathered per unit.
 //! * [`typed`]: element-typed helpers over the byte-level collectives.
 //!
@@ -21,10 +25,12 @@
 pub mod checked;
 pub mod collective;
 pub mod decorator;
+pub mod device;
 mod error;
 pub mod fsdp;
 pub mod group;
 pub mod local;
+pub mod mesh;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
@@ -36,10 +42,12 @@ pub mod typed;
 pub use checked::CheckedGroup;
 pub use collective::CollectiveBackend;
 pub use decorator::Distributed;
+pub use device::{mesh_of, MeshDevice};
 pub use error::DistError;
 pub use fsdp::ShardPlan;
 pub use group::{Group, P2p, ProcessGroup, ReduceBuf, ReduceOp};
 pub use local::LocalGroup;
+pub use mesh::{ExpertMesh, Mesh, MeshSizes};
 #[cfg(feature = "mpi")]
 pub use mpi::MpiGroup;
 #[cfg(feature = "nccl")]

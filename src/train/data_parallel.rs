@@ -225,35 +225,7 @@ pub fn expert_parallel_of<B: burn::tensor::backend::Backend>(model: &Glm5ForCaus
     })
 }
 
-/// The process groups of expert parallelism over a data-parallel world of `W` ranks with
-/// `ep_size = P` (Megatron's layout): the expert-parallel groups are the contiguous blocks
-/// `k·P .. (k+1)·P` (rank `r` holds the experts of expert-parallel rank `r mod P`), and the
-/// expert-data-parallel groups join the ranks holding the same experts (`r mod P` equal), over
-/// which the experts' gradients are summed.
-#[derive(Debug, Clone)]
-pub struct ExpertMesh {
-    /// This rank's expert-parallel group (size `P`).
-    pub ep: Group,
-    /// This rank's expert-data-parallel group (size `W / P`).
-    pub edp: Group,
-}
-
-impl ExpertMesh {
-    /// Split `world` (a collective call: every rank of it makes it). An error naming both
-    /// sizes when `ep_size` does not divide the world.
-    pub fn new(world: &Group, ep_size: usize) -> Result<Self, DistError> {
-        let (r, w) = (world.rank(), world.size());
-        if ep_size == 0 || w % ep_size != 0 {
-            return Err(DistError::Counts {
-                op: "expert parallelism",
-                message: format!("ep_size {ep_size} does not divide the {w} data-parallel ranks"),
-            });
-        }
-        let ep: Group = Arc::from(world.split(r / ep_size, r)?);
-        let edp: Group = Arc::from(world.split(r % ep_size, r)?);
-        Ok(Self { ep, edp })
-    }
-}
+pub use crate::distributed::ExpertMesh;
 
 /// `model` with its routed experts split over `ep` (every MoE layer): a model built whole keeps
 /// its rank's `E/P` experts (parameter ids kept), one loaded with this rank's experts only

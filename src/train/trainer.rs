@@ -21,7 +21,7 @@
 //! their outputs); the trainer is generic over it and the `finetune` example dispatches the
 //! recipe flag to the two monomorphised backends.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn::module::{AutodiffModule, ParamId};
@@ -34,23 +34,18 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::DType;
 
 use super::checkpoint::{self as ckpt, TrainerState};
-use super::clip::{clip_global_norm, clip_to, global_norm, squared_norms_by};
-use super::data_parallel::{
-    all_reduce_grads, all_reduce_grads_except, drop_grads, expert_parallel_model, expert_parallel_of, expert_param_ids, gather_usize, plan_of,
-    shard_model_where, sum_f64, sum_usize, zero_missing_grads, ExpertMesh,
-};
+use super::data_parallel::{gather_usize, plan_of};
+use super::parallel::ParallelTraining;
 use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, hold_frozen_in, materialize, param_ids};
 use super::recipe::{BaseDtype, FreezeConfig, NonFinitePolicy, Precision, Recipe};
 use super::schedule::LrSchedule;
 use super::sharded;
-use super::step::{accumulate, micro_loss_sum, non_finite, Accumulated, GlobalBatch, LossSum, StepContext, StepMetrics, TrainError};
+use super::step::{accumulate, micro_loss_sum, non_finite, Accumulated, LossSum, StepContext, StepMetrics, TrainError};
 use crate::checkpoint::{load_causal_lm, save_causal_lm, CheckpointConfig, LoadOptions};
 use crate::data::batch::MicroBatch;
 use crate::data::fingerprint::DataFingerprint;
-use crate::distributed::Group;
 use crate::model::Glm5ForCausalLM;
 use crate::ops::backend::Glm5Backend;
-use crate::text::decoder::Ffn;
 use crate::text::ForwardOptions;
 
 /// AdamW and its schedule.
@@ -68,39 +63,7 @@ pub struct OptimizerSettings {
     pub max_grad_norm: Option<f64>,
 }
 
-/// How the ranks share the work (recipe `distributed`); the default is one process.
-#[derive(Debug, Clone)]
-pub struct ParallelLayout {
-    /// The data-parallel group this trainer is one rank of (`None`: one process). Each rank
-    /// passes its share of every global batch to [`Trainer::step`] and its share of the
-    /// validation batches to [`Trainer::evaluate`]; gradients, losses and counts are summed
-    /// over the group (`train::data_parallel`).
-    pub data_parallel: Option<Group>,
-    /// Under data parallelism, shard the trainable parameters (and so their gradients and
-    /// AdamW moments) over the group, FSDP-style ([`super::data_parallel::shard_model`]);
-    /// false replicates them (DDP). Recipe `distributed.shard_parameters`.
-    pub shard_parameters: bool,
-    /// With sharded parameters, free each unit's gathered parameters after its forward and
-    /// gather them again for its backward. Recipe `distributed.reshard_after_forward`.
-    pub reshard_after_forward: bool,
-    /// Expert parallelism: the routed experts split over groups of this many data-parallel
-    /// ranks (`distributed.ep_size`, dividing the group's size and the expert count; 1: off).
-    /// Each rank keeps `E/P` experts per MoE layer and exchanges tokens with its
-    /// expert-parallel group; the experts' gradients are summed over the ranks holding the same
-    /// experts ([`super::data_parallel::ExpertMesh`]).
-    pub expert_parallel: usize,
-    /// Context parallelism: each packed micro-batch split into contiguous shards over groups
-    /// of this many consecutive ranks of the data-parallel group (`distributed.cp_size`; 1:
-    /// off). The ranks of a group pass the same micro-batches; KDA and DSA exchange across the
-    /// shards ([`crate::text::context`]); gradients are summed over the whole group.
-    pub context_parallel: usize,
-}
-
-impl Default for ParallelLayout {
-    fn default() -> Self {
-        Self { data_parallel: None, shard_parameters: true, reshard_after_forward: true, expert_parallel: 1, context_parallel: 1 }
-    }
-}
+pub use super::parallel::ParallelLayout;
 
 /// Everything a step needs besides the data.
 #[derive(Debug, Clone)]
@@ -197,6 +160,7 @@ impl TrainOptions {
                 reshard_after_forward: r.distributed.reshard_after_forward,
                 expert_parallel: r.distributed.ep_size,
                 context_parallel: r.distributed.cp_size,
+                mesh: None,
             },
             peft: r.peft.as_ref().map(|p| PeftOptions {
                 config: p.lora_config(r.model.checkpoint.as_deref()),
@@ -253,10 +217,8 @@ where
     /// The data order's fingerprint, written into every checkpoint (set by the caller that
     /// built the data; see [`crate::data::fingerprint`]).
     pub data_fingerprint: Option<DataFingerprint>,
-    /// Under expert parallelism: the expert-data-parallel group and the experts' parameter ids.
-    experts: Option<(Group, HashSet<ParamId>)>,
-    /// Under context parallelism: this rank's context-parallel group.
-    context: Option<Group>,
+    /// This rank's part in the mesh (one process: nothing).
+    parallel: ParallelTraining,
 }
 
 fn adamw<B: AutodiffBackend>(o: &OptimizerSettings) -> Adam<B>
@@ -300,51 +262,13 @@ where
             model = hold_frozen_in(model, options.base_weight_dtype());
         }
         materialize(&model);
-        let mut experts = None;
-        let world = options.parallel.data_parallel.clone().filter(|g| g.size() > 1);
-        if options.parallel.expert_parallel > 1 {
-            let Some(g) = &world else {
-                return Err(TrainError::Unsupported {
-                    what: "expert parallelism (expert_parallel > 1) without a data-parallel group of several ranks",
-                });
-            };
-            let mesh = ExpertMesh::new(g, options.parallel.expert_parallel)?;
-            model = expert_parallel_model(model, mesh.ep)?;
-            experts = Some((mesh.edp, expert_param_ids(&model)));
+        // a model on a mesh device (`Distributed<B>`) runs on the device's mesh
+        let (model, parallel) = ParallelTraining::prepare(model, &options.parallel)?;
+        let mut options = options;
+        if let (None, Some(mesh)) = (&options.parallel.data_parallel, parallel.mesh()) {
+            options.parallel = options.parallel.on_mesh(mesh)?;
         }
-        let mut context = None;
-        if options.parallel.context_parallel > 1 {
-            let Some(g) = &world else {
-                return Err(TrainError::Unsupported {
-                    what: "context parallelism (context_parallel > 1) without a data-parallel group of several ranks",
-                });
-            };
-            let cp = options.parallel.context_parallel;
-            if g.size() % cp != 0 {
-                return Err(crate::distributed::DistError::Counts {
-                    op: "context parallelism",
-                    message: format!("cp_size {cp} does not divide the {} ranks", g.size()),
-                }
-                .into());
-            }
-            context = Some(Group::from(g.split(g.rank() / cp, g.rank())?));
-        }
-        if let Some(g) = &world {
-            if options.parallel.shard_parameters || experts.is_some() {
-                let edp = experts.as_ref().map(|(edp, _)| edp.clone());
-                model = shard_model_where(model, g.clone(), options.parallel.reshard_after_forward, options.parallel.shard_parameters, edp);
-            }
-        }
-        Ok(Self {
-            model: Some(model),
-            optim: adamw::<B>(&options.optimizer),
-            options,
-            step: 0,
-            skipped_steps: 0,
-            data_fingerprint: None,
-            experts,
-            context,
-        })
+        Ok(Self { model: Some(model), optim: adamw::<B>(&options.optimizer), options, step: 0, skipped_steps: 0, data_fingerprint: None, parallel })
     }
 
     /// The routed experts a rank of `options` holds (`None`: all): what to pass as
@@ -403,9 +327,7 @@ where
         let mut model = self.optim.step(lr, master, grads);
         drop(update);
         if self.options.router_bias_update_rate != 0.0 {
-            if let Err(e) =
-                update_router_bias(&mut model, &router, self.options.router_bias_update_rate, self.options.parallel.data_parallel.as_ref())
-            {
+            if let Err(e) = self.parallel.update_router_bias(&mut model, &router, self.options.router_bias_update_rate) {
                 self.model = Some(model);
                 return Err(e);
             }
@@ -429,50 +351,20 @@ where
     /// The global gradient norm (a sharded model's shards summed over the ranks, the same
     /// value on every rank), clipping to `max_grad_norm` when set.
     fn clip(&self, master: &Glm5ForCausalLM<B>, grads: &mut burn::optim::GradientsParams) -> Result<f64, TrainError> {
-        let (Some(plan), Some(g)) = (plan_of(master), &self.options.parallel.data_parallel) else {
-            return Ok(match self.options.optimizer.max_grad_norm {
-                Some(max) => clip_global_norm::<B, _>(master, grads, max),
-                None => global_norm::<B, _>(master, grads),
-            });
-        };
-        // every rank holds its own rows of a sharded parameter (an expert-parallel rank's
-        // experts sharded over the ranks holding them included); whole expert shares are
-        // split over an expert-parallel group and alike on its replicas
-        let expert = |id| self.experts.as_ref().is_some_and(|(_, ids)| ids.contains(&id));
-        let [sharded, replicated, experts] = squared_norms_by::<B, _, 3>(master, grads, &|id| match (plan.full_rows(id), expert(id)) {
-            (Some(_), _) => 0,
-            (None, false) => 1,
-            (None, true) => 2,
-        });
-        let experts = match expert_parallel_of(master) {
-            Some(ep) => sum_f64(&*ep.group, experts)?,
-            None => experts,
-        };
-        let norm = (sum_f64(&**g, sharded)? + replicated + experts).sqrt();
-        if let Some(max) = self.options.optimizer.max_grad_norm {
-            clip_to::<B, _>(master, grads, norm, max);
-        }
-        Ok(norm)
+        self.parallel.clip(master, grads, self.options.optimizer.max_grad_norm)
     }
 
     fn step_inner(&self, master: &Glm5ForCausalLM<B>, micro: &[MicroBatch]) -> Result<Accumulated, TrainError> {
         let keep_router = self.options.router_bias_update_rate != 0.0;
         let o = &self.options;
-        let mut global = GlobalBatch::local(micro, master.vocab_size);
-        if let Some(g) = &o.parallel.data_parallel {
-            let counts = gather_usize(&**g, micro.len())?;
-            if plan_of(master).is_some() && counts.iter().any(|&c| c != counts[0]) {
-                // every forward gathers parameters with the whole group: unequal shares would hang
-                return Err(TrainError::Batch(format!(
-                    "micro-batches per rank {counts:?}: with sharded parameters every rank runs the same number (global batch a multiple of local × dp)"
-                )));
-            }
-            // the ranks of a context-parallel group all count the same micro-batches
-            let cp = self.context.as_ref().map_or(1, |c| c.size());
-            global = GlobalBatch { label_tokens: sum_usize(&**g, global.label_tokens)? / cp, micro_batches: counts.iter().sum::<usize>() / cp };
-        }
-        let step =
-            StepContext { global, aux_coef: o.aux_loss_coef, forward: o.forward, keep_router_logits: keep_router, context: self.context.clone() };
+        let global = self.parallel.global_batch(master, micro)?;
+        let step = StepContext {
+            global,
+            aux_coef: o.aux_loss_coef,
+            forward: o.forward,
+            keep_router_logits: keep_router,
+            context: self.parallel.context().cloned(),
+        };
         match o.precision {
             Precision::F32 => accumulate(master, micro, &step),
             Precision::Bf16 => {
@@ -487,31 +379,9 @@ where
     /// Sums this rank's gradients, loss and token count over the data-parallel group (the same
     /// bits on every rank, so the replicas stay identical); one process: unchanged.
     fn reduce(&self, master: &Glm5ForCausalLM<B>, sums: Accumulated) -> Result<Accumulated, TrainError> {
-        let Some(g) = &self.options.parallel.data_parallel else { return Ok(sums) };
         let Accumulated { mut grads, loss, label_tokens, tokens, router_logits } = sums;
-        match plan_of(master) {
-            Some(plan) => {
-                // a vision tower no rank ran gets no update, as in one process
-                if sum_usize(&**g, usize::from(plan.take_vision_used()))? == 0 {
-                    if let Some(v) = &master.visual {
-                        drop_grads::<B, _>(v, &mut grads);
-                    }
-                }
-                let expert = |id| self.experts.as_ref().is_some_and(|(_, ids)| ids.contains(&id));
-                all_reduce_grads_except::<B, _>(master, &mut grads, &**g, &|id| plan.full_rows(id).is_some() || expert(id))?;
-                if let Some((edp, ids)) = &self.experts {
-                    // an expert's gradient: every token routed to it, from every rank holding
-                    // it (sharded experts arrive summed through their gather's adjoint)
-                    all_reduce_grads_except::<B, _>(master, &mut grads, &**edp, &|id| !ids.contains(&id) || plan.full_rows(id).is_some())?;
-                    // one process gives every expert stack a gradient (zeros where no token
-                    // came), so AdamW decays its moments and weights: a rank whose experts got
-                    // no token anywhere must do the same
-                    zero_missing_grads::<B, _>(master, &mut grads, &|id| ids.contains(&id));
-                }
-            }
-            None => all_reduce_grads::<B, _>(master, &mut grads, &**g)?,
-        }
-        Ok(Accumulated { grads, loss: sum_f64(&**g, loss)?, label_tokens, tokens: sum_usize(&**g, tokens)?, router_logits })
+        self.parallel.reduce_grads(master, &mut grads)?;
+        Ok(Accumulated { grads, loss: self.parallel.sum(loss)?, label_tokens, tokens: self.parallel.sum_count(tokens)?, router_logits })
     }
 
     /// Mean cross-entropy over the label tokens of `batches` (no gradients), in the training
@@ -528,32 +398,30 @@ where
         // many forwards as the rank with the largest share (agreed before any of them), a
         // smaller share padded with forwards whose results are dropped
         let plan = plan_of(&model).cloned();
-        let runs = match (&plan, &self.options.parallel.data_parallel) {
+        let runs = match (&plan, self.parallel.world()) {
             (Some(_), Some(g)) => gather_usize(&**g, batches.len())?.into_iter().max().unwrap_or(0),
             _ => batches.len(),
         };
         // (under context parallelism each shard must hold a short conv's window)
-        let len = 8 * self.context.as_ref().map_or(1, |c| c.size());
+        let len = 8 * self.parallel.context().map_or(1, |c| c.size());
         let filler = || batches.first().cloned().unwrap_or_else(|| MicroBatch::text(vec![0; len], vec![-100; len], 1, len, None));
         for i in 0..runs {
             match batches.get(i) {
                 Some(b) => {
                     let LossSum { sum: s, label_tokens } =
-                        micro_loss_sum::<B::InnerBackend>(&model, b, &self.options.forward, self.context.as_ref())?;
+                        micro_loss_sum::<B::InnerBackend>(&model, b, &self.options.forward, self.parallel.context())?;
                     sum += s;
                     count += label_tokens;
                 }
                 None => {
-                    micro_loss_sum::<B::InnerBackend>(&model, &filler(), &self.options.forward, self.context.as_ref())?;
+                    micro_loss_sum::<B::InnerBackend>(&model, &filler(), &self.options.forward, self.parallel.context())?;
                 }
             }
         }
         if let Some(plan) = &plan {
             plan.take_vision_used();
         }
-        if let Some(g) = &self.options.parallel.data_parallel {
-            (sum, count) = (sum_f64(&**g, sum)?, sum_usize(&**g, count)?);
-        }
+        (sum, count) = (self.parallel.sum(sum)?, self.parallel.sum_count(count)?);
         Ok((sum / count.max(1) as f64, count))
     }
 
@@ -725,45 +593,6 @@ where
         })?;
         Ok(record)
     }
-}
-
-/// The aux-loss-free bias update of every MoE layer ([`crate::text::moe::Router::update_bias`])
-/// from the step's router logits (per micro-batch: one `[N·E]` buffer per MoE layer and the
-/// tokens' validity). Under data parallelism the expert loads are summed over the ranks, so
-/// the update is the one a single process makes from the whole global batch, the same on every
-/// rank; a sharded bias is gathered for the selection and each rank updates its own rows.
-fn update_router_bias<B: AutodiffBackend>(
-    model: &mut Glm5ForCausalLM<B>,
-    router_logits: &[(Vec<Vec<f32>>, Vec<bool>)],
-    rate: f64,
-    group: Option<&crate::distributed::Group>,
-) -> Result<(), TrainError> {
-    let e = model.num_experts;
-    let plan = plan_of(model).cloned();
-    let moes = model.language_model.layers.iter_mut().filter_map(|layer| match &mut layer.mlp {
-        Ffn::Moe(moe) => Some(moe),
-        _ => None,
-    });
-    for (moe_index, moe) in moes.enumerate() {
-        let batches: Vec<(&[f32], &[bool])> =
-            router_logits.iter().filter_map(|(layers, valid)| layers.get(moe_index).map(|l| (l.as_slice(), valid.as_slice()))).collect();
-        let Some(g) = group.filter(|g| g.size() > 1) else {
-            moe.gate.update_bias(&batches, rate);
-            continue;
-        };
-        let held: Vec<f32> = moe.gate.e_score_correction_bias.val().into_data().convert::<f32>().into_vec().unwrap_or_default();
-        let sharded = plan.as_ref().is_some_and(|p| p.full_rows(moe.gate.e_score_correction_bias.id).is_some());
-        let result = (|| -> Result<Vec<f32>, crate::distributed::DistError> {
-            let full = if sharded { crate::distributed::typed::all_gather(&**g, &held)?[..e].to_vec() } else { held.clone() };
-            let mut loads = moe.gate.expert_loads(&batches, &full);
-            g.all_reduce(crate::distributed::ReduceBuf::F64(&mut loads), crate::distributed::ReduceOp::Sum)?;
-            let delta = crate::text::moe::Router::<B>::bias_delta(&loads, rate);
-            // this rank's rows of the (padded) bias
-            Ok(if sharded { (0..held.len()).map(|j| delta.get(g.rank() * held.len() + j).copied().unwrap_or(0.0)).collect() } else { delta })
-        })();
-        moe.gate.add_to_bias(&result?);
-    }
-    Ok(())
 }
 
 /// The routed experts each MoE layer of `model` holds (0 without MoE layers).
