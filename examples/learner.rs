@@ -11,12 +11,24 @@
 //! per optimizer step, AdamW with the recipe's schedule. `glm5_burn::train::learner` says
 //! which of our `Trainer`'s features this path lacks. At the end the validation loss is
 //! printed with `finetune`'s definition (label-token mean over the validation set) to compare.
+//!
+//! Under `mpirun` (`--features mpi`) the same Learner trains on a mesh: the backend is
+//! `Autodiff<Distributed<Flex>>`, the device a `MeshDevice` of the recipe's
+//! `distributed.dp_size × cp_size` ranks (`ep_size` splitting the experts), the model
+//! `ParallelTraining::prepare`d (FSDP shards, this rank's experts) and each rank fed its share
+//! of every global batch; burn-train's files of rank `r > 0` go to `DIR/rank{r}` (its records
+//! hold that rank's shards).
+//!
+//! ```text
+//! mpirun -np 2 target/release/examples/learner --distributed.dp_size=2 --dir DIR
+//! ```
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use burn::backend::flex::FlexDevice;
 use burn::backend::{Autodiff, Flex};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::backend::Backend;
@@ -32,15 +44,31 @@ use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::data::chat::ChatFormat;
 use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions, Sampler};
+use glm5_burn::distributed::{DistError, Distributed, Mesh, MeshDevice, MeshSizes};
 use glm5_burn::train::adamw::FusedAdamW;
+use glm5_burn::train::data_parallel::{gather_expert_adapters, sum_f64, unshard_model};
 use glm5_burn::train::learner::{LmItem, LmLoader, ScheduleLr};
+use glm5_burn::train::parallel::ParallelTraining;
 use glm5_burn::train::params::{freeze, trainable_counts};
 use glm5_burn::train::recipe::{split_overrides, Precision, Recipe};
 use glm5_burn::train::step::{micro_loss_sum, LossSum};
 use glm5_burn::train::trainer::TrainOptions;
 use glm5_burn::Glm5ForCausalLM;
 
-type B = Autodiff<Flex>;
+/// The decorator carries the mesh; with one process it is `Autodiff<Flex>` bit for bit.
+type B = Autodiff<Distributed<Flex>>;
+
+/// Ranks other than 0 stay quiet: their stdout goes to /dev/null (errors still reach stderr).
+fn quiet_unless_rank_zero(rank: usize) {
+    if rank == 0 {
+        return;
+    }
+    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+        use std::os::fd::AsRawFd;
+        // SAFETY: dup2 onto stdout's descriptor; `null` stays open until then
+        unsafe { libc::dup2(null.as_raw_fd(), libc::STDOUT_FILENO) };
+    }
+}
 
 /// Plain lines when stdout is not a terminal (burn-train's dashboard otherwise): one per
 /// optimizer step with the mean loss of its micro-batches, one for the validation pass.
@@ -118,7 +146,7 @@ const NOT_HONOURED: &[(&str, &str)] = &[
     ("step_scheduler.val_every_steps", "burn-train validates once per epoch"),
     ("step_scheduler.val_answer_max_new_tokens", "the Learner reports the validation loss only (use finetune for answer accuracy)"),
     ("step_scheduler.on_nonfinite", "burn-train applies every step"),
-    ("distributed", "the Learner path runs in one process (use finetune under mpirun)"),
+    ("distributed.activation_checkpointing", "the Learner's backend has no checkpointing strategy (use finetune)"),
 ];
 
 /// The first override naming a key of [`NOT_HONOURED`] (or a key below it).
@@ -141,14 +169,20 @@ fn main() -> Result<()> {
         Some(p) => Recipe::from_file(p, &overrides)?,
         None => Recipe::embedded_default(&overrides)?,
     };
+    // the mesh of the recipe's sizes (one process without mpirun); a refusal every rank
+    // reaches alike is reported once, by rank 0
     let d = &recipe.distributed;
-    for (key, size) in [("dp_size", d.dp_size), ("ep_size", d.ep_size), ("cp_size", d.cp_size)] {
-        if size != 1 {
-            bail!("distributed.{key} = {size}: the Learner path runs in one process (use finetune under mpirun)");
+    let reported = |e: DistError| -> anyhow::Error {
+        if matches!(e, DistError::Mesh { reported: true, .. }) {
+            std::process::exit(1);
         }
-    }
+        e.into()
+    };
+    let mesh = Arc::new(Mesh::from_env(Some(MeshSizes { dp: d.dp_size, cp: d.cp_size, ep: d.ep_size })).map_err(reported)?);
+    let rank = mesh.rank();
+    quiet_unless_rank_zero(rank);
     // where burn-train writes, before any data or model is prepared (it panics on a directory
-    // it cannot create)
+    // it cannot create); checked by every rank before any creates its own
     glm5_burn::io::check_output_dir("--dir", &args.dir, &[])?;
     let earlier = std::fs::read_dir(&args.dir).map(|mut d| d.next().is_some()).unwrap_or(false);
     if earlier && !args.overwrite {
@@ -160,10 +194,26 @@ fn main() -> Result<()> {
     if earlier {
         println!("--overwrite: training again into {}; its checkpoints and logs are written over", args.dir.display());
     }
+    let text = serde_json::to_string(&recipe)?;
+    let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    mesh.agree("recipe", hash, "give every rank the same recipe and overrides").map_err(reported)?;
+    let dir = match rank {
+        0 => args.dir.clone(),
+        r => args.dir.join(format!("rank{r}")),
+    };
+    let (replica, replicas) = mesh.data_shard();
+    if replicas > 1 || mesh.size() > 1 {
+        println!(
+            "mesh: dp {} × cp {} ranks, ep {}; each data-parallel rank trains on 1/{replicas} of every global batch",
+            d.dp_size, d.cp_size, d.ep_size
+        );
+    }
     if recipe.model.dtype != Precision::F32 {
         println!("model.dtype {:?}: the Learner trains the module in its own precision; training in f32", recipe.model.dtype);
     }
-    let device = Default::default();
+    let device = MeshDevice::new(FlexDevice, mesh.clone())?;
+    // unbound on every way out, so MPI finalises with the mesh's last group
+    let _binding = device.binding();
     B::seed(&device, recipe.rng.seed);
 
     let config = match (&recipe.model.checkpoint, &recipe.model.config) {
@@ -196,9 +246,13 @@ fn main() -> Result<()> {
     for _ in 0..s.max_steps {
         global.push((0..accum).map(|_| train.micro_batch(&sampler.take(s.local_batch_size))).collect::<Result<Vec<_>, _>>()?);
     }
-    let options = TrainOptions::from_recipe(&recipe);
+    let mut options = TrainOptions::from_recipe(&recipe);
+    options.parallel = options.parallel.on_mesh(&mesh)?;
+    if accum % replicas != 0 {
+        bail!("{accum} micro-batches per optimizer step do not split over {replicas} data-parallel ranks: make step_scheduler.global_batch_size / local_batch_size a multiple of distributed.dp_size");
+    }
     let vocab = config.text_config.vocab_size;
-    let train_items = LmItem::from_global_batches(global, vocab, options.aux_loss_coef, &options.forward);
+    let train_items = LmItem::share_of_global_batches(global, vocab, options.aux_loss_coef, &options.forward, (replica, replicas));
     let val_batches: Vec<MicroBatch> = match &val {
         Some(v) => (0..v.packs.len()).collect::<Vec<_>>().chunks(s.local_batch_size).map(|c| v.micro_batch(c)).collect::<Result<_, _>>()?,
         None => Vec::new(),
@@ -220,6 +274,8 @@ fn main() -> Result<()> {
         None => model,
     };
     let (trainable, frozen) = trainable_counts(&model);
+    // this rank's experts and FSDP shards, on the device's mesh
+    let (model, par) = ParallelTraining::prepare(model, &options.parallel)?;
     println!(
         "parameters: {:.2} M trainable, {:.2} M frozen; {} optimizer steps of {accum} micro-batches",
         trainable as f64 / 1e6,
@@ -233,37 +289,47 @@ fn main() -> Result<()> {
         weight_decay: options.optimizer.weight_decay as f32,
     }
     .init::<B, Glm5ForCausalLM<B>>();
-    let lr = ScheduleLr { schedule: options.optimizer.lr, accumulation: accum, items: 0 };
+    let lr = ScheduleLr { schedule: options.optimizer.lr, accumulation: accum / replicas, items: 0 };
     let learner = Learner::new(model, optim, lr);
 
-    let training = SupervisedTraining::new(&args.dir, Arc::new(LmLoader::new(train_items)), Arc::new(LmLoader::new(val_items)))
+    let training = SupervisedTraining::new(&dir, Arc::new(LmLoader::new(train_items)), Arc::new(LmLoader::new(val_items)))
         .metric_train_numeric(LossMetric::new())
         .metric_valid_numeric(LossMetric::new());
     // checkpoint.enabled: false writes no model checkpoints (burn-train's logs still go to --dir)
     let training =
         if recipe.checkpoint.enabled { training.with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new()) } else { training };
-    let training = training.grads_accumulation(accum).num_epochs(1).summary();
-    let training = match std::io::stdout().is_terminal() {
+    let training = training.grads_accumulation(accum / replicas).num_epochs(1).summary();
+    // (under mpirun the launcher may hand rank 0 a pty, but no terminal to draw on)
+    let training = match std::io::stdout().is_terminal() && mesh.size() == 1 {
         true => training,
-        false => training.renderer(Lines { accumulation: accum, train: Vec::new(), valid: Vec::new() }),
+        false => training.renderer(Lines { accumulation: accum / replicas, train: Vec::new(), valid: Vec::new() }),
     };
     let result = training.launch(learner);
 
     // finetune's validation loss: Σ CE / Σ label tokens over the validation set
     if !val_batches.is_empty() {
-        let (mut sum, mut count) = (0.0, 0);
+        // every rank runs every batch (a sharded model gathers with all of them); under
+        // context parallelism each holds its shard's part, summed over its context group
+        let (mut sum, mut count) = (0.0, 0.0);
         for m in &val_batches {
-            let LossSum { sum: s, label_tokens: c } = micro_loss_sum(&result.model, m, &options.forward, None)?;
+            let LossSum { sum: s, label_tokens: c } = micro_loss_sum(&result.model, m, &options.forward, par.context())?;
             sum += s;
-            count += c;
+            count += c as f64;
         }
-        println!("validation loss after {} steps (label-token mean, as finetune reports it): {:.4}", s.max_steps, sum / count.max(1) as f64);
+        if let Some(ctx) = par.context() {
+            (sum, count) = (sum_f64(&**ctx, sum)?, sum_f64(&**ctx, count)?);
+        }
+        println!("validation loss after {} steps (label-token mean, as finetune reports it): {:.8}", s.max_steps, sum / count.max(1.0));
     }
     if let Some(peft) = &options.peft {
-        let dir = args.dir.join("adapter");
-        glm5_burn::checkpoint::adapter::save_adapter(&result.model, &peft.config, &dir)?;
-        println!("adapters (HF PEFT format): {}", dir.display());
+        // the adapters gathered whole (they are small), written by rank 0
+        let whole = gather_expert_adapters(unshard_model(result.model))?;
+        if rank == 0 {
+            let dir = args.dir.join("adapter");
+            glm5_burn::checkpoint::adapter::save_adapter(&whole, &peft.config, &dir)?;
+            println!("adapters (HF PEFT format): {}", dir.display());
+        }
     }
-    println!("burn-train's checkpoints and logs: {}", args.dir.display());
+    println!("burn-train's checkpoints and logs: {}", dir.display());
     Ok(())
 }

@@ -118,10 +118,14 @@ fn learner_checks_its_directory_and_keys() {
     refused("learner", &["--dir", s(&earlier)], &["already holds a run", "--overwrite"]);
     assert_eq!(std::fs::read(earlier.join("experiment.log")).unwrap(), b"a finished run");
     let dir = tmp.path().join("new");
-    for key in ["--checkpoint.checkpoint_dir=elsewhere", "--step_scheduler.val_every_steps=2", "--distributed.ep_size=2"] {
+    for key in ["--checkpoint.checkpoint_dir=elsewhere", "--step_scheduler.val_every_steps=2", "--distributed.activation_checkpointing=true"] {
         let k = key.trim_start_matches("--").split('=').next().unwrap();
-        refused("learner", &[key, "--dir", s(&dir)], &[&format!("does not honour `{}", k.split('.').next().unwrap())]);
+        refused("learner", &[key, "--dir", s(&dir)], &[&format!("does not honour `{k}`")]);
     }
+    // a mesh that does not fit one process is refused naming its sizes
+    refused("learner", &["--distributed.ep_size=2", "--dir", s(&dir)], &["`distributed.ep_size`: (2) must divide the world size"]);
+    let needle = if cfg!(feature = "mpi") { "distributed.dp_size is 2 but 1 processes were started" } else { "needs the MPI engine" };
+    refused("learner", &["--distributed.dp_size=2", "--dir", s(&dir)], &[needle]);
     refused("learner", &["--foo.bar=1", "--dir", s(&dir)], &["override --foo.bar=1", "`foo`"]);
     assert!(!dir.exists(), "nothing written on a refusal");
 }

@@ -83,6 +83,24 @@ impl<D: DeviceOps> MeshDevice<D> {
     pub fn release(&self) {
         registry_write().remove(&(TypeId::of::<Self>(), self.device.to_id()));
     }
+
+    /// A guard that [`Self::release`]s the device when dropped, on every path out of a run:
+    /// the registry holds the mesh, and MPI is finalised only when its last group is dropped —
+    /// a process that exits with its mesh still bound leaves `mpirun` reporting an improper
+    /// exit.
+    pub fn binding(&self) -> MeshBinding<D> {
+        MeshBinding(Self { device: self.device.clone() })
+    }
+}
+
+/// Releases its device's mesh when dropped ([`MeshDevice::binding`]).
+#[must_use = "the mesh is released when the binding is dropped"]
+pub struct MeshBinding<D: DeviceOps>(MeshDevice<D>);
+
+impl<D: DeviceOps> Drop for MeshBinding<D> {
+    fn drop(&mut self) {
+        self.0.release();
+    }
 }
 
 /// The mesh a device of any backend is a rank of: a [`MeshDevice`]'s bound mesh; `None` for

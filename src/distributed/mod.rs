@@ -42,7 +42,7 @@ pub mod typed;
 pub use checked::CheckedGroup;
 pub use collective::CollectiveBackend;
 pub use decorator::Distributed;
-pub use device::{mesh_of, MeshDevice};
+pub use device::{mesh_of, MeshBinding, MeshDevice};
 pub use error::DistError;
 pub use fsdp::ShardPlan;
 pub use group::{Group, P2p, ProcessGroup, ReduceBuf, ReduceOp};

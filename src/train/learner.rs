@@ -14,10 +14,15 @@
 //! does not do, and why: global-norm clipping and the non-finite skip (Burn's loop applies
 //! every accumulated gradient; its `GradientClipping` clips per parameter, not the global
 //! norm), bf16 compute copies over fp32 masters (Burn's loop trains the module it is given, in
-//! its own precision), the aux-loss-free router-bias update (a step hook Burn's loop lacks),
-//! data parallelism (`distributed.dp_size`; Burn's multi-device strategies are its own) and
-//! our resumable checkpoints with data position (Burn's checkpointer saves model, optimizer and
-//! scheduler records per epoch). The reported loss is each micro-batch's mean cross-entropy.
+//! its own precision), the aux-loss-free router-bias update (a step hook Burn's loop lacks)
+//! and our resumable checkpoints with data position (Burn's checkpointer saves model, optimizer
+//! and scheduler records per epoch). The reported loss is each micro-batch's mean cross-entropy.
+//!
+//! Data, expert and context parallelism come with the backend: a model on a mesh device
+//! (`Autodiff<Distributed<B>>`, [`crate::distributed::MeshDevice`]) prepared by
+//! [`ParallelTraining::prepare`] and fed its replica's items
+//! ([`LmItem::share_of_global_batches`]) trains as one process would on the whole global
+//! batches; each step finds its mesh through the model's device.
 
 use std::sync::Arc;
 
@@ -30,9 +35,11 @@ use burn::train::metric::{Adaptor, LossInput};
 use burn::train::{InferenceStep, ItemLazy, TrainOutput, TrainStep};
 use burn_flex::Flex;
 
+use super::parallel::ParallelTraining;
 use super::schedule::LrSchedule;
 use super::step::{forward_micro, GlobalBatch};
 use crate::data::batch::MicroBatch;
+use crate::distributed::Group;
 use crate::model::Glm5ForCausalLM;
 use crate::ops::backend::Glm5Backend;
 use crate::text::ForwardOptions;
@@ -54,11 +61,31 @@ impl LmItem {
     /// The items of global batches: each inner list is one global batch's micro-batches, in
     /// order (`SupervisedTraining::grads_accumulation` must equal its length).
     pub fn from_global_batches(batches: Vec<Vec<MicroBatch>>, vocab: usize, aux_coef: f64, forward: &ForwardOptions) -> Vec<Self> {
+        Self::share_of_global_batches(batches, vocab, aux_coef, forward, (0, 1))
+    }
+
+    /// [`Self::from_global_batches`] for data-parallel replica `share.0` of `share.1`
+    /// ([`crate::distributed::Mesh::data_shard`]): every `share.1`-th micro-batch of each global
+    /// batch from the replica's on (finetune's split), each normalised by the whole global
+    /// batch (`SupervisedTraining::grads_accumulation` is then its share's length).
+    pub fn share_of_global_batches(
+        batches: Vec<Vec<MicroBatch>>,
+        vocab: usize,
+        aux_coef: f64,
+        forward: &ForwardOptions,
+        share: (usize, usize),
+    ) -> Vec<Self> {
+        let (replica, replicas) = (share.0, share.1.max(1));
         batches
             .into_iter()
             .flat_map(|micro| {
                 let global = GlobalBatch::local(&micro, vocab);
-                micro.into_iter().map(move |m| LmItem { micro: m, global, aux_coef, forward: *forward })
+                micro.into_iter().enumerate().filter(move |(i, _)| i % replicas == replica).map(move |(_, m)| LmItem {
+                    micro: m,
+                    global,
+                    aux_coef,
+                    forward: *forward,
+                })
             })
             .collect()
     }
@@ -87,8 +114,8 @@ impl<B: Backend> Adaptor<LossInput<B>> for LmOutput<B> {
 /// The forward of one item: (the loss to differentiate, the micro-batch's mean CE).
 /// Panics with the batch error: burn-train's steps cannot return one, and our pipeline's
 /// batches are checked when they are built.
-fn item_loss<B: Glm5Backend>(model: &Glm5ForCausalLM<B>, item: &LmItem) -> (Tensor<B, 1>, Tensor<B, 1>) {
-    let out = forward_micro(model, &item.micro, &item.forward, None).unwrap_or_else(|e| panic!("learner step: {e}"));
+fn item_loss<B: Glm5Backend>(model: &Glm5ForCausalLM<B>, item: &LmItem, context: Option<&Group>) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let out = forward_micro(model, &item.micro, &item.forward, context).unwrap_or_else(|e| panic!("learner step: {e}"));
     let (sum, count) = crate::loss::target_loss_sum(out.output.logits, &out.targets);
     let mean = sum.clone() / count.max(1) as f64;
     let mut loss = sum / item.global.label_tokens.max(1) as f64;
@@ -104,9 +131,15 @@ impl<B: AutodiffBackend + Glm5Backend> TrainStep for Glm5ForCausalLM<B> {
     type Input = LmItem;
     type Output = LmOutput<B>;
 
+    /// On a mesh device ([`ParallelTraining::prepare`]d), each item's gradients are made the
+    /// global batch's share ([`ParallelTraining::reduce_grads`]: they add up over the items to
+    /// the reduced sum, the reductions being linear).
     fn step(&self, item: LmItem) -> TrainOutput<LmOutput<B>> {
-        let (loss, mean) = item_loss(self, &item);
-        TrainOutput::new(self, loss.backward(), LmOutput { loss: mean.detach() })
+        let par = ParallelTraining::of_model(self);
+        let (loss, mean) = item_loss(self, &item, par.context());
+        let mut out = TrainOutput::new(self, loss.backward(), LmOutput { loss: mean.detach() });
+        par.reduce_grads(self, &mut out.grads).unwrap_or_else(|e| panic!("learner step: {e}"));
+        out
     }
 }
 
@@ -115,7 +148,7 @@ impl<B: Glm5Backend> InferenceStep for Glm5ForCausalLM<B> {
     type Output = LmOutput<B>;
 
     fn step(&self, item: LmItem) -> LmOutput<B> {
-        LmOutput { loss: item_loss(self, &item).1 }
+        LmOutput { loss: item_loss(self, &item, ParallelTraining::of_model(self).context()).1 }
     }
 }
 

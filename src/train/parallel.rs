@@ -41,7 +41,7 @@ use std::sync::Arc;
 
 use burn::module::ParamId;
 use burn::optim::GradientsParams;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::clip::{clip_global_norm, clip_to, global_norm, squared_norms_by};
 use super::data_parallel::{
@@ -188,6 +188,20 @@ impl ParallelTraining {
             model = shard_model_where(model, g, layout.reshard_after_forward, layout.shard_parameters, edp);
         }
         Ok((model, Self { mesh: Some(mesh), experts }))
+    }
+
+    /// The part of a model [`Self::prepare`]d on its device's mesh, found again from the model
+    /// (the mesh of its device, its expert-parallel split): for steps that are handed only the
+    /// model, as burn-train's `TrainStep` is. One process for a model on a plain device.
+    pub fn of_model<B: Backend>(model: &Glm5ForCausalLM<B>) -> Self {
+        let Some(mesh) = mesh_of(&model.language_model.norm.weight.device()).filter(|m| m.size() > 1) else {
+            return Self::one_process();
+        };
+        let experts = match (mesh.expert(), expert_parallel_of(model)) {
+            (Some(ex), Some(_)) => Some((ex.edp.clone(), expert_param_ids(model))),
+            _ => None,
+        };
+        Self { mesh: Some(mesh), experts }
     }
 
     /// The mesh (`None`: one process).
