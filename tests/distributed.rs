@@ -767,15 +767,20 @@ mod mpi_engine {
     }
 
     fn run_finetune(np: Option<usize>, args: &[String]) -> (bool, String) {
+        run_example(&finetune(), np, args)
+    }
+
+    /// Runs an example binary, under `mpirun -np N` or as one process; (success, output).
+    fn run_example(exe: &std::path::Path, np: Option<usize>, args: &[String]) -> (bool, String) {
         let mut cmd = match np {
             Some(np) => {
                 let mut c = Command::new("mpirun");
-                c.args(["--oversubscribe", "-np", &np.to_string()]).arg(finetune());
+                c.args(["--oversubscribe", "-np", &np.to_string()]).arg(exe);
                 c
             }
-            None => Command::new(finetune()),
+            None => Command::new(exe),
         };
-        cmd.args(args).env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        cmd.args(args).current_dir(env!("CARGO_MANIFEST_DIR")).env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
         let out = cmd.output().unwrap();
         (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
     }
@@ -798,28 +803,15 @@ mod mpi_engine {
         let _ = std::fs::remove_dir_all(&root);
         let learner = finetune().with_file_name("learner");
         let run = |np: Option<usize>, sizes: &[&str], dir: &str| -> (bool, String) {
-            let mut cmd = match np {
-                Some(np) => {
-                    let mut c = Command::new("mpirun");
-                    c.args(["--oversubscribe", "-np", &np.to_string()]).arg(&learner);
-                    c
-                }
-                None => Command::new(&learner),
-            };
-            cmd.args([
-                "--step_scheduler.max_steps=3",
-                "--step_scheduler.global_batch_size=4",
-                "--step_scheduler.local_batch_size=1",
-                "--packed_sequence.packed_sequence_size=160",
-            ])
-            .args(sizes)
-            .arg("--dir")
-            .arg(root.join(dir))
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
-            let out = cmd.output().unwrap();
-            (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+            let mut args: Vec<String> =
+                ["--step_scheduler.max_steps=3", "--step_scheduler.global_batch_size=4", "--step_scheduler.local_batch_size=1"]
+                    .into_iter()
+                    .chain(["--packed_sequence.packed_sequence_size=160"])
+                    .chain(sizes.iter().copied())
+                    .map(String::from)
+                    .collect();
+            args.extend(["--dir".to_string(), root.join(dir).display().to_string()]);
+            run_example(&learner, np, &args)
         };
         let val = |text: &str| -> f64 {
             text.lines()

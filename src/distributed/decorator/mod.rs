@@ -13,6 +13,17 @@
 //! ([`CollectiveBackend`]) forward to `B`'s too — the seam where a CUDA backend hands device
 //! pointers to NCCL instead of the host path. This is the shape of `burn-autodiff`'s own
 //! decorator, without the graph.
+//!
+//! **Below `Autodiff`, not above it** (`Autodiff<Distributed<B>>`). The collectives' adjoints
+//! (all-gather ↔ reduce-scatter, the FSDP gather's re-gather) are autodiff ops whose backward
+//! runs a collective, so their order in backward is the autodiff graph's: every FSDP gather
+//! takes the previous gather and the unit's input activation as parents, a chain that Burn
+//! 0.21's depth-ordered backward walks in exactly the reverse forward order on every rank,
+//! whatever the data did to the rest of the graph (`super::fsdp`, "Ordering"). Above
+//! `Autodiff`, the decorator would see only the forward ops and the backward's kernels, with no
+//! node to hang the chain on. Below it, the inner backend the model's `valid()` copy runs on
+//! (`Distributed<B>`) keeps the mesh for evaluation, and `Autodiff`'s checkpointing strategies
+//! apply unchanged.
 
 use std::future::Future;
 use std::marker::PhantomData;
