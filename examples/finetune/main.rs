@@ -333,11 +333,11 @@ where
     B::InnerBackend: Glm5Backend,
 {
     let group = mesh.data_parallel().cloned();
-    let (rank, ranks) = group.as_ref().map(|g| (g.rank(), g.size())).unwrap_or((0, 1));
+    let (rank, ranks) = (mesh.rank(), mesh.size());
     quiet_unless_rank_zero(rank);
     // the ranks of a context-parallel group (cp consecutive ranks) share micro-batches
-    let cp = recipe.distributed.cp_size;
-    let (dp_rank, dp_ranks) = (rank / cp, ranks / cp);
+    let cp = mesh.sizes().cp;
+    let (dp_rank, dp_ranks) = mesh.data_shard();
     if dp_ranks > 1 {
         println!("data parallel: {dp_ranks} ranks (MPI), each runs 1/{dp_ranks} of every global batch");
     }

@@ -15,6 +15,7 @@
 //!
 //! ```ignore
 //! let device = MeshDevice::from_env(Default::default(), None)?;   // under mpirun
+//! let _binding = device.binding();                                  // released on every way out
 //! let (mut model, par) = ParallelTraining::prepare(model_on(&device), &ParallelLayout::default())?;
 //! let mut optim = AdamWConfig::new().init();
 //! for micro in my_share_of_each_global_batch {
