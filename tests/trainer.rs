@@ -47,10 +47,14 @@ fn dtypes<M: Module<A>>(m: &M) -> Vec<(String, DType, bool)> {
 
 /// A seeded model, initialised now: parameters are lazy, and the RNG is process-global (tests
 /// run in parallel threads), so seeding and drawing happen under one lock.
+/// Held by every draw from the backend's generator, which the tests of this binary share: a
+/// draw outside it (an adapter's initialisation) interleaved with another test's seeded
+/// model and changed its weights from run to run.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn model(config: &Glm5Config, seed: u64) -> Glm5ForCausalLM<A> {
     use burn::tensor::backend::Backend;
-    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = RNG.lock().unwrap();
+    let _guard = RNG.lock().unwrap_or_else(|p| p.into_inner());
     let device = Default::default();
     A::seed(&device, seed);
     let m = Glm5ForCausalLM::<A>::try_new_with_vision(config, None, &device).unwrap();
@@ -230,7 +234,11 @@ fn a_bf16_base_holds_half_the_bytes_and_trains_as_the_fp32_base_in_bf16() {
     }))
     .unwrap();
     // attached once, so that both runs start from the same adapters
-    let (m, _) = glm5_burn::peft::attach(model(&config, 7), &lora).unwrap();
+    let m = model(&config, 7);
+    let (m, _) = {
+        let _guard = RNG.lock().unwrap_or_else(|p| p.into_inner());
+        glm5_burn::peft::attach(m, &lora).unwrap()
+    };
     opts.precision = Precision::Bf16;
     let run = |base_dtype| {
         let mut o = opts.clone();
