@@ -58,18 +58,6 @@ use glm5_burn::Glm5ForCausalLM;
 /// The decorator carries the mesh; with one process it is `Autodiff<Flex>` bit for bit.
 type B = Autodiff<Distributed<Flex>>;
 
-/// Ranks other than 0 stay quiet: their stdout goes to /dev/null (errors still reach stderr).
-fn quiet_unless_rank_zero(rank: usize) {
-    if rank == 0 {
-        return;
-    }
-    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
-        use std::os::fd::AsRawFd;
-        // SAFETY: dup2 onto stdout's descriptor; `null` stays open until then
-        unsafe { libc::dup2(null.as_raw_fd(), libc::STDOUT_FILENO) };
-    }
-}
-
 /// Plain lines when stdout is not a terminal (burn-train's dashboard otherwise): one per
 /// optimizer step with the mean loss of its micro-batches, one for the validation pass.
 struct Lines {
@@ -160,7 +148,32 @@ fn refuse_unhonoured(overrides: &[String]) -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
+/// A refusal every rank reached alike, already written once by rank 0: exit 1 quietly.
+#[derive(Debug)]
+struct Reported;
+
+impl std::fmt::Display for Reported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stopped: the error is reported by rank 0")
+    }
+}
+
+impl std::error::Error for Reported {}
+
+/// Returning (not `exit`ing) drops the mesh, so MPI finalises and the launcher adds no noise.
+fn main() -> std::process::ExitCode {
+    match real_main() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            if !e.is::<Reported>() {
+                eprintln!("Error: {e:?}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main() -> Result<()> {
     let (overrides, rest) = split_overrides(std::env::args().skip(1));
     let matches = Args::command().get_matches_from(std::iter::once("learner".to_string()).chain(rest));
     let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
@@ -173,14 +186,14 @@ fn main() -> Result<()> {
     // reaches alike is reported once, by rank 0
     let d = &recipe.distributed;
     let reported = |e: DistError| -> anyhow::Error {
-        if matches!(e, DistError::Mesh { reported: true, .. }) {
-            std::process::exit(1);
+        match e {
+            DistError::Mesh { reported: true, .. } => Reported.into(),
+            e => e.into(),
         }
-        e.into()
     };
     let mesh = Arc::new(Mesh::from_env(Some(MeshSizes { dp: d.dp_size, cp: d.cp_size, ep: d.ep_size })).map_err(reported)?);
     let rank = mesh.rank();
-    quiet_unless_rank_zero(rank);
+    glm5_burn::distributed::quiet_unless_rank_zero(rank);
     // where burn-train writes, before any data or model is prepared (it panics on a directory
     // it cannot create); checked by every rank before any creates its own
     glm5_burn::io::check_output_dir("--dir", &args.dir, &[])?;
@@ -194,9 +207,7 @@ fn main() -> Result<()> {
     if earlier {
         println!("--overwrite: training again into {}; its checkpoints and logs are written over", args.dir.display());
     }
-    let text = serde_json::to_string(&recipe)?;
-    let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-    mesh.agree("recipe", hash, "give every rank the same recipe and overrides").map_err(reported)?;
+    mesh.agree("recipe", recipe.digest(), "give every rank the same recipe and overrides").map_err(reported)?;
     let dir = match rank {
         0 => args.dir.clone(),
         r => args.dir.join(format!("rank{r}")),

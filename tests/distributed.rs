@@ -1290,6 +1290,25 @@ mod mpi_engine {
         assert_eq!(out.matches("must be a positive finite number").count(), 1, "printed once:\n{out}");
         let (ok, out) = run_finetune(Some(2), &args("--distributed.dp_size=3"));
         assert!(!ok && out.matches("distributed.dp_size is 3 but 2 processes were started").count() == 1, "{out}");
+        // ranks launched with different sizes (dp 2 vs dp 1 × cp 2: each fits 2 processes)
+        // are refused before any splits a group
+        let mut mpmd = Command::new("mpirun");
+        mpmd.arg("--oversubscribe");
+        for (i, extra) in ["--distributed.dp_size=2", "--distributed.cp_size=2"].iter().enumerate() {
+            if i > 0 {
+                mpmd.arg(":");
+            }
+            let mut a = args(extra);
+            if i > 0 {
+                a.retain(|x| x != "--distributed.dp_size=2");
+                a.push("--distributed.dp_size=1".into());
+            }
+            mpmd.args(["-np", "1"]).arg(finetune()).args(a);
+        }
+        let out = mpmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1").output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(!out.status.success(), "{text}");
+        assert_eq!(text.matches("rank 1 asks for distributed.dp_size 1, distributed.cp_size 2").count(), 1, "printed once:\n{text}");
         // another run holds the directory's lock
         std::fs::create_dir_all(&dir).unwrap();
         let lock = glm5_burn::train::checkpoint::RunLock::acquire(&dir).unwrap();

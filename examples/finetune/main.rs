@@ -292,22 +292,8 @@ fn run_mesh(recipe: &Recipe) -> Result<Arc<Mesh>> {
         println!("collectives: checked across ranks (GLM5_CHECK_COLLECTIVES=1)");
     }
     // every rank must run the same recipe (batch sizes, seed, data)
-    let text = serde_json::to_string(recipe)?;
-    let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-    mesh.agree("recipe", hash, "give every rank the same recipe and overrides").map_err(reported)?;
+    mesh.agree("recipe", recipe.digest(), "give every rank the same recipe and overrides").map_err(reported)?;
     Ok(Arc::new(mesh))
-}
-
-/// Ranks other than 0 stay quiet: their stdout goes to /dev/null (errors still reach stderr).
-fn quiet_unless_rank_zero(rank: usize) {
-    if rank == 0 {
-        return;
-    }
-    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
-        use std::os::fd::AsRawFd;
-        // SAFETY: dup2 onto stdout's descriptor; `null` stays open until then
-        unsafe { libc::dup2(null.as_raw_fd(), libc::STDOUT_FILENO) };
-    }
 }
 
 fn run<B: AutodiffBackend + Glm5Backend>(recipe: &Recipe, args: &Args) -> Result<()>
@@ -334,7 +320,7 @@ where
 {
     let group = mesh.data_parallel().cloned();
     let (rank, ranks) = (mesh.rank(), mesh.size());
-    quiet_unless_rank_zero(rank);
+    glm5_burn::distributed::quiet_unless_rank_zero(rank);
     // the ranks of a context-parallel group (cp consecutive ranks) share micro-batches
     let cp = mesh.sizes().cp;
     let (dp_rank, dp_ranks) = mesh.data_shard();

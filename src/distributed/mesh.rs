@@ -174,6 +174,18 @@ impl Mesh {
             return Ok(Self::single());
         }
         let world = world_group(sizes.world(), launched)?;
+        // the ranks agree on the sizes first: a rank that went on to split groups while another
+        // stopped would leave both waiting in different collectives
+        let all = all_gather(&*world, &[sizes.dp as u64, sizes.cp as u64, sizes.ep as u64])?;
+        if let Some(r) = all.chunks(3).position(|c| c != &all[..3]) {
+            let [n_dp, n_cp, n_ep] = names;
+            let c = &all[3 * r..3 * r + 3];
+            let message = format!(
+                "rank {r} asks for {n_dp} {}, {n_cp} {}, {n_ep} {} but rank 0 for {}, {}, {}: give every rank the same sizes",
+                c[0], c[1], c[2], all[0], all[1], all[2]
+            );
+            return Err(report_alike(&world, mesh_error(message)));
+        }
         if let Err(e) = sizes.check(world.size(), names) {
             return Err(report_alike(&world, e));
         }

@@ -52,4 +52,4 @@ pub use mesh::{ExpertMesh, Mesh, MeshSizes};
 pub use mpi::MpiGroup;
 #[cfg(feature = "nccl")]
 pub use nccl::NcclGroup;
-pub use node::{local_device, local_rank};
+pub use node::{local_device, local_rank, quiet_unless_rank_zero};

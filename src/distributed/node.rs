@@ -25,3 +25,16 @@ pub fn local_rank() -> usize {
         .find_map(|k| std::env::var(k).ok().and_then(|v| v.parse().ok()))
         .unwrap_or(0)
 }
+
+/// Ranks other than 0 stay quiet: this process's stdout goes to /dev/null (errors still reach
+/// stderr), so a launcher's merged output shows one rank's progress.
+pub fn quiet_unless_rank_zero(rank: usize) {
+    if rank == 0 {
+        return;
+    }
+    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+        use std::os::fd::AsRawFd;
+        // SAFETY: dup2 onto stdout's descriptor; `null` stays open until then
+        unsafe { libc::dup2(null.as_raw_fd(), libc::STDOUT_FILENO) };
+    }
+}

@@ -468,6 +468,16 @@ pub fn split_overrides<I: IntoIterator<Item = String>>(args: I) -> (Vec<String>,
 }
 
 impl Recipe {
+    /// A 64-bit FNV-1a digest of the whole recipe, overrides applied (its JSON form), for
+    /// checking that every rank of a run holds the same one
+    /// ([`crate::distributed::Mesh::agree`]).
+    pub fn digest(&self) -> u64 {
+        // serialising plain data with string keys cannot fail; an empty text would still be
+        // the same on every rank
+        let text = serde_json::to_string(self).unwrap_or_default();
+        text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+    }
+
     /// Parse YAML text, apply `section.key=value` overrides, type and validate it.
     pub fn from_yaml(text: &str, source: &str, overrides: &[String]) -> Result<Self, RecipeError> {
         let file = |message: String| RecipeError::File { path: source.into(), message };
