@@ -50,6 +50,10 @@ pub struct Glm5ForCausalLM<B: Backend> {
     pub video_start_token_id: i64,
     /// `<|end_of_video|>` id.
     pub video_end_token_id: i64,
+    /// The parameters loaded as this rank's FSDP slices ([`crate::checkpoint::LoadOptions::row_shards`]),
+    /// which sharding adopts instead of cutting. Not part of the checkpoint.
+    #[module(skip)]
+    pub pre_sharded: Option<std::sync::Arc<crate::distributed::PreSharded>>,
 }
 
 /// Output of [`Glm5ForCausalLM::forward`].
@@ -96,6 +100,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
             num_experts: c.n_routed_experts,
             top_k: c.num_experts_per_tok,
             router_aux_loss_coef: c.router_aux_loss_coef,
+            pre_sharded: None,
         }
     }
 

@@ -465,7 +465,7 @@ mod mpi_engine {
         // every parameter of a resharded unit (vision tower, decoder layers) gathered once more
         assert_eq!(issued, issued_kept + resharded, "collectives per micro-batch resharded vs kept");
         assert_eq!(issued_ckpt, issued);
-        let sharded = shard_model(model.clone(), group.clone(), true);
+        let sharded = shard_model(model.clone(), group.clone(), true).unwrap();
         let (full_trainable, _) = trainable_counts(&model);
         let (shard_trainable, _) = trainable_counts(&sharded);
         println!(
@@ -566,7 +566,7 @@ mod mpi_engine {
         let opts = glm5_burn::ForwardOptions::default();
         let reference = accumulate(&model, micro, &StepContext::local(micro, model.vocab_size, 0.01, opts)).unwrap();
         let counting = std::sync::Arc::new(CheckedGroup::new(g.split(0, g.rank()).unwrap()));
-        let sharded = shard_model(model.clone(), counting.clone() as Group, reshard);
+        let sharded = shard_model(model.clone(), counting.clone() as Group, reshard).unwrap();
         let plan = plan_of(&sharded).unwrap().clone();
         let before = counting.issued();
         let share = accumulate(
@@ -709,6 +709,12 @@ mod mpi_engine {
     fn a_loop_of_ones_own_on_a_mesh_device_follows_one_process() {
         let runs = [(2, "own_loop:2:1:1"), (4, "own_loop:2:2:1"), (4, "own_loop:4:1:2")];
         run_scenarios(&runs, "a loop of one's own follows one process", 1, Duration::from_secs(600));
+    }
+
+    #[test]
+    fn a_rank_loads_only_its_shards_and_trains_like_the_cut_whole_model() {
+        let runs = [(2, "fsdp_load:1"), (3, "fsdp_load:1"), (4, "fsdp_load:2")];
+        run_scenarios(&runs, "shards and two steps bit for bit those of the cut whole load", 1, Duration::from_secs(600));
     }
 
     #[test]
@@ -1349,6 +1355,7 @@ mod mpi_engine {
             s if s.starts_with("lora_train:") => lora_train(std::sync::Arc::new(g), s),
             s if s.starts_with("mesh_device:") => mesh_device(std::sync::Arc::new(g), s),
             s if s.starts_with("own_loop:") => own_loop(g.rank(), g.size(), s),
+            s if s.starts_with("fsdp_load:") => fsdp_load(std::sync::Arc::new(g), s),
             "rank_dies" => {
                 if g.rank() == 1 {
                     eprintln!("rank 1: exiting on purpose before the collective");
@@ -1360,6 +1367,80 @@ mod mpi_engine {
             }
             other => panic!("unknown scenario {other}"),
         }
+    }
+
+    /// Sharded by construction: a rank that loads an HF checkpoint with its run's options
+    /// (`TrainOptions::base_load_options`: its FSDP slices of the trained dense parameters, its
+    /// experts) builds the trainer whose shards equal, bit for bit, those of the whole load cut
+    /// after loading, trains the same two steps bit for bit, and reads only its bytes of every
+    /// sharded tensor: `fsdp_load:EP` on the fixture `base_k4` (f32; embeddings frozen).
+    fn fsdp_load(g: std::sync::Arc<MpiGroup>, spec: &str) {
+        use burn::backend::Autodiff;
+        use glm5_burn::checkpoint::{load_causal_lm, LoadOptions};
+        use glm5_burn::data::batch::MicroBatch;
+        use glm5_burn::distributed::Group;
+        use glm5_burn::train::data_parallel::plan_of;
+        use glm5_burn::train::params::param_ids;
+        use glm5_burn::train::recipe::Recipe;
+        use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
+        type AD = Autodiff<burn::backend::Flex>;
+
+        let ep: usize = spec.split(':').nth(1).unwrap().parse().unwrap();
+        let (r, n) = (g.rank(), g.size());
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/base_k4");
+        let recipe = Recipe::from_file(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"),
+            &["--lr_scheduler.lr_warmup_steps=0".into(), "--lr_scheduler.lr_decay_style=constant".into(), "--optimizer.lr=1e-3".into()],
+        )
+        .unwrap();
+        let mut options = TrainOptions::from_recipe(&recipe);
+        options.parallel.data_parallel = Some(g.clone() as Group);
+        options.parallel.expert_parallel = ep;
+        let device = Default::default();
+        let local = load_causal_lm::<AD>(&dir, &device, &options.base_load_options(false)).unwrap();
+        let pre = local.model.pre_sharded.clone().expect("a sharded run's rank loads its slices");
+        let whole = load_causal_lm::<AD>(&dir, &device, &LoadOptions { experts: options.expert_shard(), ..LoadOptions::default() }).unwrap();
+        assert!(whole.model.pre_sharded.is_none());
+        let (bytes_local, bytes_whole) = (local.bytes_read, whole.bytes_read);
+        let mut a = Trainer::<AD>::try_new(local.model, options.clone()).unwrap();
+        let mut b = Trainer::<AD>::try_new(whole.model, options.clone()).unwrap();
+        // the same shards, sharded alike (every slice loaded is one the plan holds)
+        let (pa, pb) = (plan_of(a.model()).unwrap().clone(), plan_of(b.model()).unwrap().clone());
+        let (ia, ib) = (param_ids::<AD, _>(a.model()), param_ids::<AD, _>(b.model()));
+        assert_eq!(pa.len(), pb.len());
+        for (path, (_, rows)) in &pre.by_path {
+            assert_eq!(pa.full_rows(ia[path]), Some(*rows), "{path}");
+            assert_eq!(pb.full_rows(ib[path]), Some(*rows), "{path}");
+        }
+        let (va, vb) = (by_path(a.model(), None), by_path(b.model(), None));
+        assert_eq!(va.keys().collect::<Vec<_>>(), vb.keys().collect::<Vec<_>>());
+        for (path, x) in &va {
+            assert!(x.iter().zip(&vb[path]).all(|(p, q)| p.to_bits() == q.to_bits()) && x.len() == vb[path].len(), "rank {r}: {path}");
+        }
+        // two steps on the rank's share of a global batch
+        let v = 64i64;
+        let batch = |step: usize, i: usize| {
+            let seq = 12 + (3 * i + step) % 7;
+            let ids: Vec<i64> = (0..seq).map(|t| ((t * 37 + i * 101 + step * 13 + 5) as i64) % v).collect();
+            MicroBatch::text(ids.clone(), ids, 1, seq, None)
+        };
+        for step in 0..2 {
+            let mine: Vec<MicroBatch> = (0..2 * n).filter(|i| i % n == r).map(|i| batch(step, i)).collect();
+            let (StepOutcome::Applied(x), StepOutcome::Applied(y)) = (a.step(&mine).unwrap(), b.step(&mine).unwrap()) else {
+                panic!("rank {r}: a non-finite step")
+            };
+            assert_eq!((x.loss.to_bits(), x.grad_norm.to_bits()), (y.loss.to_bits(), y.grad_norm.to_bits()), "rank {r} step {step}");
+        }
+        let (va, vb) = (by_path(a.model(), None), by_path(b.model(), None));
+        assert!(va.iter().all(|(p, x)| x.iter().zip(&vb[p]).all(|(p, q)| p.to_bits() == q.to_bits())), "rank {r}: weights after two steps");
+        // the sharded tensors' bytes: 1/n of each per rank (the whole load reads them all)
+        let sharded: u64 = pre.by_path.values().map(|(_, rows)| *rows as u64).sum();
+        assert!(sharded > 0 && bytes_local < bytes_whole, "rank {r}: {bytes_local} vs {bytes_whole} bytes");
+        println!(
+            "rank {r} of {n} (ep {ep}): loaded its slices of {} tensors, {bytes_local} of the {bytes_whole} bytes the whole load reads; \
+             shards and two steps bit for bit those of the cut whole load",
+            pre.by_path.len()
+        );
     }
 
     /// The parallel layer chosen the Burn way: a trainer on `Autodiff<Distributed<Flex>>`

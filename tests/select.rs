@@ -177,3 +177,126 @@ fn expert_parallel_rank_loads_only_its_experts() {
         assert!(e3.contains('3') && e3.contains('8'), "{e3}");
     }
 }
+
+/// `LoadOptions::row_shards` (an FSDP rank's load): rank `r` of `P` holds rows
+/// `shard_range(rows, P, r)` of every selected module tensor, padded with zero rows to
+/// `⌈rows/P⌉`, equal bit for bit to the full load's rows — copied tensors (norms, embedding),
+/// transposed `nn.Linear` weights (a column window of the checkpoint tensor), expert stacks
+/// (a window of experts), FP8-dequantised weights; in f32 and bf16 — and records them for
+/// sharding to adopt. The ranks together read each selected tensor's bytes once (an FP8
+/// weight's scale grid once per rank that decodes part of it); an unselected tensor is read
+/// whole by every rank.
+#[test]
+fn fsdp_rank_loads_read_only_their_rows() {
+    use glm5_burn::checkpoint::select::RowSelection;
+    use glm5_burn::distributed::RowShard;
+    use std::collections::BTreeMap;
+    let whole = "language_model.embed_tokens.weight";
+    for case in ["base_k4", "fp8_f32_scales"] {
+        let dir = fixtures().join(case);
+        let files = open(case);
+        let bytes = |name: &str| files.tensors.get(name).map_or(0, |e| (e.bytes.end - e.bytes.start) as u64);
+        // scale grids every rank reads whole: those of FP8 weights outside the expert stacks
+        let shared_scales: u64 = files.fp8_scales.iter().filter(|(w, _)| !w.contains(".experts.")).map(|(_, s)| bytes(s)).sum();
+        for dtype in [DType::F32, DType::BF16] {
+            let full = load_causal_lm::<B>(&dir, &Default::default(), &LoadOptions::with_dtype(dtype)).unwrap();
+            assert!(full.model.pre_sharded.is_none());
+            let want: BTreeMap<String, (Vec<usize>, Vec<f32>)> = full
+                .model
+                .collect(None, None, true)
+                .into_iter()
+                .map(|s| (s.full_path(), (s.shape.to_vec(), values(&s.to_data().unwrap()))))
+                .collect();
+            for size in [2, 3] {
+                let mut read = 0;
+                for rank in 0..size {
+                    let select = RowSelection(std::sync::Arc::new(move |path: &str| (path != whole).then_some(RowShard { rank, size })));
+                    let opts = LoadOptions { row_shards: Some(select), ..LoadOptions::with_dtype(dtype) };
+                    let got = load_causal_lm::<B>(&dir, &Default::default(), &opts).unwrap();
+                    read += got.bytes_read;
+                    let pre = got.model.pre_sharded.clone().expect("the rank's slices are recorded");
+                    let snaps = got.model.collect(None, None, true);
+                    assert_eq!(snaps.len(), want.len());
+                    for s in snaps {
+                        let path = s.full_path();
+                        let (shape, full_values) = &want[&path];
+                        let held = values(&s.to_data().unwrap());
+                        let what = format!("{case} {dtype:?} rank {rank} of {size}: {path}");
+                        if path == whole {
+                            assert!(!pre.by_path.contains_key(&path), "{what}");
+                            assert_eq!(&held, full_values, "{what}");
+                            continue;
+                        }
+                        let rows = shape[0];
+                        assert_eq!(pre.by_path.get(&path), Some(&(RowShard { rank, size }, rows)), "{what}");
+                        let width = full_values.len() / rows;
+                        let c = rows.div_ceil(size);
+                        assert_eq!(s.shape.to_vec()[0], c, "{what}");
+                        let (lo, hi) = ((rank * c).min(rows), ((rank + 1) * c).min(rows));
+                        let mut expect = full_values[lo * width..hi * width].to_vec();
+                        expect.resize(c * width, 0.0);
+                        assert!(held.iter().zip(&expect).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}");
+                    }
+                }
+                let embed = bytes("model.language_model.embed_tokens.weight");
+                assert!(embed > 0);
+                let expected = full.bytes_read + (size as u64 - 1) * (embed + shared_scales);
+                assert_eq!(read, expected, "{case} {dtype:?} over {size} ranks: {read} bytes read, {} by one full load", full.bytes_read);
+                println!("{case} {dtype:?}: {size} ranks read {read} bytes together, one full load {}", full.bytes_read);
+            }
+        }
+    }
+}
+
+/// A model loaded as one rank's FSDP slices and sharded over a group that does not match
+/// them is refused, naming the tensor and both layouts (never silently re-cut).
+#[test]
+fn a_rank_load_sharded_over_another_group_is_refused() {
+    use glm5_burn::checkpoint::select::RowSelection;
+    use glm5_burn::distributed::{Group, LocalGroup, RowShard};
+    let dir = fixtures().join("base_k4");
+    let select = RowSelection(std::sync::Arc::new(|path: &str| path.ends_with("q_a_proj.weight").then_some(RowShard { rank: 1, size: 2 })));
+    let opts = LoadOptions { row_shards: Some(select), ..LoadOptions::default() };
+    let model = load_causal_lm::<burn::backend::Autodiff<B>>(&dir, &Default::default(), &opts).unwrap().model;
+    let e = glm5_burn::train::data_parallel::shard_model(model, std::sync::Arc::new(LocalGroup) as Group, true).unwrap_err().to_string();
+    assert!(e.contains("language_model.layers.") && e.contains("q_a_proj.weight"), "{e}");
+    assert!(e.contains("rank 1 of 2") && e.contains("rank 0 of 1"), "{e}");
+}
+
+/// `FreezeConfig::freezes` (what a rank decides to load as slices before the model exists)
+/// agrees with `freeze` on every module tensor of a VLM, for every combination of the flags.
+#[test]
+fn freezing_by_path_agrees_with_freezing_the_model() {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    use glm5_burn::train::params::freeze;
+    use glm5_burn::train::recipe::FreezeConfig;
+    struct Trainable(Vec<String>, Vec<(String, bool)>);
+    impl<Bk: burn::tensor::backend::Backend> ModuleVisitor<Bk> for Trainable {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            // enum variants add no segment (module paths as the checkpoint map spells them)
+            self.0.push(if container_type.starts_with("Enum:") { String::new() } else { name.to_string() });
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Bk, D>>) {
+            let path = self.0.iter().filter(|s| !s.is_empty()).cloned().collect::<Vec<_>>().join(".");
+            self.1.push((path, param.is_require_grad()));
+        }
+    }
+    let config = read_config(&fixtures().join("vlm")).unwrap().resolved;
+    let model = glm5_burn::Glm5ForCausalLM::<burn::backend::Autodiff<B>>::try_new_with_vision(&config, None, &Default::default()).unwrap();
+    let mut seen = [0usize; 2];
+    for bits in 0..8 {
+        let f = FreezeConfig { freeze_embeddings: bits & 1 != 0, freeze_vision_tower: bits & 2 != 0, freeze_language_model: bits & 4 != 0 };
+        let mut v = Trainable(Vec::new(), Vec::new());
+        freeze(model.clone(), &f).visit(&mut v);
+        assert!(v.1.iter().any(|(p, _)| p.starts_with("visual.")) && v.1.iter().any(|(p, _)| p == "lm_head.weight"));
+        for (path, trains) in v.1 {
+            assert_eq!(f.freezes(&path), !trains, "{f:?}: {path}");
+            seen[usize::from(trains)] += 1;
+        }
+    }
+    assert!(seen[0] > 0 && seen[1] > 0);
+}

@@ -444,11 +444,15 @@ where
         }
         None => {
             let model: Glm5ForCausalLM<B> = match &recipe.model.checkpoint {
-                // an expert-parallel rank reads only its experts (seeded weights: every rank
-                // builds the same whole model and keeps its experts)
+                // a rank reads only its FSDP slices and its experts (seeded weights: every
+                // rank builds the same whole model and keeps its part)
                 Some(dir) => {
                     let load = options.base_load_options(true);
-                    load_causal_lm::<B>(dir, &device, &load)?.model
+                    let loaded = load_causal_lm::<B>(dir, &device, &load)?;
+                    if load.row_shards.is_some() || load.experts.is_some() {
+                        println!("loaded this rank's part of {}: {:.1} MB read", dir.display(), loaded.bytes_read as f64 / 1e6);
+                    }
+                    loaded.model
                 }
                 None => Glm5ForCausalLM::<B>::try_new_with_vision(&config, None, &device)?,
             };

@@ -63,11 +63,28 @@ pub struct LoadOptions {
     /// dequantised either way; weights stored in BF16/F32 load into `dtype` as usual. An
     /// error for a checkpoint without FP8 weights.
     pub fp8_base: bool,
+    /// Read only this rank's FSDP slice of the module tensors the selection names
+    /// ([`crate::distributed::fsdp`]): the model's parameter holds rows
+    /// `shard_range(rows, size, rank)` padded to `shard_rows(rows, size)`, decoded from only
+    /// the checkpoint bytes of those rows (columns of a transposed `nn.Linear`, experts of a
+    /// stack), and [`Glm5ForCausalLM::pre_sharded`] records them so that sharding the model
+    /// adopts them ([`crate::distributed::ShardPlan::adopt_over`]). Set by the trainer's
+    /// options for a sharded run ([`crate::train::TrainOptions::base_load_options`]).
+    pub row_shards: Option<select::RowSelection>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { dtype: DType::F32, strict: true, vision: false, vision_rms_eps: None, allow_non_finite: false, experts: None, fp8_base: false }
+        Self {
+            dtype: DType::F32,
+            strict: true,
+            vision: false,
+            vision_rms_eps: None,
+            allow_non_finite: false,
+            experts: None,
+            fp8_base: false,
+            row_shards: None,
+        }
     }
 }
 
@@ -105,34 +122,85 @@ struct Planned {
     sources: Vec<String>,
 }
 
-/// Module paths (enum variants skipped, like burn-store) and shapes of every float parameter,
-/// read without initialising lazy parameters — loading never materialises the random init.
-struct ShapeCollector {
+/// The module path of a visit or map (enum variants add no segment, as in burn-store).
+#[derive(Default)]
+struct ModulePath {
     path: Vec<String>,
     containers: Vec<bool>,
-    out: Vec<(String, Vec<usize>)>,
 }
 
-impl<B: Backend> ModuleVisitor<B> for ShapeCollector {
-    fn enter_module(&mut self, name: &str, container_type: &str) {
+impl ModulePath {
+    fn enter(&mut self, name: &str, container_type: &str) {
         let variant = container_type.starts_with("Enum:");
         self.containers.push(variant);
         if !variant {
             self.path.push(name.to_string());
         }
     }
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+    fn exit(&mut self) {
         if !self.containers.pop().unwrap_or(false) {
             self.path.pop();
         }
     }
+    fn current(&self) -> String {
+        self.path.join(".")
+    }
+}
+
+/// Module paths and shapes of every float parameter, read without initialising lazy
+/// parameters — loading never materialises the random init.
+struct ShapeCollector {
+    path: ModulePath,
+    out: Vec<(String, Vec<usize>)>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for ShapeCollector {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.path.enter(name, container_type);
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.exit();
+    }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        self.out.push((self.path.join("."), param.lazy_shape().to_vec()));
+        self.out.push((self.path.current(), param.lazy_shape().to_vec()));
+    }
+}
+
+/// Gives the parameters at the given paths a new (lazy, zero) shape, keeping their ids and
+/// whether they train: the room for an FSDP slice before the loader fills it.
+struct Reshape<'a, B: Backend> {
+    path: ModulePath,
+    shapes: &'a BTreeMap<String, Vec<usize>>,
+    device: B::Device,
+}
+
+impl<B: Backend> burn::module::ModuleMapper<B> for Reshape<'_, B> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.path.enter(name, container_type);
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.exit();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(shape) = self.shapes.get(&self.path.current()) else { return param };
+        let shape = Shape::from(shape.clone());
+        let init = {
+            let shape = shape.clone();
+            move |device: &B::Device, require_grad: bool| {
+                let t = Tensor::<B, D>::zeros(shape.clone(), device);
+                if require_grad {
+                    t.require_grad()
+                } else {
+                    t
+                }
+            }
+        };
+        Param::uninitialized(param.id, init, self.device.clone(), param.is_require_grad(), shape)
     }
 }
 
 fn plan<B: Backend>(model: &Glm5ForCausalLM<B>, experts: std::ops::Range<usize>) -> Result<Vec<Planned>, CheckpointError> {
-    let mut visitor = ShapeCollector { path: Vec::new(), containers: Vec::new(), out: Vec::new() };
+    let mut visitor = ShapeCollector { path: ModulePath::default(), out: Vec::new() };
     model.visit(&mut visitor);
     let mut out = Vec::new();
     for (path, shape) in visitor.out {
@@ -250,28 +318,55 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
         );
     }
 
+    // --- this rank's FSDP slices: room for them, and the record sharding adopts ---
+    let mut pre_sharded = crate::distributed::PreSharded::default();
+    let mut slice_shapes = BTreeMap::new();
+    let windows: Vec<Option<(std::ops::Range<usize>, usize)>> = planned
+        .iter()
+        .map(|p| {
+            let shard = opts.row_shards.as_ref().and_then(|s| (s.0)(&p.path)).filter(|s| s.rank < s.size)?;
+            let rows = *p.shape.first()?;
+            let padded = crate::distributed::fsdp::shard_rows(rows, shard.size);
+            pre_sharded.by_path.insert(p.path.clone(), (shard, rows));
+            let mut shape = p.shape.clone();
+            shape[0] = padded;
+            slice_shapes.insert(p.path.clone(), shape);
+            Some((crate::distributed::fsdp::shard_range(rows, shard.size, shard.rank), padded))
+        })
+        .collect();
+    if !slice_shapes.is_empty() {
+        model = model.map(&mut Reshape::<B> { path: ModulePath::default(), shapes: &slice_shapes, device: device.clone() });
+        model.pre_sharded = Some(std::sync::Arc::new(pre_sharded));
+    }
+
     // --- lazy snapshots in module layout ---
     // The first read error is kept as is; burn-store's own report would only stringify it.
     let first_error: Rc<RefCell<Option<CheckpointError>>> = Rc::new(RefCell::new(None));
     let snapshots: Vec<TensorSnapshot> = planned
         .into_iter()
-        .map(|p| {
+        .zip(windows)
+        .map(|(p, window)| {
             let dtype = if p.resolved.rule.keep_f32 { DType::F32 } else { opts.dtype };
             let files = files.clone();
             let shape = p.shape.clone();
+            let (window, padded) = window.unwrap_or((0..shape.first().copied().unwrap_or(1), shape.first().copied().unwrap_or(1)));
+            let mut held = p.shape.clone();
+            if let Some(d0) = held.first_mut() {
+                *d0 = padded;
+            }
             let transform = p.resolved.rule.transform;
             let sources = p.sources.clone();
             let first_error = first_error.clone();
             let allow_non_finite = opts.allow_non_finite;
             let data_fn = Rc::new(move || {
-                read::read_module_tensor(&files, transform, &sources, &shape, dtype, allow_non_finite).map_err(|e| {
+                read::read_module_rows(&files, transform, &sources, &shape, window.clone(), padded, dtype, allow_non_finite).map_err(|e| {
                     let message = e.to_string();
                     first_error.borrow_mut().get_or_insert(e);
                     TensorSnapshotError::DataError(message)
                 })
             });
             let path_stack: Vec<String> = p.path.split('.').map(str::to_string).collect();
-            TensorSnapshot::from_closure(data_fn, dtype, Shape::from(p.shape), path_stack, Vec::new(), ParamId::new())
+            TensorSnapshot::from_closure(data_fn, dtype, Shape::from(held), path_stack, Vec::new(), ParamId::new())
         })
         .collect();
     let result = model.apply(snapshots, None, None, true);

@@ -47,23 +47,52 @@ pub(crate) fn read_module_tensor(
     dtype: DType,
     allow_non_finite: bool,
 ) -> Result<TensorData, CheckpointError> {
-    let n: usize = shape.iter().product();
+    let rows = shape.first().copied().unwrap_or(1);
+    read_module_rows(files, transform, sources, shape, 0..rows, rows, dtype, allow_non_finite)
+}
+
+/// Rows `window` (dim 0, module layout) of the module tensor of [`read_module_tensor`], as a
+/// tensor of `padded` rows (`padded ≥ window.len()`; the rows past the window are zeros): an
+/// FSDP rank's slice ([`crate::distributed::fsdp`]), decoded from only the checkpoint bytes
+/// that hold it — source rows for a copied tensor, source columns for a transposed one, and
+/// only the window's experts of an expert stack.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn read_module_rows(
+    files: &SafetensorsFiles,
+    transform: Transform,
+    sources: &[String],
+    shape: &[usize],
+    window: Range<usize>,
+    padded: usize,
+    dtype: DType,
+    allow_non_finite: bool,
+) -> Result<TensorData, CheckpointError> {
+    let rows = shape.first().copied().unwrap_or(1);
+    if window.start > window.end || window.end > rows || padded < window.len() {
+        return Err(CheckpointError::Internal(format!("rows {window:?} (padded to {padded}) of a tensor of {rows} rows")));
+    }
+    let width: usize = shape.iter().skip(1).product();
+    let mut out_shape = shape.to_vec();
+    if let Some(d0) = out_shape.first_mut() {
+        *d0 = padded;
+    }
+    let n = padded * width;
+    // zeroed by the allocator (pages appear on first write), then every element of the window written
     match dtype {
         DType::F32 => {
             let mut out = vec![0f32; n];
-            fill(files, transform, sources, shape, &mut out, allow_non_finite)?;
-            Ok(TensorData::new(out, shape.to_vec()))
+            fill(files, transform, sources, shape, window, &mut out, allow_non_finite)?;
+            Ok(TensorData::new(out, out_shape))
         }
         DType::BF16 => {
-            // zeroed by the allocator (pages appear on first write), then every element written
             let mut out: Vec<half::bf16> = bytemuck::cast_vec(vec![0u16; n]);
-            fill(files, transform, sources, shape, &mut out, allow_non_finite)?;
-            Ok(TensorData::new(out, shape.to_vec()))
+            fill(files, transform, sources, shape, window, &mut out, allow_non_finite)?;
+            Ok(TensorData::new(out, out_shape))
         }
         DType::F16 => {
             let mut out: Vec<half::f16> = bytemuck::cast_vec(vec![0u16; n]);
-            fill(files, transform, sources, shape, &mut out, allow_non_finite)?;
-            Ok(TensorData::new(out, shape.to_vec()))
+            fill(files, transform, sources, shape, window, &mut out, allow_non_finite)?;
+            Ok(TensorData::new(out, out_shape))
         }
         other => Err(CheckpointError::Internal(format!("weights load as F32, BF16 or F16, not {other:?}"))),
     }
@@ -111,22 +140,38 @@ impl Dst for half::f16 {
     }
 }
 
-/// Where each source goes: `dest` elements of the destination, copied or transposed.
+/// Where each source goes: `dest` elements of the destination, copied or transposed, from
+/// source rows `rows` (copied) or source columns `cols` (transposed; every source row read).
 struct Placement<'a> {
     name: &'a str,
     dest: Range<usize>,
     transposed: bool,
+    rows: Option<Range<usize>>,
+    cols: Option<Range<usize>>,
 }
 
-fn placements<'a>(transform: Transform, sources: &'a [String], shape: &[usize]) -> Vec<Placement<'a>> {
+/// The placements of module rows `window` of a module tensor of `shape`.
+fn placements<'a>(transform: Transform, sources: &'a [String], shape: &[usize], window: Range<usize>) -> Vec<Placement<'a>> {
     let n: usize = shape.iter().product();
+    let width = n / shape.first().copied().unwrap_or(1).max(1);
+    let dest = 0..window.len() * width;
     match transform {
-        Transform::Identity | Transform::SqueezeConv => vec![Placement { name: &sources[0], dest: 0..n, transposed: false }],
-        Transform::Transpose | Transform::FlattenTranspose => vec![Placement { name: &sources[0], dest: 0..n, transposed: true }],
-        Transform::ExpertSlice => {
-            let per = n / sources.len().max(1);
-            sources.iter().enumerate().map(|(e, s)| Placement { name: s, dest: e * per..(e + 1) * per, transposed: true }).collect()
+        // module rows are source rows
+        Transform::Identity | Transform::SqueezeConv => {
+            vec![Placement { name: &sources[0], dest, transposed: false, rows: Some(window), cols: None }]
         }
+        // module rows are source columns
+        Transform::Transpose | Transform::FlattenTranspose => {
+            vec![Placement { name: &sources[0], dest, transposed: true, rows: None, cols: Some(window) }]
+        }
+        // module rows are experts, one source each
+        Transform::ExpertSlice => window
+            .clone()
+            .map(|e| {
+                let at = (e - window.start) * width;
+                Placement { name: &sources[e], dest: at..at + width, transposed: true, rows: None, cols: None }
+            })
+            .collect(),
     }
 }
 
@@ -135,16 +180,23 @@ fn fill<T: Dst>(
     transform: Transform,
     sources: &[String],
     shape: &[usize],
+    window: Range<usize>,
     out: &mut [T],
     allow_non_finite: bool,
 ) -> Result<(), CheckpointError> {
-    for p in placements(transform, sources, shape) {
+    for p in placements(transform, sources, shape, window) {
         let entry = files.tensors.get(p.name).ok_or_else(|| CheckpointError::MissingTensor { name: p.name.to_string() })?;
         // the checkpoint tensor as a matrix: dim 0 by the rest (a 1-D tensor is a column)
         let rows = entry.shape.first().copied().unwrap_or(1);
         let cols: usize = entry.shape.iter().skip(1).product();
-        if rows * cols != p.dest.len() {
-            return Err(CheckpointError::Internal(format!("{}: {rows}×{cols} values for {} destination elements", p.name, p.dest.len())));
+        let src_rows = p.rows.clone().unwrap_or(0..rows);
+        let src_cols = p.cols.clone().unwrap_or(0..cols);
+        if src_rows.end > rows || src_cols.end > cols || src_rows.len() * src_cols.len() != p.dest.len() {
+            return Err(CheckpointError::Internal(format!(
+                "{}: rows {src_rows:?} × columns {src_cols:?} of {rows}×{cols} values for {} destination elements",
+                p.name,
+                p.dest.len()
+            )));
         }
         let dest = &mut out[p.dest.clone()];
         let fp8 = match files.fp8_scales.get(p.name) {
@@ -156,10 +208,12 @@ fn fill<T: Dst>(
         let row_bytes = (entry.bytes.end - entry.bytes.start) / rows.max(1);
         let step = (CHUNK_BYTES / row_bytes.max(1)).clamp(1, rows.max(1));
         let mut bad = false;
-        for r0 in (0..rows).step_by(step) {
-            let chunk = r0..(r0 + step).min(rows);
-            let bytes = files.row_bytes(p.name, chunk.clone())?;
-            let (fp8, ctx) = (&fp8, Ctx { chunk: chunk.clone(), rows, cols, transposed: p.transposed });
+        for r0 in src_rows.clone().step_by(step) {
+            let chunk = r0..(r0 + step).min(src_rows.end);
+            let bytes = files.row_bytes_cols(p.name, chunk.clone(), src_cols.clone())?;
+            // the destination's rows of this chunk (copied), or its source rows (transposed)
+            let at = if p.transposed { chunk.clone() } else { chunk.start - src_rows.start..chunk.end - src_rows.start };
+            let (fp8, ctx) = (&fp8, Ctx { chunk: at, rows, cols, col0: src_cols.start, transposed: p.transposed });
             bad |= match (fp8, entry.dtype) {
                 (Some(s), _) => place(&Fp8Src { codes: bytes, cols, row0: r0, scales: s }, &ctx, dest),
                 (None, Dtype::BF16) => match bytemuck::try_cast_slice::<u8, u16>(bytes) {
@@ -349,19 +403,24 @@ impl<T: Dst> Src<T> for Fp8Src<'_> {
 /// Columns a transpose task decodes per source row (its tile of `TILE_ROWS` rows stays in L1).
 const BAND_COLS: usize = 256;
 
-/// Which source rows a call writes, and the tensor's geometry.
+/// Which rows a call writes, and the tensor's geometry: copied, `chunk` are destination rows
+/// (the source's, counted from the chunk's first); transposed, `chunk` are source rows and the
+/// destination rows are source columns `col0 ..`.
 struct Ctx {
     chunk: Range<usize>,
     rows: usize,
     cols: usize,
+    col0: usize,
     transposed: bool,
 }
 
-/// Write source rows `ctx.chunk` (of `rows × cols`) into `dest`, which holds the whole tensor
-/// (`rows × cols`, or `cols × rows` when `transposed`). True if a value was not finite.
+/// Write a chunk of source rows (`rows × cols` in all) into `dest`: destination rows
+/// `ctx.chunk` of `cols` values, or, transposed, columns `ctx.chunk` of `dest.len() / rows`
+/// destination rows of `rows` values (source columns from `col0`). True if a value was not
+/// finite.
 fn place<S: Src<T>, T: Dst>(src: &S, ctx: &Ctx, dest: &mut [T]) -> bool {
-    let Ctx { chunk, rows, cols, transposed } = ctx;
-    let (rows, cols) = (*rows, *cols);
+    let Ctx { chunk, rows, cols, col0, transposed } = ctx;
+    let (rows, cols, col0) = (*rows, *cols, *col0);
     let bad = AtomicBool::new(false);
     let threads = rayon::current_num_threads().max(1);
     if !transposed {
@@ -378,10 +437,11 @@ fn place<S: Src<T>, T: Dst>(src: &S, ctx: &Ctx, dest: &mut [T]) -> bool {
         });
     } else {
         // destination rows are source columns; each task owns a band of them
-        let band = cols.div_ceil(threads * 4).clamp(1, BAND_COLS);
+        let dest_rows = dest.len() / rows.max(1);
+        let band = dest_rows.div_ceil(threads * 4).clamp(1, BAND_COLS);
         dest.par_chunks_mut(band * rows).enumerate().for_each(|(t, d)| {
             let mut finite = true;
-            let c0 = t * band;
+            let c0 = col0 + t * band;
             let nc = d.len() / rows;
             let mut tile = vec![T::default(); TILE_ROWS * nc];
             for r_tile in chunk.clone().step_by(TILE_ROWS) {
@@ -408,7 +468,7 @@ mod tests {
     use super::*;
 
     fn ctx(chunk: Range<usize>, rows: usize, cols: usize, transposed: bool) -> Ctx {
-        Ctx { chunk, rows, cols, transposed }
+        Ctx { chunk, rows, cols, col0: 0, transposed }
     }
 
     #[test]

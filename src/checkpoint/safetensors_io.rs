@@ -233,6 +233,23 @@ impl SafetensorsFiles {
         Ok(&self.shards[e.shard].map[range])
     }
 
+    /// [`Self::row_bytes`] of which only columns `cols` (of dim 0's rows, flattened) are
+    /// decoded: those are what [`Self::bytes_read`] counts (a transposed FSDP slice reads every
+    /// source row's run of its columns).
+    pub fn row_bytes_cols(&self, name: &str, rows: Range<usize>, cols: Range<usize>) -> Result<&[u8], CheckpointError> {
+        let e = self.entry(name)?;
+        let width: usize = e.shape.iter().skip(1).product::<usize>().max(1);
+        let n_rows = e.shape.first().copied().unwrap_or(1);
+        if cols.start > cols.end || cols.end > width {
+            return Err(CheckpointError::Internal(format!("tensor `{name}`: columns {cols:?} outside 0..{width}")));
+        }
+        let bytes = self.row_bytes(name, rows.clone())?;
+        let row_len = (e.bytes.end - e.bytes.start) / n_rows.max(1);
+        let unused = rows.len() * (row_len - row_len / width * cols.len());
+        self.bytes_read.fetch_sub(unused as u64, Ordering::Relaxed);
+        Ok(bytes)
+    }
+
     /// Stop mapping the pages of rows `rows` of a tensor once they are read
     /// (`madvise(MADV_DONTNEED)`). The kernel's page cache keeps them and a later read maps
     /// them again, so this only bounds the resident set of a loader that reads many gigabytes

@@ -39,6 +39,20 @@ impl ExpertShard {
     }
 }
 
+/// Which module tensors a rank reads only its FSDP slice of, by module path
+/// ([`super::LoadOptions::row_shards`]); `None` from the function: the whole tensor.
+#[derive(Clone)]
+pub struct RowSelection(pub std::sync::Arc<RowShardOf>);
+
+/// The slice a rank loads of the module tensor at a path (`None`: all of it).
+pub type RowShardOf = dyn Fn(&str) -> Option<crate::distributed::RowShard> + Send + Sync;
+
+impl std::fmt::Debug for RowSelection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RowSelection(by module path)")
+    }
+}
+
 /// What to load.
 #[derive(Debug, Clone, Default)]
 pub struct Selection {

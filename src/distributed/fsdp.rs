@@ -91,6 +91,25 @@ pub(crate) fn shard_range(rows: usize, size: usize, rank: usize) -> std::ops::Ra
     (rank * c).min(rows)..((rank + 1) * c).min(rows)
 }
 
+/// The FSDP slice of one parameter a rank holds: rows [`shard_range`]`(rows, size, rank)` of
+/// the full tensor, padded with zero rows to [`shard_rows`]`(rows, size)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowShard {
+    /// The rank's index in the group the parameter is sharded over.
+    pub rank: usize,
+    /// That group's size.
+    pub size: usize,
+}
+
+/// The parameters a model was built with as this rank's slices already (a rank-local load,
+/// [`crate::checkpoint::LoadOptions::row_shards`]), by module path: the slice and the full
+/// dim-0 size. [`ShardPlan::shard_over`] adopts them as they are instead of cutting them.
+#[derive(Debug, Default, Clone)]
+pub struct PreSharded {
+    /// Module path → (slice, full rows).
+    pub by_path: std::collections::BTreeMap<String, (RowShard, usize)>,
+}
+
 impl ShardPlan {
     /// Shard the parameters of `module` that `select` picks (by id and `require_grad`) over
     /// `group`: each rank keeps its slice (padded). Every rank must pass the same module
@@ -116,8 +135,27 @@ impl ShardPlan {
         reshard_after_forward: bool,
         select: impl Fn(ParamId, bool) -> Option<Group>,
     ) -> (M, Arc<Self>) {
-        let mut mapper = Cut::<B, _> { select, rows: HashMap::new(), groups: HashMap::new(), world: group.clone(), _b: Default::default() };
+        Self::adopt_over(module, group, reshard_after_forward, select, &HashMap::new())
+            .unwrap_or_else(|_| unreachable!("nothing to adopt, nothing to refuse"))
+    }
+
+    /// [`Self::shard_over`] for a module some of whose parameters are this rank's slices
+    /// already (`loaded`: id → slice and full rows, from a rank-local load): those are adopted
+    /// as they are, the others cut. An error naming the first parameter whose slice is not
+    /// the one `select` asks for (loaded for another mesh, or sharded but selected whole).
+    pub fn adopt_over<B: Backend, M: Module<B>>(
+        module: M,
+        group: Group,
+        reshard_after_forward: bool,
+        select: impl Fn(ParamId, bool) -> Option<Group>,
+        loaded: &HashMap<ParamId, (RowShard, usize)>,
+    ) -> Result<(M, Arc<Self>), (ParamId, String)> {
+        let mut mapper =
+            Cut::<B, _> { select, rows: HashMap::new(), groups: HashMap::new(), world: group.clone(), loaded, refused: None, _b: Default::default() };
         let module = module.map(&mut mapper);
+        if let Some(refused) = mapper.refused {
+            return Err(refused);
+        }
         let plan = Arc::new(Self {
             group,
             rows: mapper.rows,
@@ -127,7 +165,7 @@ impl ShardPlan {
             regather: Arc::default(),
             vision_used: AtomicBool::new(false),
         });
-        (module, plan)
+        Ok((module, plan))
     }
 
     /// The plan's group: the data-parallel world (most parameters are sharded over it).
@@ -219,19 +257,52 @@ impl ShardPlan {
     }
 }
 
-/// Cuts each selected parameter to this rank's padded slice.
-struct Cut<B, F> {
+/// Cuts each selected parameter to this rank's padded slice (or adopts one loaded so).
+struct Cut<'a, B, F> {
     select: F,
     rows: HashMap<ParamId, usize>,
     groups: HashMap<ParamId, Group>,
     world: Group,
+    loaded: &'a HashMap<ParamId, (RowShard, usize)>,
+    refused: Option<(ParamId, String)>,
     _b: std::marker::PhantomData<B>,
 }
 
-impl<B: Backend, F: Fn(ParamId, bool) -> Option<Group>> ModuleMapper<B> for Cut<B, F> {
+impl<B: Backend, F: Fn(ParamId, bool) -> Option<Group>> ModuleMapper<B> for Cut<'_, B, F> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let require_grad = param.is_require_grad();
-        let Some(group) = (self.select)(param.id, require_grad) else {
+        let selected = (self.select)(param.id, require_grad);
+        if let Some(&(shard, full)) = self.loaded.get(&param.id) {
+            let held = param.lazy_shape().to_vec().first().copied().unwrap_or(0);
+            match &selected {
+                Some(g) if g.size() == shard.size && g.rank() == shard.rank && held == shard_rows(full, shard.size) => {
+                    self.rows.insert(param.id, full);
+                    if !Arc::ptr_eq(g, &self.world) {
+                        self.groups.insert(param.id, g.clone());
+                    }
+                }
+                Some(g) => {
+                    self.refused.get_or_insert((
+                        param.id,
+                        format!(
+                            "was loaded as rank {} of {} ({held} of {full} rows) but is sharded over rank {} of {} here",
+                            shard.rank,
+                            shard.size,
+                            g.rank(),
+                            g.size()
+                        ),
+                    ));
+                }
+                None => {
+                    self.refused.get_or_insert((
+                        param.id,
+                        format!("was loaded as rank {} of {}'s slice but is kept whole here (frozen, or not sharded)", shard.rank, shard.size),
+                    ));
+                }
+            }
+            return param;
+        }
+        let Some(group) = selected else {
             return param;
         };
         let (size, rank) = (group.size(), group.rank());

@@ -44,7 +44,7 @@ pub use collective::CollectiveBackend;
 pub use decorator::Distributed;
 pub use device::{mesh_of, MeshBinding, MeshDevice};
 pub use error::DistError;
-pub use fsdp::ShardPlan;
+pub use fsdp::{PreSharded, RowShard, ShardPlan};
 pub use group::{Group, P2p, ProcessGroup, ReduceBuf, ReduceOp};
 pub use local::LocalGroup;
 pub use mesh::{ExpertMesh, Mesh, MeshSizes};

@@ -159,8 +159,21 @@ pub fn shard_model<B: crate::distributed::CollectiveBackend>(
     model: Glm5ForCausalLM<B>,
     group: Group,
     reshard_after_forward: bool,
-) -> Glm5ForCausalLM<B> {
+) -> Result<Glm5ForCausalLM<B>, DistError> {
     shard_model_where(model, group, reshard_after_forward, true, None)
+}
+
+/// Parameters FSDP keeps whole although they train: the indexers' (the reference runs them
+/// under `no_grad`) and the routers' `e_score_correction_bias` (selection only, moved by the
+/// bias update), by module path.
+pub(crate) fn kept_whole(path: &str) -> bool {
+    path.contains(".indexer.") || path.ends_with("e_score_correction_bias")
+}
+
+/// Whether the module tensor at `path` belongs to the routed experts of an MoE layer (their
+/// stacks and LoRA stacks: [`expert_param_ids`]).
+pub(crate) fn is_routed_expert(path: &str) -> bool {
+    path.contains(".mlp.experts.")
 }
 
 /// [`shard_model`] for a model that may hold an expert-parallel share of the experts. With
@@ -170,21 +183,25 @@ pub fn shard_model<B: crate::distributed::CollectiveBackend>(
 /// sharded over `experts_over` — the expert-data-parallel group, the ranks holding the same
 /// experts ([`ExpertMesh::edp`]) — when `shard` is set and that group has several ranks, and
 /// stay whole otherwise (their gradients then summed over that group by the trainer).
+///
+/// Parameters loaded as this rank's slices ([`Glm5ForCausalLM::pre_sharded`]) are adopted as
+/// they are; an error names the first one loaded for another mesh or another selection.
 pub fn shard_model_where<B: crate::distributed::CollectiveBackend>(
     model: Glm5ForCausalLM<B>,
     group: Group,
     reshard_after_forward: bool,
     shard: bool,
     experts_over: Option<Group>,
-) -> Glm5ForCausalLM<B> {
+) -> Result<Glm5ForCausalLM<B>, DistError> {
     let experts = expert_param_ids(&model);
-    let replicated: HashSet<ParamId> = super::params::param_ids::<B, _>(&model)
-        .into_iter()
-        .filter(|(path, _)| path.contains(".indexer.") || path.ends_with("e_score_correction_bias"))
-        .map(|(_, id)| id)
-        .collect();
+    let ids = super::params::param_ids::<B, _>(&model);
+    let replicated: HashSet<ParamId> = ids.iter().filter(|(path, _)| kept_whole(path)).map(|(_, id)| *id).collect();
+    let loaded: std::collections::HashMap<ParamId, _> = match &model.pre_sharded {
+        Some(pre) => pre.by_path.iter().filter_map(|(path, slice)| Some((*ids.get(path)?, *slice))).collect(),
+        None => Default::default(),
+    };
     let local_experts = expert_parallel_of(&model).is_some();
-    let (mut model, plan) = ShardPlan::shard_over(model, group.clone(), reshard_after_forward, |id, require_grad| {
+    let select = |id, require_grad| {
         if !(shard && require_grad) || replicated.contains(&id) {
             return None;
         }
@@ -192,9 +209,19 @@ pub fn shard_model_where<B: crate::distributed::CollectiveBackend>(
             return experts_over.clone().filter(|g| g.size() > 1);
         }
         Some(group.clone())
-    });
+    };
+    let (mut model, plan) = ShardPlan::adopt_over(model, group.clone(), reshard_after_forward, select, &loaded).map_err(|(id, why)| {
+        let path = ids.iter().find(|(_, &v)| v == id).map(|(p, _)| p.as_str()).unwrap_or("?");
+        DistError::Mesh {
+            message: format!(
+                "module tensor {path} {why}: load the model with the options of the run that shards it \
+                 (TrainOptions::base_load_options), or without LoadOptions::row_shards"
+            ),
+            reported: false,
+        }
+    })?;
     model.language_model.shards = Some(plan);
-    model
+    Ok(model)
 }
 
 /// Ids of the routed experts' parameters (every MoE layer's `mlp.experts`, their LoRA stacks
@@ -236,9 +263,12 @@ pub(crate) fn expert_parallel_model<B: burn::tensor::backend::Backend>(
     ep: Group,
 ) -> Result<Glm5ForCausalLM<B>, DistError> {
     let plan = Arc::new(ExpertParallel::new(ep, model.num_experts)?);
-    for layer in model.language_model.layers.iter_mut() {
+    let pre_sharded = model.pre_sharded.clone();
+    for (i, layer) in model.language_model.layers.iter_mut().enumerate() {
         let Ffn::Moe(moe) = &mut layer.mlp else { continue };
-        let held = moe.experts.dims()[0];
+        // loaded as this rank's FSDP slice of its experts: the experts it holds are the full rows
+        let sliced = pre_sharded.as_ref().and_then(|p| p.by_path.get(&format!("language_model.layers.{i}.mlp.experts.gate_proj")));
+        let held = sliced.map_or_else(|| moe.experts.dims()[0], |&(_, rows)| rows);
         if held == plan.local_experts() && held != plan.n_experts {
             moe.experts.parallel = Some(plan.clone());
         } else {
@@ -328,5 +358,6 @@ pub fn unshard_model<B: crate::distributed::CollectiveBackend>(model: Glm5ForCau
     }
     let mut full = full.map(&mut Leaves(&plan));
     full.language_model.shards = None;
+    full.pre_sharded = None;
     full
 }

@@ -186,7 +186,7 @@ impl ParallelTraining {
         }
         if layout.shard_parameters || experts.is_some() {
             let edp = experts.as_ref().map(|(edp, _)| edp.clone());
-            model = shard_model_where(model, g, layout.reshard_after_forward, layout.shard_parameters, edp);
+            model = shard_model_where(model, g, layout.reshard_after_forward, layout.shard_parameters, edp)?;
         }
         Ok((model, Self { mesh: Some(mesh), experts }))
     }

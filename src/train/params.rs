@@ -142,6 +142,23 @@ pub fn freeze<B: Backend>(mut model: Glm5ForCausalLM<B>, f: &FreezeConfig) -> Gl
     model
 }
 
+impl FreezeConfig {
+    /// Whether [`freeze`] freezes the module tensor at `path` (a module path of
+    /// [`Glm5ForCausalLM`], as [`param_ids`] spells it): for deciding what a rank loads before
+    /// the model exists.
+    pub fn freezes(&self, path: &str) -> bool {
+        let under = |prefix: &str| path.strip_prefix(prefix).is_some_and(|rest| rest.is_empty() || rest.starts_with('.'));
+        if self.freeze_language_model {
+            if under("language_model") || under("lm_head") {
+                return true;
+            }
+        } else if self.freeze_embeddings && under("language_model.embed_tokens") {
+            return true;
+        }
+        self.freeze_vision_tower && under("visual")
+    }
+}
+
 /// Trainable (gradient-requiring) and frozen parameter counts.
 pub fn trainable_counts<B: Backend>(model: &Glm5ForCausalLM<B>) -> (usize, usize) {
     struct Count(usize, usize);

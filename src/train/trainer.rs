@@ -112,15 +112,45 @@ impl TrainOptions {
         (p > 1).then(|| crate::checkpoint::select::ExpertShard { rank: g.rank() % p, size: p })
     }
 
-    /// The load options of this run's base: this rank's experts, and the base held as the LoRA
-    /// section says (FP8, bf16 or fp32).
+    /// The load options of this run's base: this rank's experts, this rank's FSDP slices of
+    /// the parameters the run shards ([`Self::row_selection`]), and the base held as the LoRA
+    /// section says (FP8, bf16 or fp32). A rank so reads only its own bytes of them.
     pub fn base_load_options(&self, vision: bool) -> LoadOptions {
         LoadOptions {
             vision,
             experts: self.expert_shard(),
             fp8_base: self.peft.as_ref().is_some_and(|p| p.base_dtype == BaseDtype::Fp8),
+            row_shards: self.row_selection(),
             ..LoadOptions::with_dtype(self.base_weight_dtype())
         }
+    }
+
+    /// Under FSDP over a data-parallel group of several ranks: the module tensors
+    /// [`super::parallel::ParallelTraining::prepare`] shards over that group, by path — the
+    /// ones that train after `freeze_config` (none under LoRA, whose base is frozen), less the
+    /// indexers and router biases kept whole — with this rank's slice. Under expert
+    /// parallelism a rank's experts ([`Self::expert_shard`]) are sliced over their
+    /// expert-data-parallel group (rank `r / ep` of `world / ep`, [`super::data_parallel::ExpertMesh`]),
+    /// and kept whole when that group is one rank.
+    pub fn row_selection(&self) -> Option<crate::checkpoint::select::RowSelection> {
+        use crate::distributed::RowShard;
+        let world = self.parallel.data_parallel.as_ref().filter(|g| g.size() > 1)?;
+        if self.peft.is_some() || !self.parallel.shard_parameters {
+            return None;
+        }
+        let (r, w, ep) = (world.rank(), world.size(), self.parallel.expert_parallel.max(1));
+        let dense = RowShard { rank: r, size: w };
+        let experts = (ep > 1).then_some(RowShard { rank: r / ep, size: w / ep });
+        let freeze = self.freeze.clone();
+        Some(crate::checkpoint::select::RowSelection(std::sync::Arc::new(move |path: &str| {
+            if freeze.freezes(path) || super::data_parallel::kept_whole(path) {
+                return None;
+            }
+            match experts {
+                Some(over) if super::data_parallel::is_routed_expert(path) => (over.size > 1).then_some(over),
+                _ => Some(dense),
+            }
+        })))
     }
 
     /// The dtype the frozen base's weights are held in (those not FP8-resident): fp32 unless a
