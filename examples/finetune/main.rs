@@ -467,6 +467,10 @@ where
             (t, Sampler::new(train.packs.len(), seed))
         }
     };
+    if let Some(mb) = peak_rss_mb() {
+        // the model built (loaded or resumed) and sharded, before the first step
+        println!("peak RSS after building the model: {mb:.0} MB");
+    }
     let (trainable, frozen) = trainable_counts(trainer.model());
     let dense_sharded = trainer.is_sharded() && recipe.distributed.shard_parameters;
     let held = match (dense_sharded, ep > 1) {
