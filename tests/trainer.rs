@@ -219,6 +219,65 @@ fn save_and_resume_continue_exactly() {
     assert!(e.contains("trainer_state.json"), "{e}");
 }
 
+/// `train::resume::resume_run`, what `finetune` does on start: nothing to resume in an empty
+/// directory; the newest checkpoint that loads (a damaged newer one skipped and named) with its
+/// data position on the same data; on changed data a refusal naming each difference, or, asked
+/// to, the checkpoint's step with the new data from its first pack.
+#[test]
+fn resume_run_picks_the_newest_intact_checkpoint_and_checks_the_data() {
+    use glm5_burn::data::fingerprint::DataFingerprint;
+    use glm5_burn::train::resume::{resume_run, ResumeOptions, RunData};
+    let (config, json, micro, opts) = setup();
+    let device = Default::default();
+    let tmp = tempfile::tempdir().unwrap();
+    let how = ResumeOptions { vision: true, ..ResumeOptions::default() };
+    let fp = DataFingerprint {
+        path: "data".into(),
+        format: "jsonl".into(),
+        split: "train".into(),
+        max_samples: None,
+        files: Default::default(),
+        packed_sequence_size: 160,
+        drop_long_samples: true,
+        seed: 42,
+        global_batch_size: 4,
+        local_batch_size: 1,
+        packs: 9,
+        content: "0123456789abcdef".into(),
+    };
+    let data = RunData { fingerprint: &fp, packs: 9, seed: 42 };
+    assert!(resume_run::<A>(tmp.path(), &opts, &data, how, &device).unwrap().is_none());
+
+    let mut first = Trainer::<A>::new(model(&config, 7), opts.clone());
+    first.step(&micro).unwrap();
+    first.data_fingerprint = Some(fp.clone());
+    first.save_checkpoint(tmp.path(), 1, &json, &[], DataPosition { epoch: 1, cursor: 3, seed: 42 }).unwrap();
+    // a newer checkpoint cut short: its state file is not JSON
+    let newer = tmp.path().join("step_000002");
+    std::fs::create_dir_all(&newer).unwrap();
+    std::fs::write(newer.join("trainer_state.json"), "{ truncated").unwrap();
+
+    let r = resume_run::<A>(tmp.path(), &opts, &data, how, &device).unwrap().unwrap();
+    assert!(r.dir.ends_with("step_000001"), "{}", r.dir.display());
+    assert_eq!((r.state.step, r.sampler.epoch, r.sampler.cursor), (1, 1, 3));
+    assert_eq!(r.trainer.data_fingerprint.as_ref(), Some(&fp));
+    let notes = r.notes.join("\n");
+    assert!(notes.contains("step_000002 does not load") && notes.contains("newest intact checkpoint"), "{notes}");
+    assert!(notes.contains("resumed from") && notes.contains("epoch 1, pack 3"), "{notes}");
+
+    let mut other = fp.clone();
+    other.packed_sequence_size = 512;
+    let changed = RunData { fingerprint: &other, packs: 9, seed: 42 };
+    let e = resume_run::<A>(tmp.path(), &opts, &changed, how, &device).err().unwrap().to_string();
+    assert!(e.contains("step_000001") && e.contains("packed_sequence.packed_sequence_size: 160 → 512"), "{e}");
+    assert!(e.contains("--reset-data-position"), "{e}");
+    let reset = ResumeOptions { reset_data_position: true, ..how };
+    let r = resume_run::<A>(tmp.path(), &opts, &changed, reset, &device).unwrap().unwrap();
+    assert_eq!((r.state.step, r.sampler.epoch, r.sampler.cursor), (1, 0, 0));
+    assert_eq!(r.trainer.data_fingerprint.as_ref(), Some(&other));
+    assert!(r.notes.iter().any(|n| n.contains("on changed data")), "{:?}", r.notes);
+}
+
 /// `model.base_dtype: bf16`: a LoRA run in bf16 holds its frozen base in bf16 (cast once, no
 /// fp32 masters: half the base's bytes) and trains exactly as the same run on an fp32 base,
 /// whose every step casts the base into the same bf16 compute copy — bit for bit, three steps.

@@ -48,6 +48,7 @@ use glm5_burn::ops::OpImpl;
 use glm5_burn::train::checkpoint as ckpt;
 use glm5_burn::train::params::trainable_counts;
 use glm5_burn::train::recipe::{split_overrides, PathKind, Recipe};
+use glm5_burn::train::resume::{resume_run, ResumeOptions, RunData};
 use glm5_burn::train::trainer::{DataPosition, StepOutcome, TrainOptions, Trainer};
 use glm5_burn::{Glm5Backend, Glm5ForCausalLM};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -184,35 +185,6 @@ fn packing_options(recipe: &Recipe) -> PackingOptions {
         drop_long_samples: recipe.packed_sequence.drop_long_samples,
         seed: recipe.rng.seed,
     }
-}
-
-/// Resume from the newest checkpoint that loads. A newer one that does not (a crash
-/// mid-write on a filesystem without atomic renames, a truncated copy) is skipped with a
-/// warning naming it and why; if none loads, the newest one's error is returned.
-fn resume_newest_intact<B: AutodiffBackend + Glm5Backend>(
-    checkpoints: &[(usize, PathBuf)],
-    options: &TrainOptions,
-    device: &B::Device,
-) -> Result<(Trainer<B>, ckpt::TrainerState, PathBuf)>
-where
-    B::InnerBackend: Glm5Backend,
-{
-    let mut newest_error = None;
-    for (_, dir) in checkpoints.iter().rev() {
-        match Trainer::<B>::resume(dir, options.clone(), true, device) {
-            Ok((t, state)) => {
-                if newest_error.is_some() {
-                    println!("resuming from the newest intact checkpoint, {}", dir.display());
-                }
-                return Ok((t, state, dir.clone()));
-            }
-            Err(e) => {
-                println!("warning: checkpoint {} does not load: {e}", dir.display());
-                newest_error.get_or_insert(e);
-            }
-        }
-    }
-    Err(newest_error.map(anyhow::Error::from).unwrap_or_else(|| anyhow::anyhow!("no checkpoint to resume from")))
 }
 
 fn build_dataset(s: &glm5_burn::data::DatasetSource, recipe: &Recipe, chat: &ChatFormat, image_token: i64, label: &str) -> Result<PackedDataset> {
@@ -393,51 +365,19 @@ where
     );
     let mut options = TrainOptions::from_recipe(recipe);
     options.parallel = options.parallel.on_mesh(mesh)?;
-    let checkpoints = if recipe.checkpoint.enabled { ckpt::list(&root) } else { Vec::new() };
-    let latest = checkpoints.last().map(|(_, p)| p.clone());
+    let data = RunData { fingerprint: &fingerprint, packs: train.packs.len(), seed };
+    let how = ResumeOptions { vision: true, reset_data_position: args.reset_data_position, new_schedule: args.new_schedule };
+    let latest = if recipe.checkpoint.enabled { ckpt::latest(&root) } else { None };
     let (mut trainer, mut sampler) = match latest {
         Some(_) if !args.no_resume => {
-            let (mut t, state, dir) = resume_newest_intact::<B>(&checkpoints, &options, &device)?;
-            let changed = match &state.data {
-                Some(saved) => fingerprint.differences(saved),
-                // written before checkpoints carried a fingerprint: the seed is all we know
-                None if state.seed != seed => vec![format!("rng.seed: {} → {seed}", state.seed)],
-                None if state.cursor > train.packs.len() => vec![format!("packs: more than {} → {}", state.cursor, train.packs.len())],
-                None => Vec::new(),
-            };
-            let sampler = if changed.is_empty() {
-                println!("resumed from {} (step {}, epoch {}, pack {})", dir.display(), state.step, state.epoch, state.cursor);
-                Sampler::at(train.packs.len(), seed, state.epoch, state.cursor)
-            } else if args.reset_data_position {
-                println!(
-                    "resumed from {} (step {}) on changed data ({}); --reset-data-position: the new data from its first pack",
-                    dir.display(),
-                    state.step,
-                    changed.join("; ")
-                );
-                Sampler::new(train.packs.len(), seed)
-            } else {
-                bail!(
-                    "{}: the data differ from the checkpoint's, so its data position (epoch {}, pack {}) would point into a \
-                     different pack list:\n  {}\nrestore those recipe values, or pass --reset-data-position to continue from \
-                     step {} with the new data from its first pack",
-                    dir.display(),
-                    state.epoch,
-                    state.cursor,
-                    changed.join("\n  "),
-                    state.step
-                );
-            };
-            t.data_fingerprint = Some(fingerprint.clone());
-            let (schedule, note) = glm5_burn::train::schedule::resume_schedule(state.schedule, t.options.optimizer.lr, state.step, args.new_schedule);
-            t.options.optimizer.lr = schedule;
-            if let Some(note) = note {
+            let resumed = resume_run::<B>(&root, &options, &data, how, &device)?.context("the checkpoints vanished while resuming")?;
+            for note in &resumed.notes {
                 println!("{note}");
             }
             if rank == 0 {
-                truncate_metrics(&root.join("metrics.jsonl"), state.step)?;
+                truncate_metrics(&root.join("metrics.jsonl"), resumed.state.step)?;
             }
-            (t, sampler)
+            (resumed.trainer, resumed.sampler)
         }
         Some(dir) => {
             bail!("{} holds checkpoints (newest {}); with --no-resume pick an empty checkpoint.checkpoint_dir", root.display(), dir.display())

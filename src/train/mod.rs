@@ -12,6 +12,7 @@ pub mod learner;
 pub mod parallel;
 pub mod params;
 pub mod recipe;
+pub mod resume;
 pub mod schedule;
 pub(crate) mod sharded;
 pub mod step;
