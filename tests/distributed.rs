@@ -707,8 +707,11 @@ mod mpi_engine {
 
     #[test]
     fn a_loop_of_ones_own_on_a_mesh_device_follows_one_process() {
-        let runs = [(2, "own_loop:2:1:1"), (4, "own_loop:2:2:1"), (4, "own_loop:4:1:2")];
-        run_scenarios(&runs, "a loop of one's own follows one process", 1, Duration::from_secs(600));
+        let tmp = tempfile::tempdir().unwrap();
+        let spec = |s: &str| format!("{s}:{}", tmp.path().join(s.replace(':', "_")).display());
+        let specs = [spec("own_loop:2:1:1"), spec("own_loop:2:2:1"), spec("own_loop:4:1:2")];
+        let runs = [(2, specs[0].as_str()), (4, specs[1].as_str()), (4, specs[2].as_str())];
+        run_scenarios(&runs, "and its checkpoints resume across meshes", 1, Duration::from_secs(600));
     }
 
     #[test]
@@ -1538,17 +1541,20 @@ mod mpi_engine {
     /// steps (loss summed over the ranks, gradient norm): `own_loop:DP:CP:EP`.
     fn own_loop(r: usize, n: usize, spec: &str) {
         use burn::backend::{Autodiff, Flex};
-        use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
+        use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
         use burn::tensor::backend::AutodiffBackend;
         use burn::tensor::ElementConversion;
+        use glm5_burn::checkpoint::CheckpointConfig;
         use glm5_burn::data::batch::MicroBatch;
         use glm5_burn::distributed::{Distributed, MeshDevice, MeshSizes};
         use glm5_burn::text::{AttentionImpl, ForwardOptions, KdaImpl};
         use glm5_burn::train::parallel::ParallelTraining;
+        use glm5_burn::train::recipe::FreezeConfig;
         use glm5_burn::train::step::forward_micro;
         use glm5_burn::train::trainer::ParallelLayout;
+        use glm5_burn::train::trainer::{DataPosition, TrainOptions};
         use glm5_burn::{Glm5Backend, Glm5Config, Glm5ForCausalLM};
-        let f: Vec<usize> = spec.split(':').skip(1).map(|x| x.parse().unwrap()).collect();
+        let f: Vec<usize> = spec.split(':').skip(1).take(3).map(|x| x.parse().unwrap()).collect();
         let sizes = MeshSizes { dp: f[0], cp: f[1], ep: f[2] };
         let config = Glm5Config::tiny();
         let v = config.text_config.vocab_size as i64;
@@ -1566,23 +1572,44 @@ mod mpi_engine {
                 })
                 .collect()
         };
-        // the loop a user writes; `par` is all it adds for the mesh
+        // the loop a user writes; `par` is all it adds for the mesh. It saves a checkpoint
+        // after step 2 into `save` and, given `from`, resumes from one instead of starting.
         fn train<B: AutodiffBackend + Glm5Backend>(
             device: &B::Device,
             config: &Glm5Config,
             forward: ForwardOptions,
             batches: &dyn Fn(usize) -> Vec<MicroBatch>,
+            save: &std::path::Path,
+            from: Option<&std::path::Path>,
         ) -> Vec<(f64, f64)>
         where
             B::InnerBackend: Glm5Backend,
         {
-            B::seed(device, 5);
-            let model = Glm5ForCausalLM::<B>::try_new(config, device).unwrap();
-            glm5_burn::train::params::materialize(&model);
-            let (mut model, par) = ParallelTraining::prepare(model, &ParallelLayout::default()).unwrap();
-            let mut optim = AdamWConfig::new().with_weight_decay(0.01).init::<B, Glm5ForCausalLM<B>>();
+            // what the loop trains: everything (the fresh model is built unfrozen)
+            let recipe = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml");
+            let mut options = TrainOptions::from_recipe(&glm5_burn::train::recipe::Recipe::from_file(&recipe, &[]).unwrap());
+            options.freeze = FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false };
+            let (mut model, par, mut optim, start) = match from {
+                None => {
+                    B::seed(device, 5);
+                    let model = Glm5ForCausalLM::<B>::try_new(config, device).unwrap();
+                    glm5_burn::train::params::materialize(&model);
+                    let (model, par) = ParallelTraining::prepare(model, &ParallelLayout::default()).unwrap();
+                    (model, par, AdamWConfig::new().with_weight_decay(0.01).init::<B, Glm5ForCausalLM<B>>(), 0)
+                }
+                Some(dir) => {
+                    let r = ParallelTraining::load_checkpoint::<B, AdamW>(dir, &options, false, device).unwrap();
+                    (
+                        r.model,
+                        r.parallel,
+                        AdamWConfig::new().with_weight_decay(0.01).init::<B, Glm5ForCausalLM<B>>().load_record(r.record),
+                        r.state.step,
+                    )
+                }
+            };
+            let json = CheckpointConfig::from_json(serde_json::to_value(config).unwrap(), "tiny").unwrap();
             let mut trace = Vec::new();
-            for step in 0..5 {
+            for step in start..5 {
                 let micro = batches(step);
                 let global = par.global_batch(&model, &micro).unwrap();
                 let (mut acc, mut loss) = (GradientsAccumulator::new(), 0.0);
@@ -1598,21 +1625,57 @@ mod mpi_engine {
                 let norm = par.clip(&model, &mut grads, Some(1.0)).unwrap();
                 model = optim.step(1e-3, model, grads);
                 trace.push((par.sum(loss).unwrap(), norm));
+                if step + 1 == 2 {
+                    par.save_checkpoint(save, step + 1, &model, &optim, &json, 2, DataPosition::default()).unwrap();
+                }
             }
             trace
         }
-        let want = train::<Autodiff<Flex>>(&Default::default(), &config, forward, &global);
+        let root = std::path::PathBuf::from(spec.split(':').nth(4).unwrap());
+        // one process, its own directory per rank; the mesh's one, shared
+        let (one_dir, mesh_dir) = (root.join(format!("one_rank{r}")), root.join("mesh"));
+        let want = train::<Autodiff<Flex>>(&Default::default(), &config, forward, &global, &one_dir, None);
         let device = MeshDevice::from_env(Default::default(), Some(sizes)).unwrap();
         let (replica, replicas) = device.mesh().unwrap().data_shard();
         let mine = |step: usize| global(step).into_iter().enumerate().filter(|(i, _)| i % replicas == replica).map(|(_, m)| m).collect();
-        let got = train::<Autodiff<Distributed<Flex>>>(&device, &config, forward, &mine);
+        let got = train::<Autodiff<Distributed<Flex>>>(&device, &config, forward, &mine, &mesh_dir, None);
+        // across meshes: the one-process checkpoint resumed on the mesh, the mesh's in one process
+        let resumed_on_mesh = train::<Autodiff<Distributed<Flex>>>(
+            &device,
+            &config,
+            forward,
+            &mine,
+            &root.join(format!("again{r}")),
+            Some(&one_dir.join("step_000002")),
+        );
         device.release();
+        let resumed_alone = train::<Autodiff<Flex>>(
+            &Default::default(),
+            &config,
+            forward,
+            &global,
+            &root.join(format!("alone{r}")),
+            Some(&mesh_dir.join("step_000002")),
+        );
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * a.abs().max(1e-12);
         for (step, ((la, na), (lb, nb))) in want.iter().zip(&got).enumerate() {
-            let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * a.abs().max(1e-12);
             assert!(close(*la, *lb) && close(*na, *nb), "rank {r} step {step}: loss {lb} vs one process {la}, grad norm {nb} vs {na}");
         }
+        for (what, resumed) in [("one process's checkpoint on the mesh", &resumed_on_mesh), ("the mesh's checkpoint in one process", &resumed_alone)]
+        {
+            assert_eq!(resumed.len(), 3, "{what}: resumed at step 2");
+            for (step, ((la, na), (lb, nb))) in want[2..].iter().zip(resumed).enumerate() {
+                assert!(close(*la, *lb) && close(*na, *nb), "rank {r}, {what}, step {}: loss {lb} vs {la}, grad norm {nb} vs {na}", step + 2);
+            }
+        }
         let worst = want.iter().zip(&got).map(|((la, _), (lb, _))| ((la - lb) / la).abs()).fold(0f64, f64::max);
-        println!("rank {r} of {n}: a loop of one's own follows one process over 5 steps (worst loss rel {worst:.1e}; {spec})");
+        let worst_resumed =
+            want[2..].iter().zip(resumed_on_mesh.iter().chain(&resumed_alone)).map(|((la, _), (lb, _))| ((la - lb) / la).abs()).fold(0f64, f64::max);
+        println!(
+            "rank {r} of {n}: a loop of one's own follows one process over 5 steps (worst loss rel {worst:.1e}; {}), \
+             and its checkpoints resume across meshes (worst {worst_resumed:.1e})",
+            spec.rsplit_once(':').map_or(spec, |(s, _)| s)
+        );
     }
 
     /// One MoE layer under expert parallelism against the whole layer in one process: rank

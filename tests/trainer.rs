@@ -339,3 +339,68 @@ fn a_bf16_base_holds_half_the_bytes_and_trains_as_the_fp32_base_in_bf16() {
     let trained = |t: &Trainer<A>| values(t.model()).into_iter().zip(dtypes(t.model())).filter(|(_, d)| d.2).map(|(v, _)| v).collect::<Vec<_>>();
     assert_eq!(trained(&f32_base), trained(&bf16_base), "the same adapters after three steps");
 }
+
+/// `ParallelTraining::save_checkpoint` / `load_checkpoint` in one process with Burn's own
+/// AdamW: the loaded model and moments equal the saved ones bit for bit (frozen embedding
+/// included, and trained as frozen again); a directory that is not such a checkpoint (an
+/// unsharded `Trainer`'s, with `optimizer.mpk`) is refused naming what is missing; a model with
+/// LoRA adapters is refused rather than saved without them.
+#[test]
+fn a_loop_of_ones_own_saves_and_loads_its_checkpoint() {
+    use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
+    use glm5_burn::train::parallel::ParallelTraining;
+    let (config, json, micro, opts) = setup();
+    let device = Default::default();
+    let tmp = tempfile::tempdir().unwrap();
+    let frozen = glm5_burn::train::params::freeze(model(&config, 7), &opts.freeze);
+    let (mut m, par) = ParallelTraining::prepare(frozen, &opts.parallel).unwrap();
+    let mut optim = AdamWConfig::new().init::<A, Glm5ForCausalLM<A>>();
+    let out = glm5_burn::train::step::forward_micro(&m, &micro[0], &opts.forward, None).unwrap();
+    let (sum, _) = glm5_burn::loss::target_loss_sum(out.output.logits, &out.targets);
+    m = optim.step(1e-3, m.clone(), GradientsParams::from_grads(sum.backward(), &m));
+    let dir = par.save_checkpoint(tmp.path(), 1, &m, &optim, &json, 2, DataPosition { epoch: 0, cursor: 2, seed: 3 }).unwrap();
+    assert!(dir.join("model/model.safetensors").is_file() && dir.join("optimizer/rank-00000-of-00001.safetensors").is_file());
+    let r = ParallelTraining::load_checkpoint::<A, AdamW>(&dir, &opts, true, &device).unwrap();
+    let (back, record, state) = (r.model, r.record, r.state);
+    assert_eq!((state.step, state.cursor, state.seed), (1, 2, 3));
+    let values = |m: &Glm5ForCausalLM<A>| -> Vec<(String, bool, Vec<u32>)> {
+        let ids = param_ids::<A, _>(m);
+        struct V(std::collections::HashMap<burn::module::ParamId, (bool, Vec<u32>)>);
+        impl burn::module::ModuleVisitor<A> for V {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<A, D>>) {
+                let bits = p.val().into_data().convert::<f32>().into_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+                self.0.insert(p.id, (p.is_require_grad(), bits));
+            }
+        }
+        let mut v = V(Default::default());
+        m.visit(&mut v);
+        ids.into_iter()
+            .map(|(path, id)| {
+                let (rg, bits) = v.0.remove(&id).unwrap();
+                (path, rg, bits)
+            })
+            .collect()
+    };
+    assert_eq!(values(&m), values(&back));
+    let saved = optim.to_record();
+    assert_eq!(record.len(), saved.len());
+    assert!(values(&back).iter().any(|(p, rg, _)| p.contains("embed_tokens") && !rg));
+
+    // an unsharded Trainer's checkpoint (optimizer.mpk)
+    let trainer = Trainer::<A>::new(model(&config, 7), opts.clone());
+    let tdir = trainer.save_checkpoint(&tmp.path().join("trainer"), 2, &json, &[], DataPosition::default()).unwrap();
+    let e = ParallelTraining::load_checkpoint::<A, AdamW>(&tdir, &opts, true, &device).err().unwrap().to_string();
+    assert!(e.contains("optimizer") && e.contains("Trainer::resume"), "{e}");
+    let e = ParallelTraining::load_checkpoint::<A, AdamW>(&tmp.path().join("nothing"), &opts, true, &device).err().unwrap().to_string();
+    assert!(e.contains("trainer_state.json"), "{e}");
+
+    // adapters would be lost: refused
+    let lora: glm5_burn::text::lora::LoraConfig =
+        serde_json::from_value(serde_json::json!({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]})).unwrap();
+    let with = {
+        let _guard = RNG.lock().unwrap_or_else(|p| p.into_inner());
+        glm5_burn::peft::attach(m.clone(), &lora).unwrap().0
+    };
+    let e = par.save_checkpoint(&tmp.path().join("lora"), 1, &with, &optim, &json, 2, DataPosition::default()).err().unwrap().to_string();
+    assert!(e.contains("LoRA"), "{e}");
+}

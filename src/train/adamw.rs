@@ -10,7 +10,7 @@
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamWState, AdaptiveMomentumState, LearningRate, SimpleOptimizer};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::Device;
 use burn::tensor::{Tensor, TensorPrimitive};
 
@@ -69,5 +69,34 @@ impl<B: Glm5Backend> SimpleOptimizer<B> for FusedAdamW {
     fn to_device<const D: usize>(mut state: Self::State<D>, device: &Device<B>) -> Self::State<D> {
         state.momentum = state.momentum.to_device(device);
         state
+    }
+}
+
+/// An optimizer whose per-parameter state is AdamW's moments — Burn's `AdamW` and
+/// [`FusedAdamW`]: what a sharded training checkpoint stores (`exp_avg`, `exp_avg_sq`, step),
+/// so a loop of one's own on Burn's optimizer saves and resumes as the trainer does
+/// ([`super::parallel::ParallelTraining::save_checkpoint`]).
+pub trait AdamWMoments<B: Backend>: SimpleOptimizer<B> {
+    /// The moments of a state.
+    fn into_moments<const D: usize>(state: Self::State<D>) -> AdamWState<B, D>;
+    /// A state from moments.
+    fn from_moments<const D: usize>(moments: AdamWState<B, D>) -> Self::State<D>;
+}
+
+impl<B: Glm5Backend> AdamWMoments<B> for FusedAdamW {
+    fn into_moments<const D: usize>(state: Self::State<D>) -> AdamWState<B, D> {
+        state
+    }
+    fn from_moments<const D: usize>(moments: AdamWState<B, D>) -> Self::State<D> {
+        moments
+    }
+}
+
+impl<B: Backend> AdamWMoments<B> for burn::optim::AdamW {
+    fn into_moments<const D: usize>(state: Self::State<D>) -> AdamWState<B, D> {
+        state
+    }
+    fn from_moments<const D: usize>(moments: AdamWState<B, D>) -> Self::State<D> {
+        moments
     }
 }

@@ -31,7 +31,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use safetensors::tensor::Dtype;
 
-use super::adamw::FusedAdamW;
+use super::adamw::{AdamWMoments, FusedAdamW};
 use super::data_parallel::{expert_parallel_of, expert_param_ids, plan_of};
 use crate::checkpoint::safetensors_io::{serialize, write_atomic, OwnedTensor, SafetensorsFiles};
 use crate::checkpoint::CheckpointError;
@@ -42,9 +42,9 @@ use crate::distributed::{DistError, P2p, ShardPlan};
 use crate::model::Glm5ForCausalLM;
 use crate::ops::backend::Glm5Backend;
 
-type Adam<B> = OptimizerAdaptor<FusedAdamW, Glm5ForCausalLM<B>, B>;
-/// The optimizer record of the trainer's AdamW (moments by parameter id).
-pub type AdamRecord<B> = <Adam<B> as Optimizer<Glm5ForCausalLM<B>, B>>::Record;
+/// The optimizer record of an AdamW-like optimizer `O` (moments by parameter id; the
+/// trainer's is [`FusedAdamW`]'s).
+pub type AdamRecord<B, O = FusedAdamW> = <OptimizerAdaptor<O, Glm5ForCausalLM<B>, B> as Optimizer<Glm5ForCausalLM<B>, B>>::Record;
 
 fn dist(e: DistError) -> CheckpointError {
     CheckpointError::Internal(format!("sharded checkpoint: {e}"))
@@ -284,28 +284,22 @@ fn f32_bytes(t: TensorData) -> Vec<u8> {
     t.convert::<f32>().into_vec::<f32>().unwrap_or_default().iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-struct SaveMoments<'a, B: AutodiffBackend>
-where
-    B::InnerBackend: Glm5Backend,
-{
+struct SaveMoments<'a, B: AutodiffBackend, O: AdamWMoments<B::InnerBackend>> {
     plan: Option<&'a ShardPlan>,
     experts: Option<&'a ExpertRows>,
     /// This rank writes the expert moments (the first holder of its experts).
     expert_writer: bool,
     rank: usize,
     paths: &'a HashMap<ParamId, String>,
-    record: AdamRecord<B>,
+    record: AdamRecord<B, O>,
     out: BTreeMap<String, OwnedTensor>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for SaveMoments<'_, B>
-where
-    B::InnerBackend: Glm5Backend,
-{
+impl<B: AutodiffBackend, O: AdamWMoments<B::InnerBackend>> ModuleVisitor<B> for SaveMoments<'_, B, O> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let Some(rec) = self.record.remove(&param.id) else { return };
         let Some(path) = self.paths.get(&param.id) else { return };
-        let state: AdamWState<B::InnerBackend, D> = rec.into_state::<D>();
+        let state: AdamWState<B::InnerBackend, D> = O::into_moments(rec.into_state::<D>());
         let m = state.momentum;
         let held = m.moment_1.dims()[0];
         let (range, _, _, replicated) = layout(self.plan, self.experts, param.id, held);
@@ -333,10 +327,11 @@ pub(crate) fn optimizer_file(rank: usize, size: usize) -> String {
 }
 
 /// Write this rank's AdamW moments (the rows it holds) into `dir/optimizer/` (module docs).
-pub(crate) fn save_optimizer<B: AutodiffBackend>(model: &Glm5ForCausalLM<B>, optim: &Adam<B>, dir: &Path) -> Result<(), CheckpointError>
-where
-    B::InnerBackend: Glm5Backend,
-{
+pub(crate) fn save_optimizer<B: AutodiffBackend, O: AdamWMoments<B::InnerBackend>>(
+    model: &Glm5ForCausalLM<B>,
+    optim: &OptimizerAdaptor<O, Glm5ForCausalLM<B>, B>,
+    dir: &Path,
+) -> Result<(), CheckpointError> {
     let plan = plan_of(model).map(|p| &**p);
     let (rank, size) = plan.map(|p| (p.group().rank(), p.group().size())).unwrap_or((0, 1));
     let paths = paths(model);
@@ -346,7 +341,7 @@ where
         _ => true,
     };
     let mut v =
-        SaveMoments::<B> { plan, experts: experts.as_ref(), expert_writer, rank, paths: &paths, record: optim.to_record(), out: BTreeMap::new() };
+        SaveMoments::<B, O> { plan, experts: experts.as_ref(), expert_writer, rank, paths: &paths, record: optim.to_record(), out: BTreeMap::new() };
     model.visit(&mut v);
     let dir = dir.join("optimizer");
     std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::Io { path: dir.clone(), error: e })?;
@@ -386,23 +381,17 @@ fn read_i64(f: &SafetensorsFiles, name: &str) -> Result<i64, CheckpointError> {
     Ok(i64::from_le_bytes(arr))
 }
 
-struct LoadMoments<'a, B: AutodiffBackend>
-where
-    B::InnerBackend: Glm5Backend,
-{
+struct LoadMoments<'a, B: AutodiffBackend, O: AdamWMoments<B::InnerBackend>> {
     plan: Option<&'a ShardPlan>,
     experts: Option<&'a ExpertRows>,
     paths: &'a HashMap<ParamId, String>,
     files: &'a [SafetensorsFiles],
     dir: &'a Path,
-    out: AdamRecord<B>,
+    out: AdamRecord<B, O>,
     error: Option<CheckpointError>,
 }
 
-impl<B: AutodiffBackend> LoadMoments<'_, B>
-where
-    B::InnerBackend: Glm5Backend,
-{
+impl<B: AutodiffBackend, O: AdamWMoments<B::InnerBackend>> LoadMoments<'_, B, O> {
     fn bad(&self, message: String) -> CheckpointError {
         CheckpointError::Index { path: self.dir.to_path_buf(), message }
     }
@@ -453,15 +442,12 @@ where
         shape[0] = held;
         let t = |v: Vec<f32>| Tensor::<B::InnerBackend, D>::from_data(TensorData::new(v, shape), &device);
         let state = AdamWState::new(AdaptiveMomentumState::new(time, t(m1), t(m2)));
-        self.out.insert(param.id, AdaptorRecord::from_state(state));
+        self.out.insert(param.id, AdaptorRecord::from_state(O::from_moments(state)));
         Ok(())
     }
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for LoadMoments<'_, B>
-where
-    B::InnerBackend: Glm5Backend,
-{
+impl<B: AutodiffBackend, O: AdamWMoments<B::InnerBackend>> ModuleVisitor<B> for LoadMoments<'_, B, O> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if self.error.is_none() {
             if let Err(e) = self.load(param) {
@@ -473,14 +459,14 @@ where
 
 /// AdamW's moments for `model` (sharded or whole, any number of ranks) from the rank files
 /// in `dir` (written under any number of ranks): each parameter's rows this rank holds.
-pub(crate) fn load_optimizer<B: AutodiffBackend>(model: &Glm5ForCausalLM<B>, dir: &Path) -> Result<AdamRecord<B>, CheckpointError>
-where
-    B::InnerBackend: Glm5Backend,
-{
+pub(crate) fn load_optimizer<B: AutodiffBackend, O: AdamWMoments<B::InnerBackend>>(
+    model: &Glm5ForCausalLM<B>,
+    dir: &Path,
+) -> Result<AdamRecord<B, O>, CheckpointError> {
     let files = open_rank_files(dir)?;
     let paths = paths(model);
     let experts = expert_rows(model);
-    let mut v = LoadMoments::<B> {
+    let mut v = LoadMoments::<B, O> {
         plan: plan_of(model).map(|p| &**p),
         experts: experts.as_ref(),
         paths: &paths,

@@ -202,7 +202,7 @@ impl TrainOptions {
 }
 
 /// Where the data stands when a checkpoint is written: what a resumed sampler starts from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DataPosition {
     /// The sampler's epoch after this step.
     pub epoch: usize,
