@@ -9,6 +9,7 @@ pub mod clip;
 pub mod data_parallel;
 #[cfg(feature = "learner")]
 pub mod learner;
+pub mod loop_checkpoint;
 pub mod parallel;
 pub mod params;
 pub mod recipe;
