@@ -261,6 +261,13 @@ fn a_rank_load_sharded_over_another_group_is_refused() {
     let e = glm5_burn::train::data_parallel::shard_model(model, std::sync::Arc::new(LocalGroup) as Group, true).unwrap_err().to_string();
     assert!(e.contains("language_model.layers.") && e.contains("q_a_proj.weight"), "{e}");
     assert!(e.contains("rank 1 of 2") && e.contains("rank 0 of 1"), "{e}");
+    // and a one-process layout, which shards nothing, does not run on the slices as if whole
+    let select = RowSelection(std::sync::Arc::new(|path: &str| path.ends_with("q_a_proj.weight").then_some(RowShard { rank: 1, size: 2 })));
+    let opts = LoadOptions { row_shards: Some(select), ..LoadOptions::default() };
+    let model = load_causal_lm::<burn::backend::Autodiff<B>>(&dir, &Default::default(), &opts).unwrap().model;
+    let layout = glm5_burn::train::parallel::ParallelLayout::default();
+    let e = glm5_burn::train::parallel::ParallelTraining::prepare(model, &layout).err().unwrap().to_string();
+    assert!(e.contains("slices") && e.contains("row_shards"), "{e}");
 }
 
 /// `FreezeConfig::freezes` (what a rank decides to load as slices before the model exists)

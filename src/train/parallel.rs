@@ -180,7 +180,25 @@ impl ParallelTraining {
                 return Err(TrainError::Unsupported { what });
             }
         }
-        let Some(g) = world else { return Ok((model, Self::one_process())) };
+        // slices loaded for a sharded run are only whole again in a plan that gathers them
+        let unsharded_slices = |model: &Glm5ForCausalLM<B>| -> Result<(), TrainError> {
+            match (&model.pre_sharded, plan_of(model)) {
+                (Some(pre), None) => Err(TrainError::Distributed(crate::distributed::DistError::Mesh {
+                    message: format!(
+                        "the model holds this rank's slices of {} tensors (loaded with LoadOptions::row_shards) but this layout \
+                         does not shard them (one process, or shard_parameters off): load it with the layout's own \
+                         TrainOptions::base_load_options",
+                        pre.by_path.len()
+                    ),
+                    reported: false,
+                })),
+                _ => Ok(()),
+            }
+        };
+        let Some(g) = world else {
+            unsharded_slices(&model)?;
+            return Ok((model, Self::one_process()));
+        };
         // the layout's or the device's mesh, or the layout's group split as a mesh (Megatron's layout)
         let mesh = match layout.mesh.clone().or(device_mesh).filter(|m| Arc::ptr_eq(m.world(), &g)) {
             Some(m) => m,
@@ -195,6 +213,7 @@ impl ParallelTraining {
             let edp = experts.as_ref().map(|(edp, _)| edp.clone());
             model = shard_model_where(model, g, layout.reshard_after_forward, layout.shard_parameters, edp)?;
         }
+        unsharded_slices(&model)?;
         Ok((model, Self { mesh: Some(mesh), experts }))
     }
 
