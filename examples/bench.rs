@@ -353,8 +353,8 @@ where
         if a.batch != 1 {
             bail!("--cp {} splits one row: use --batch 1", a.cp);
         }
-        options.parallel.data_parallel = Some(context_group(a.cp)?);
         options.parallel.context_parallel = a.cp;
+        options.parallel = options.parallel.with_world(context_group(a.cp)?)?;
         micro.documents = Some(vec![a.seq]);
     }
     let mut trainer = Trainer::<A>::try_new(model, options)?;

@@ -488,7 +488,7 @@ mod mpi_engine {
         // the aux-loss-free router bias update, from the expert loads of the whole global batch
         options.router_bias_update_rate = 1e-3;
         let mut one = Trainer::new(model.clone(), options.clone());
-        options.parallel.data_parallel = Some(group.clone());
+        options.parallel = options.parallel.with_world(group.clone()).unwrap();
         let mut dp = Trainer::new(model.clone(), options);
         let mut worst = 0f64;
         for step in 1..=20 {
@@ -668,7 +668,7 @@ mod mpi_engine {
         let recipe = Recipe::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix.yaml"), &[]).unwrap();
         let mut options = TrainOptions::from_recipe(&recipe);
         options.freeze.freeze_embeddings = false;
-        options.parallel.data_parallel = Some(checked.clone() as Group);
+        options.parallel = options.parallel.with_world(checked.clone() as Group).unwrap();
         let mut trainer = Trainer::new(model, options);
         let v = config.text_config.vocab_size as i64;
         for step in 0..2 {
@@ -1429,8 +1429,8 @@ mod mpi_engine {
         )
         .unwrap();
         let mut options = TrainOptions::from_recipe(&recipe);
-        options.parallel.data_parallel = Some(g.clone() as Group);
         options.parallel.expert_parallel = ep;
+        options.parallel = options.parallel.with_world(g.clone() as Group).unwrap();
         let device = Default::default();
         let local = load_causal_lm::<AD>(&dir, &device, &options.base_load_options(false)).unwrap();
         let pre = local.model.pre_sharded.clone().expect("a sharded run's rank loads its slices");
@@ -1543,9 +1543,9 @@ mod mpi_engine {
         }
         // the reference: the world group handed to the trainer, on the plain backend
         let mut explicit = options.clone();
-        explicit.parallel.data_parallel = Some(g.clone() as Group);
         explicit.parallel.context_parallel = sizes.cp;
         explicit.parallel.expert_parallel = sizes.ep;
+        explicit.parallel = explicit.parallel.with_world(g.clone() as Group).unwrap();
         let want = steps::<Autodiff<Flex>>(&Default::default(), explicit, &config, &micro);
 
         // the device carries the mesh; nothing in the options names a group
@@ -1933,9 +1933,9 @@ mod mpi_engine {
         options.aux_loss_coef = 1e-2;
         options.router_bias_update_rate = 1e-3;
         let mut ep_options = options.clone();
-        ep_options.parallel.data_parallel = Some(group.clone());
         ep_options.parallel.expert_parallel = p;
         ep_options.parallel.shard_parameters = shard;
+        ep_options.parallel = ep_options.parallel.with_world(group.clone()).unwrap();
         let (first, local) = (r % p * (e / p), e / p);
 
         let experts_of = |m: &Glm5ForCausalLM<AD>| -> std::collections::HashSet<String> {
@@ -2076,9 +2076,9 @@ mod mpi_engine {
         let mut options = TrainOptions::from_recipe(&recipe);
         options.peft = Some(PeftOptions { config: lora, base: None, base_dtype: Default::default() });
         let mut mesh = options.clone();
-        mesh.parallel.data_parallel = Some(g.clone() as Group);
         mesh.parallel.expert_parallel = p;
         mesh.parallel.shard_parameters = shard;
+        mesh.parallel = mesh.parallel.with_world(g.clone() as Group).unwrap();
 
         let ids = expert_param_ids(&model);
         let expert_paths: std::collections::HashSet<String> =
@@ -2538,9 +2538,9 @@ mod mpi_engine {
         options.aux_loss_coef = if aux { 1e-2 } else { 0.0 };
         options.forward = ForwardOptions { attention: AttentionImpl::Sparse, kda: KdaImpl::Chunked(16), ..options.forward };
         let mut one = Trainer::new(model.clone(), options.clone());
-        options.parallel.data_parallel = Some(group.clone());
         options.parallel.context_parallel = cp;
         options.parallel.expert_parallel = ep;
+        options.parallel = options.parallel.with_world(group.clone()).unwrap();
         let mut cpt = Trainer::try_new(model.clone(), options).unwrap();
         let per_step = 2 * dp;
         let mut worst = 0f64;

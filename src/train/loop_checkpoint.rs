@@ -119,7 +119,7 @@ impl ParallelTraining {
             });
         }
         let mut options = options.clone();
-        if let (None, Some(mesh)) = (&options.parallel.data_parallel, mesh_of(device)) {
+        if let (None, Some(mesh)) = (&options.parallel.mesh, mesh_of(device)) {
             options.parallel = options.parallel.on_mesh(&mesh)?;
         }
         let model_dir = dir.join("model");

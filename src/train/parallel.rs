@@ -66,11 +66,6 @@ use crate::text::decoder::Ffn;
 /// How the ranks share the work (recipe `distributed`); the default is one process.
 #[derive(Debug, Clone)]
 pub struct ParallelLayout {
-    /// The data-parallel group this trainer is one rank of (`None`: one process). Each rank
-    /// passes its share of every global batch to [`super::trainer::Trainer::step`] and its share of the
-    /// validation batches to [`super::trainer::Trainer::evaluate`]; gradients, losses and counts are summed
-    /// over the group (`train::data_parallel`).
-    pub data_parallel: Option<Group>,
     /// Under data parallelism, shard the trainable parameters (and so their gradients and
     /// AdamW moments) over the group, FSDP-style ([`super::data_parallel::shard_model`]);
     /// false replicates them (DDP). Recipe `distributed.shard_parameters`.
@@ -89,15 +84,19 @@ pub struct ParallelLayout {
     /// off). The ranks of a group pass the same micro-batches; KDA and DSA exchange across the
     /// shards ([`crate::text::context`]); gradients are summed over the whole group.
     pub context_parallel: usize,
-    /// The mesh [`Self::data_parallel`] is the world of, with its context- and expert-parallel
-    /// groups already split ([`Self::on_mesh`]); `None`: [`super::trainer::Trainer::try_new`] splits the group
-    /// itself, or takes the mesh of the model's device ([`crate::distributed::MeshDevice`]).
+    /// The mesh this trainer is one rank of ([`Self::on_mesh`], [`Self::with_world`]): its
+    /// data-parallel world of `dp × cp` ranks and their context- and expert-parallel groups.
+    /// Each rank passes its share of every global batch to
+    /// [`super::trainer::Trainer::step`] and of the validation batches to
+    /// [`super::trainer::Trainer::evaluate`]; gradients, losses and counts are summed over the
+    /// world. `None`: the mesh of the model's device ([`crate::distributed::MeshDevice`]), or
+    /// one process. The options name a mesh, never a bare process group.
     pub mesh: Option<std::sync::Arc<Mesh>>,
 }
 
 impl Default for ParallelLayout {
     fn default() -> Self {
-        Self { data_parallel: None, shard_parameters: true, reshard_after_forward: true, expert_parallel: 1, context_parallel: 1, mesh: None }
+        Self { shard_parameters: true, reshard_after_forward: true, expert_parallel: 1, context_parallel: 1, mesh: None }
     }
 }
 
@@ -115,13 +114,21 @@ impl ParallelLayout {
                 });
             }
         }
-        Ok(Self {
-            data_parallel: mesh.data_parallel().cloned(),
-            context_parallel: sizes.cp,
-            expert_parallel: sizes.ep,
-            mesh: Some(mesh.clone()),
-            ..self
-        })
+        Ok(Self { context_parallel: sizes.cp, expert_parallel: sizes.ep, mesh: Some(mesh.clone()), ..self })
+    }
+
+    /// This layout on the mesh of its context- and expert-parallel sizes over `world` (the
+    /// groups split: a collective call, every rank of `world` makes it). An error naming the
+    /// size that does not divide the world.
+    pub fn with_world(self, world: Group) -> Result<Self, crate::distributed::DistError> {
+        let sizes = self.sizes(world.size())?;
+        let mesh = Arc::new(Mesh::new(world, sizes)?);
+        self.on_mesh(&mesh)
+    }
+
+    /// The data-parallel world of the layout's mesh (`None`: none named).
+    pub fn world(&self) -> Option<&Group> {
+        self.mesh.as_ref().and_then(|m| m.data_parallel())
     }
 
     /// The mesh sizes of this layout over a data-parallel group of `world` ranks: an error
@@ -157,7 +164,7 @@ impl ParallelTraining {
     /// `model` (frozen as it should be, adapters attached) made this rank's: its experts split
     /// over the expert-parallel group and its trainable parameters sharded over the world
     /// (`layout.shard_parameters`; experts over the expert-data-parallel group). The mesh is
-    /// the layout's ([`ParallelLayout::data_parallel`] / [`ParallelLayout::mesh`]), else the
+    /// the layout's ([`ParallelLayout::mesh`]), else the
     /// one of the model's device ([`crate::distributed::MeshDevice`]). A collective call: every
     /// rank passes the same model, or its experts' share
     /// ([`crate::checkpoint::LoadOptions::experts`]).
@@ -167,11 +174,11 @@ impl ParallelTraining {
     ) -> Result<(Glm5ForCausalLM<B>, Self), TrainError> {
         let mut model = model;
         let device_mesh = mesh_of(&model.language_model.norm.weight.device());
-        let layout = match (&layout.data_parallel, &device_mesh) {
+        let layout = match (&layout.mesh, &device_mesh) {
             (None, Some(mesh)) => layout.clone().on_mesh(mesh)?,
             _ => layout.clone(),
         };
-        let world = layout.data_parallel.clone().filter(|g| g.size() > 1);
+        let world = layout.world().cloned().filter(|g| g.size() > 1);
         for (size, what) in [
             (layout.expert_parallel, "expert parallelism (expert_parallel > 1) without a data-parallel group of several ranks"),
             (layout.context_parallel, "context parallelism (context_parallel > 1) without a data-parallel group of several ranks"),

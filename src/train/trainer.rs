@@ -107,7 +107,7 @@ impl TrainOptions {
     /// This rank's share of the routed experts under expert parallelism (`None` without), for
     /// [`crate::checkpoint::LoadOptions::experts`] so a rank reads only its experts' bytes.
     pub fn expert_shard(&self) -> Option<crate::checkpoint::select::ExpertShard> {
-        let g = self.parallel.data_parallel.as_ref()?;
+        let g = self.parallel.world()?;
         let p = self.parallel.expert_parallel;
         (p > 1).then(|| crate::checkpoint::select::ExpertShard { rank: g.rank() % p, size: p })
     }
@@ -134,7 +134,7 @@ impl TrainOptions {
     /// and kept whole when that group is one rank.
     pub fn row_selection(&self) -> Option<crate::checkpoint::select::RowSelection> {
         use crate::distributed::RowShard;
-        let world = self.parallel.data_parallel.as_ref().filter(|g| g.size() > 1)?;
+        let world = self.parallel.world().filter(|g| g.size() > 1)?;
         if self.peft.is_some() || !self.parallel.shard_parameters {
             return None;
         }
@@ -161,7 +161,7 @@ impl TrainOptions {
 }
 
 impl TrainOptions {
-    /// The options a recipe describes (one process: set [`ParallelLayout::data_parallel`]
+    /// The options a recipe describes (one process: set [`ParallelLayout::mesh`]
     /// to run as one rank of a group).
     pub fn from_recipe(r: &Recipe) -> Self {
         Self {
@@ -185,7 +185,6 @@ impl TrainOptions {
             freeze: r.freeze_config.clone(),
             forward: ForwardOptions { attn_path: r.model.backend.attn, kda_path: r.model.backend.kda, ..ForwardOptions::default() },
             parallel: ParallelLayout {
-                data_parallel: None,
                 shard_parameters: r.distributed.shard_parameters,
                 reshard_after_forward: r.distributed.reshard_after_forward,
                 expert_parallel: r.distributed.ep_size,
@@ -295,7 +294,7 @@ where
         // a model on a mesh device (`Distributed<B>`) runs on the device's mesh
         let (model, parallel) = ParallelTraining::prepare(model, &options.parallel)?;
         let mut options = options;
-        if let (None, Some(mesh)) = (&options.parallel.data_parallel, parallel.mesh()) {
+        if let (None, Some(mesh)) = (&options.parallel.mesh, parallel.mesh()) {
             options.parallel = options.parallel.on_mesh(mesh)?;
         }
         Ok(Self { model: Some(model), optim: adamw::<B>(&options.optimizer), options, step: 0, skipped_steps: 0, data_fingerprint: None, parallel })
