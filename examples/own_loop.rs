@@ -30,6 +30,7 @@ fn main() -> Result<()> {
     let device = MeshDevice::from_env(Default::default(), None)?; // sizes: GLM5_DP_SIZE, … or the launch
     let _binding = device.binding();
     let (replica, replicas) = device.mesh().map_or((0, 1), |m| m.data_shard());
+    let rank0 = device.mesh().is_none_or(|m| m.rank() == 0);
     let config = Glm5Config::tiny();
     B::seed(&device, 5);
     let model = Glm5ForCausalLM::<B>::try_new(&config, &device)?;
@@ -51,7 +52,7 @@ fn main() -> Result<()> {
         let norm = par.clip(&model, &mut grads, Some(1.0))?;
         model = optim.step(1e-3, model, grads);
         let loss = par.sum(loss)?; // every rank calls the collective; rank 0 prints
-        if replica == 0 {
+        if rank0 {
             println!("step {step}: loss {loss:.9} grad norm {norm:.9} ({replicas} data-parallel ranks)");
         }
     }

@@ -777,7 +777,7 @@ mod mpi_engine {
         exe.parent().and_then(std::path::Path::parent).unwrap().join("examples").join("finetune")
     }
 
-    /// `examples/own_loop.rs` (a user's loop of under 60 lines: Burn's AdamW, the model on a
+    /// `examples/own_loop.rs` (a user's loop of 60 lines: Burn's AdamW, the model on a
     /// mesh device, `ParallelTraining`) under `mpirun -np 2` — parameters sharded, each rank
     /// half of every global batch — follows the same binary run as one process: loss and
     /// gradient norm of its 5 steps within 1e-5 relative.

@@ -268,6 +268,11 @@ fn a_rank_load_sharded_over_another_group_is_refused() {
     let layout = glm5_burn::train::parallel::ParallelLayout::default();
     let e = glm5_burn::train::parallel::ParallelTraining::prepare(model, &layout).err().unwrap().to_string();
     assert!(e.contains("slices") && e.contains("row_shards"), "{e}");
+    // a slice that does not exist is an error, not a whole load
+    let select = RowSelection(std::sync::Arc::new(|_: &str| Some(RowShard { rank: 2, size: 2 })));
+    let opts = LoadOptions { row_shards: Some(select), ..LoadOptions::default() };
+    let e = load_causal_lm::<B>(&dir, &Default::default(), &opts).err().unwrap().to_string();
+    assert!(e.contains("rank 2 of 2"), "{e}");
 }
 
 /// `FreezeConfig::freezes` (what a rank decides to load as slices before the model exists)

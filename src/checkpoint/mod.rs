@@ -321,19 +321,23 @@ pub fn load_causal_lm<B: Backend>(dir: impl AsRef<Path>, device: &B::Device, opt
     // --- this rank's FSDP slices: room for them, and the record sharding adopts ---
     let mut pre_sharded = crate::distributed::PreSharded::default();
     let mut slice_shapes = BTreeMap::new();
-    let windows: Vec<Option<(std::ops::Range<usize>, usize)>> = planned
-        .iter()
-        .map(|p| {
-            let shard = opts.row_shards.as_ref().and_then(|s| (s.0)(&p.path)).filter(|s| s.rank < s.size)?;
-            let rows = *p.shape.first()?;
-            let padded = crate::distributed::fsdp::shard_rows(rows, shard.size);
-            pre_sharded.by_path.insert(p.path.clone(), (shard, rows));
-            let mut shape = p.shape.clone();
-            shape[0] = padded;
-            slice_shapes.insert(p.path.clone(), shape);
-            Some((crate::distributed::fsdp::shard_range(rows, shard.size, shard.rank), padded))
-        })
-        .collect();
+    let mut windows: Vec<Option<(std::ops::Range<usize>, usize)>> = Vec::with_capacity(planned.len());
+    for p in &planned {
+        let (Some(shard), Some(&rows)) = (opts.row_shards.as_ref().and_then(|s| (s.0)(&p.path)), p.shape.first()) else {
+            windows.push(None);
+            continue;
+        };
+        if shard.rank >= shard.size {
+            // a slice that does not exist: refused, not loaded whole
+            return Err(CheckpointError::DataShard { rank: shard.rank, world: shard.size });
+        }
+        let padded = crate::distributed::fsdp::shard_rows(rows, shard.size);
+        pre_sharded.by_path.insert(p.path.clone(), (shard, rows));
+        let mut shape = p.shape.clone();
+        shape[0] = padded;
+        slice_shapes.insert(p.path.clone(), shape);
+        windows.push(Some((crate::distributed::fsdp::shard_range(rows, shard.size, shard.rank), padded)));
+    }
     if !slice_shapes.is_empty() {
         model = model.map(&mut Reshape::<B> { path: ModulePath::default(), shapes: &slice_shapes, device: device.clone() });
         model.pre_sharded = Some(std::sync::Arc::new(pre_sharded));
