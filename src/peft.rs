@@ -20,7 +20,7 @@ use burn::tensor::backend::Backend;
 
 use crate::config::{Glm5Config, LayerType, MlpType};
 use crate::model::Glm5ForCausalLM;
-use crate::text::decoder::{Ffn, Mixer};
+use crate::text::decoder::Ffn;
 use crate::text::linear::Linear;
 use crate::text::lora::{ExpertLora, LoraAdapter, LoraConfig, LoraError, TargetModules};
 use crate::text::moe::Experts;
@@ -34,12 +34,11 @@ pub enum Site<'a, B: Backend> {
 }
 
 /// The KDA mixer's adaptable projections, as HF names them under `self_attn.`.
-const KDA_SITES: [&str; 9] =
-    ["q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "forget_gate.f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj"];
+const KDA_SITES: [&str; 9] = crate::text::decoder::KDA_PROJECTIONS;
 /// The MLA mixer's adaptable projections (the indexer's are not adaptable).
-const MLA_SITES: [&str; 5] = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"];
+const MLA_SITES: [&str; 5] = crate::text::decoder::MLA_PROJECTIONS;
 /// A dense MLP's or shared expert's projections.
-const MLP_SITES: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+const MLP_SITES: [&str; 3] = crate::text::decoder::MLP_PROJECTIONS;
 /// A vision block's projections (attention, then its SwiGLU MLP).
 const VISION_BLOCK_SITES: [&str; 5] = ["attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"];
 /// The patch merger's projections.
@@ -51,29 +50,8 @@ pub fn sites<B: Backend>(model: &mut Glm5ForCausalLM<B>) -> Vec<(String, Site<'_
     let mut out = Vec::new();
     for (i, layer) in model.language_model.layers.iter_mut().enumerate() {
         let p = format!("model.language_model.layers.{i}.");
-        match &mut layer.self_attn {
-            Mixer::Kda(k) => {
-                let fields = [
-                    &mut k.q_proj,
-                    &mut k.k_proj,
-                    &mut k.v_proj,
-                    &mut k.f_a_proj,
-                    &mut k.f_b_proj,
-                    &mut k.b_proj,
-                    &mut k.g_a_proj,
-                    &mut k.g_b_proj,
-                    &mut k.o_proj,
-                ];
-                for (name, l) in KDA_SITES.iter().zip(fields) {
-                    out.push((format!("{p}self_attn.{name}"), Site::Linear(l)));
-                }
-            }
-            Mixer::Mla(m) => {
-                let fields = [&mut m.q_a_proj, &mut m.q_b_proj, &mut m.kv_a_proj_with_mqa, &mut m.kv_b_proj, &mut m.o_proj];
-                for (name, l) in MLA_SITES.iter().zip(fields) {
-                    out.push((format!("{p}self_attn.{name}"), Site::Linear(l)));
-                }
-            }
+        for (name, l) in layer.self_attn.projections_mut() {
+            out.push((format!("{p}self_attn.{name}"), Site::Linear(l)));
         }
         let (mlp, prefix) = match &mut layer.mlp {
             Ffn::Dense(mlp) => (mlp, format!("{p}mlp.")),
@@ -82,7 +60,7 @@ pub fn sites<B: Backend>(model: &mut Glm5ForCausalLM<B>) -> Vec<(String, Site<'_
                 (&mut moe.shared_experts, format!("{p}mlp.shared_experts."))
             }
         };
-        for (name, l) in MLP_SITES.iter().zip([&mut mlp.gate_proj, &mut mlp.up_proj, &mut mlp.down_proj]) {
+        for (name, l) in mlp.projections_mut() {
             out.push((format!("{prefix}{name}"), Site::Linear(l)));
         }
     }

@@ -211,8 +211,9 @@ pub struct ParamSplit {
     pub frozen_dense_bytes: f64,
     /// Bytes of the frozen routed-expert values as held.
     pub frozen_expert_bytes: f64,
-    /// Of `frozen_dense_bytes`, those held in FP8 (an FP8 base's MLP projections): module
-    /// constants, whole on every rank, not sharded like parameters.
+    /// Of `frozen_dense_bytes`, those held in FP8 (an FP8 base's MLP projections): split over
+    /// the data-parallel world by block rows and gathered per layer, unlike the other frozen
+    /// values (whole on every rank).
     pub fp8_dense_bytes: f64,
     /// The largest decoder layer's non-expert bytes as held (one FSDP unit).
     pub largest_unit_bytes: f64,
@@ -388,11 +389,13 @@ pub(crate) fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSpli
     let pt = if inputs.peft.is_some() { 4.0 } else { p };
     let trainable = s.trainable_dense + s.trainable_experts;
     let held = trainable * pt + s.frozen_dense_bytes + s.frozen_expert_bytes;
-    // an FP8 base is held as the loader builds it: its dense FP8 projections whole on every
-    // rank and the FP8 experts as each expert-parallel rank's share (constants, which FSDP
-    // does not shard); the rest sharded over the world
-    let params = if inputs.base_fp8 {
-        (held - s.fp8_dense_bytes - s.frozen_expert_bytes) / w + s.fp8_dense_bytes + s.frozen_expert_bytes / mesh.ep as f64
+    // a LoRA base is held as the implementation holds it: the trainable values (adapters)
+    // sharded over the world; the frozen parameters whole on every rank (FSDP shards what
+    // takes a gradient), except the FP8 projections, which are split over the world by block
+    // rows and gathered per layer; the frozen experts as each expert-parallel rank's share
+    let params = if inputs.peft.is_some() {
+        let frozen_whole = s.frozen_dense_bytes - s.fp8_dense_bytes;
+        trainable * pt / w + frozen_whole + s.fp8_dense_bytes / w + s.frozen_expert_bytes / mesh.ep as f64
     } else {
         held / w
     };
@@ -451,12 +454,21 @@ pub(crate) fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSpli
     let mb = inputs.micro_batches as f64;
     let gathers = if inputs.reshard_after_forward { 2.0 } else { 1.0 };
     let ring = |size: f64| if size > 1.0 { (size - 1.0) / size } else { 0.0 };
-    let dense_bytes = s.trainable_dense * pt + s.frozen_dense_bytes;
-    let expert_bytes = s.trainable_experts * pt + s.frozen_expert_bytes;
+    // what FSDP gathers: under LoRA the adapters and the FP8 projections (the other frozen
+    // values are held whole), else every dense value
+    let dense_bytes = match inputs.peft {
+        Some(_) => s.trainable_dense * pt + s.fp8_dense_bytes,
+        None => s.trainable_dense * pt + s.frozen_dense_bytes,
+    };
+    // under LoRA the frozen experts are held (not gathered) by their expert-parallel ranks
+    let gathered_expert_bytes = match inputs.peft {
+        Some(_) => s.trainable_experts * pt,
+        None => s.trainable_experts * pt + s.frozen_expert_bytes,
+    };
     let mut comm = StepComm::default();
     comm.rows.push(("all_gather", "dense parameters (FSDP over dp×cp)", mb * gathers * ring(w) * dense_bytes));
     if edp > 1.0 {
-        comm.rows.push(("all_gather", "expert parameters (over dp×cp/ep)", mb * gathers * ring(edp) * expert_bytes / mesh.ep as f64));
+        comm.rows.push(("all_gather", "expert parameters (over dp×cp/ep)", mb * gathers * ring(edp) * gathered_expert_bytes / mesh.ep as f64));
         comm.rows.push(("reduce_scatter", "expert gradients (over dp×cp/ep)", mb * ring(edp) * s.trainable_experts / mesh.ep as f64 * g));
     }
     comm.rows.push(("reduce_scatter", "dense gradients", mb * ring(w) * s.trainable_dense * g));

@@ -1194,15 +1194,36 @@ mod mpi_engine {
             ]);
             a
         };
+        // rank 0's "FP8 base: this rank holds X MB of Y MB (projections P of Q MB, routed
+        // experts E of F MB)": [X, Y, P, Q, E, F]
+        let fp8_bytes = |out: &str| -> Vec<f64> {
+            let line = out.lines().find(|l| l.starts_with("FP8 base: this rank holds")).unwrap_or_else(|| panic!("no FP8 line:\n{out}"));
+            let mb: Vec<f64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+            assert_eq!(mb.len(), 6, "{line}");
+            mb
+        };
         let (ok, out) = run_finetune(None, &args(&root.join("one"), 1, 1));
         assert!(ok, "{out}");
+        let one = fp8_bytes(&out);
+        assert!(one[0] == one[1] && one[2] > 0.0 && one[4] > 0.0, "one process holds its FP8 projections and experts whole: {one:?}");
         let reference = metrics(&root.join("one"));
         assert_eq!(reference.len(), steps);
         for (name, np, ep) in [("ep2x2", 4, 2), ("dp2", 2, 1)] {
             let (ok, out) = run_finetune(Some(np), &args(&root.join(name), np, ep));
             assert!(ok, "{name}:\n{out}");
             follows(name, &reference, &metrics(&root.join(name)));
-            println!("{name}: 4 LoRA steps on the FP8 base follow one process");
+            // the FP8 projections split over the np ranks (FSDP) by whole 16-row blocks — a
+            // tiny projection of 3 blocks still takes one block a rank over 4 ranks, so up to
+            // 1.5/np here; the FP8 experts over ep
+            let got = fp8_bytes(&out);
+            assert_eq!([got[1], got[3], got[5]], [one[1], one[3], one[5]], "{name}: the whole FP8 base");
+            let (share, projections) = (got[2] / got[3], 1.0 / np as f64);
+            assert!(share >= projections && share <= 1.5 * projections, "{name}: rank 0 holds {share} of the FP8 projections, not ~1/{np}:\n{out}");
+            assert!((got[4] * ep as f64 - got[5]).abs() <= 1e-3, "{name}: rank 0 holds {} of {} MB of FP8 experts at ep {ep}", got[4], got[5]);
+            println!(
+                "{name}: 4 LoRA steps on the FP8 base follow one process; rank 0 holds {:.3} of {:.3} MB of its FP8 projections",
+                got[2], got[3]
+            );
         }
         let _ = std::fs::remove_dir_all(&root);
     }

@@ -420,6 +420,19 @@ where
         (false, false) => String::new(),
     };
     println!("parameters: {:.2} M trainable{held}, {:.2} M frozen", trainable as f64 / 1e6, frozen as f64 / 1e6);
+    let [projections, experts] = trainer.model().language_model.fp8_base_bytes();
+    if projections[1] + experts[1] > 0 {
+        let mb = |b: usize| b as f64 / 1e6;
+        println!(
+            "FP8 base: this rank holds {:.3} MB of {:.3} MB (projections {:.3} of {:.3} MB, routed experts {:.3} of {:.3} MB)",
+            mb(projections[0] + experts[0]),
+            mb(projections[1] + experts[1]),
+            mb(projections[0]),
+            mb(projections[1]),
+            mb(experts[0]),
+            mb(experts[1])
+        );
+    }
     std::fs::create_dir_all(&root).with_context(|| root.display().to_string())?;
     let metrics_path = root.join("metrics.jsonl");
     let mut metrics = if rank == 0 {

@@ -434,12 +434,11 @@ fn keep_fp8<B: Backend>(
                     continue;
                 }
                 let (grid, codes, scales) = files.read_fp8(&weight)?;
-                l.fp8 = Some(Fp8Weight {
-                    codes: Tensor::<B, 2, Int>::from_data(TensorData::new(codes, [m, k]), (device, DType::U8)),
-                    scale_inv: Tensor::from_data(TensorData::new(scales, grid.scale_shape()), device),
-                    block_rows: grid.block_rows,
-                    block_cols: grid.block_cols,
-                });
+                l.fp8 = Some(Fp8Weight::new(
+                    Tensor::<B, 2, Int>::from_data(TensorData::new(codes, [m, k]), (device, DType::U8)),
+                    Tensor::from_data(TensorData::new(scales, grid.scale_shape()), device),
+                    [grid.block_rows, grid.block_cols],
+                ));
                 l.weight = None;
                 taken.insert(scale_name.clone());
                 taken.insert(weight);

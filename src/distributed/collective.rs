@@ -20,7 +20,7 @@
 //! pointers. Every rank must run the same collectives in the same order with consistent row
 //! counts, and agree on whether the input is tracked (the backward runs a collective too).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
@@ -37,7 +37,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorData, TensorMetadata, TensorPrimi
 
 use super::error::DistError;
 use super::group::{check_counts, Group, ReduceBuf, ReduceOp};
-use super::regather::{ParamGather, Regather};
+use super::regather::{lock, ParamGather, Regather, RegatherTask};
 use super::typed;
 
 /// Collectives on float primitives, along dim 0 (module docs).
@@ -250,6 +250,8 @@ struct ParamGatherState<B: Backend> {
     regather: Arc<Regather>,
     /// The earlier units' resharded parameters this `G`'s backward re-gathers.
     before: Arc<Vec<RegatherItem<B>>>,
+    /// Then their resharded constants (FP8 bases), once.
+    tasks: Arc<Mutex<Vec<RegatherTask>>>,
 }
 
 impl<B: Backend> std::fmt::Debug for ParamGatherState<B> {
@@ -284,6 +286,9 @@ impl<B: CollectiveBackend> Backward<B, 3> for ParamGatherBackward {
             let c = item.shard.shape()[0];
             let full = B::all_gather_rows(item.shard.clone(), &vec![c; item.group.size()], &item.group).expect(BACKWARD);
             s.regather.put_ready(item.key, narrow_rows::<B>(full, item.full_rows));
+        }
+        for task in std::mem::take(&mut *lock(&s.tasks)) {
+            task();
         }
     }
 }
@@ -389,9 +394,9 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
         let device = B::float_device(&full);
         let dtype = full.dtype();
         let placeholder = || B::float_zeros(Shape::new([1]), &device, dtype.into());
-        let before = match site.regather_before {
-            true => site.regather.take_open::<RegatherItem<B>>(),
-            false => Vec::new(),
+        let (before, tasks) = match site.regather_before {
+            true => (site.regather.take_open::<RegatherItem<B>>(), site.regather.take_tasks()),
+            false => (Vec::new(), Vec::new()),
         };
         let key = site.reshard.then(|| site.regather.key());
         let state = ParamGatherState::<B> {
@@ -403,6 +408,7 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
             key,
             regather: site.regather.clone(),
             before: Arc::new(before),
+            tasks: Arc::new(Mutex::new(tasks)),
         };
         // the parents: the shard, then the chain's previous link and the unit's input
         let [prev, after] = links;

@@ -21,12 +21,19 @@ pub struct Regather {
     /// Re-gathered tensors taken by their view (tests, diagnostics).
     used: AtomicU64,
     open: Mutex<Vec<Box<dyn Any + Send>>>,
+    /// Re-gathers of resharded module constants (an FSDP-sharded FP8 base), run by the next
+    /// anchored gather's backward after its parameters' re-gathers.
+    open_tasks: Mutex<Vec<RegatherTask>>,
     ready: Mutex<HashMap<u64, Box<dyn Any + Send>>>,
 }
 
+/// A re-gather of something that is not a parameter (a resharded FP8 base's codes and
+/// scales): it runs its collective and puts the result under its key ([`Regather::put_ready`]).
+pub type RegatherTask = Box<dyn FnOnce() + Send>;
+
 impl std::fmt::Debug for Regather {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Regather {{ open: {}, ready: {} }}", lock(&self.open).len(), lock(&self.ready).len())
+        write!(f, "Regather {{ open: {}, tasks: {}, ready: {} }}", lock(&self.open).len(), lock(&self.open_tasks).len(), lock(&self.ready).len())
     }
 }
 
@@ -48,6 +55,17 @@ impl Regather {
     /// The resharded parameters recorded since the last call, in forward order.
     pub fn take_open<T: Any + Send>(&self) -> Vec<T> {
         std::mem::take(&mut *lock(&self.open)).into_iter().filter_map(|b| b.downcast::<T>().ok().map(|b| *b)).collect()
+    }
+
+    /// Record the re-gather of a resharded constant of the unit being gathered (run in forward
+    /// order by the next anchored gather's backward, like [`Self::push_open`]'s parameters).
+    pub fn push_task(&self, task: RegatherTask) {
+        lock(&self.open_tasks).push(task);
+    }
+
+    /// The constants' re-gathers recorded since the last call, in forward order.
+    pub fn take_tasks(&self) -> Vec<RegatherTask> {
+        std::mem::take(&mut *lock(&self.open_tasks))
     }
 
     /// Put a re-gathered tensor where its view will find it.
@@ -77,12 +95,13 @@ impl Regather {
     /// Forget everything (a new forward).
     pub(crate) fn clear(&self) {
         lock(&self.open).clear();
+        lock(&self.open_tasks).clear();
         lock(&self.ready).clear();
     }
 
     /// Number of re-gathered tensors waiting for their view (tests: 0 after a backward).
     pub fn pending(&self) -> usize {
-        lock(&self.ready).len() + lock(&self.open).len()
+        lock(&self.ready).len() + lock(&self.open).len() + lock(&self.open_tasks).len()
     }
 }
 

@@ -11,6 +11,7 @@ use burn::module::Module;
 use burn::tensor::{backend::Backend, Tensor};
 
 use super::kda::KdaAttention;
+use super::linear::Linear;
 use super::mhc::HyperConnection;
 use super::mla::MlaAttention;
 use super::mlp::Mlp;
@@ -68,7 +69,70 @@ pub struct LayerOutput<B: Backend> {
     pub index_margin: Option<f32>,
 }
 
+/// The KDA mixer's projections (the adaptable ones, and the ones a loader may keep in FP8), as
+/// HF names them under `self_attn.`, in module order.
+pub const KDA_PROJECTIONS: [&str; 9] =
+    ["q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "forget_gate.f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj"];
+/// The MLA mixer's projections (not the indexer's).
+pub const MLA_PROJECTIONS: [&str; 5] = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"];
+/// A dense MLP's or shared expert's projections.
+pub const MLP_PROJECTIONS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+impl<B: Backend> Mixer<B> {
+    /// The projections [`KDA_PROJECTIONS`] / [`MLA_PROJECTIONS`] name, with those names.
+    pub fn projections_mut(&mut self) -> Vec<(&'static str, &mut Linear<B>)> {
+        match self {
+            Mixer::Kda(k) => KDA_PROJECTIONS
+                .into_iter()
+                .zip([
+                    &mut k.q_proj,
+                    &mut k.k_proj,
+                    &mut k.v_proj,
+                    &mut k.f_a_proj,
+                    &mut k.f_b_proj,
+                    &mut k.b_proj,
+                    &mut k.g_a_proj,
+                    &mut k.g_b_proj,
+                    &mut k.o_proj,
+                ])
+                .collect(),
+            Mixer::Mla(m) => MLA_PROJECTIONS
+                .into_iter()
+                .zip([&mut m.q_a_proj, &mut m.q_b_proj, &mut m.kv_a_proj_with_mqa, &mut m.kv_b_proj, &mut m.o_proj])
+                .collect(),
+        }
+    }
+}
+
 impl<B: Backend> DecoderLayer<B> {
+    /// Every projection of the layer a loader may hold in FP8: the mixer's, then the dense MLP's
+    /// or the shared expert's (HF names under the layer: `self_attn.q_proj`, …,
+    /// `mlp.shared_experts.down_proj`).
+    pub fn projections(&self) -> Vec<&Linear<B>> {
+        let mut out = match &self.self_attn {
+            Mixer::Kda(k) => vec![&k.q_proj, &k.k_proj, &k.v_proj, &k.f_a_proj, &k.f_b_proj, &k.b_proj, &k.g_a_proj, &k.g_b_proj, &k.o_proj],
+            Mixer::Mla(m) => vec![&m.q_a_proj, &m.q_b_proj, &m.kv_a_proj_with_mqa, &m.kv_b_proj, &m.o_proj],
+        };
+        let mlp = match &self.mlp {
+            Ffn::Dense(mlp) => mlp,
+            Ffn::Moe(moe) => &moe.shared_experts,
+        };
+        out.extend([&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj]);
+        out
+    }
+
+    /// [`Self::projections`] to change, with their HF names under the layer.
+    pub fn projections_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
+        let mut out: Vec<(String, &mut Linear<B>)> =
+            self.self_attn.projections_mut().into_iter().map(|(n, l)| (format!("self_attn.{n}"), l)).collect();
+        let (mlp, prefix) = match &mut self.mlp {
+            Ffn::Dense(mlp) => (mlp, "mlp."),
+            Ffn::Moe(moe) => (&mut moe.shared_experts, "mlp.shared_experts."),
+        };
+        out.extend(mlp.projections_mut().into_iter().map(|(n, l)| (format!("{prefix}{n}"), l)));
+        out
+    }
+
     /// Layer `i` of `c` with random weights.
     pub fn new(c: &TextConfig, i: usize, device: &B::Device) -> Self {
         let d = c.hidden_size;

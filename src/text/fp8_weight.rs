@@ -10,22 +10,59 @@
 //! The codes keep HF's `nn.Linear` layout `[out, in]` (the checkpoint's bytes, unconverted).
 //! Both tensors are module *constants*, not parameters: no optimizer, gradient, dtype cast,
 //! sharding plan or checkpoint writer sees them, which is what a frozen base needs. Built by
-//! the loader ([`crate::checkpoint::LoadOptions::fp8_base`]).
+//! the loader ([`crate::checkpoint::LoadOptions::fp8_base`]). Under FSDP a weight is split by
+//! whole blocks of rows ([`Fp8Weight::into_shard`]) and gathered with its decoder layer
+//! ([`Fp8Weight::gathered`]): freed after the layer's forward, re-gathered for its backward
+//! by the next layer's first parameter gather, as the parameters are
+//! ([`crate::distributed::fsdp`]).
+
+use std::sync::Arc;
 
 use burn::module::Module;
-use burn::tensor::{backend::Backend, DType, Int, Tensor};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+
+use crate::distributed::regather::Regather;
+use crate::distributed::{typed, DistError, Group, RowShard};
+use crate::ops::backend::Fp8Refetch;
 
 /// An FP8 weight `[M, K]` and its block scales.
 #[derive(Module, Debug)]
 pub struct Fp8Weight<B: Backend> {
-    /// E4M3FN codes `[M, K]` (`U8`).
+    /// E4M3FN codes `[M, K]` (`U8`); with [`Self::shard`], this rank's rows only.
     pub codes: Tensor<B, 2, Int>,
-    /// `weight_scale_inv` `[⌈M/b_r⌉, ⌈K/b_c⌉]`, f32 (multiplies on dequantisation).
+    /// `weight_scale_inv` `[⌈M/b_r⌉, ⌈K/b_c⌉]`, f32 (multiplies on dequantisation); with
+    /// [`Self::shard`], this rank's block rows only.
     pub scale_inv: Tensor<B, 2>,
     /// Rows a scale covers (`b_r`, 128 in the release).
     pub block_rows: usize,
     /// Columns a scale covers (`b_c`, 128 in the release).
     pub block_cols: usize,
+    /// Set when the weight is split over an FSDP group ([`Self::into_shard`]): the slice this
+    /// rank holds and the full `M`.
+    #[module(skip)]
+    pub shard: Option<(RowShard, usize)>,
+    /// Set on a gathered copy whose unit is freed after its forward: where the backward finds
+    /// the weight again ([`Self::gathered`]).
+    #[module(skip)]
+    pub refetch: Option<Refetcher>,
+}
+
+/// An [`Fp8Refetch`] of the weight's backend, as a module field (type-erased: Burn's derive
+/// takes a backend-generic field for a module).
+#[derive(Clone)]
+pub struct Refetcher(Arc<dyn std::any::Any + Send + Sync>);
+
+impl Refetcher {
+    /// The refetch, when it is one of `B`'s.
+    pub fn get<B: Backend>(&self) -> Option<Fp8Refetch<B>> {
+        self.0.downcast_ref::<Fp8Refetch<B>>().cloned()
+    }
+}
+
+impl std::fmt::Debug for Refetcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Refetcher")
+    }
 }
 
 impl<B: Backend> Fp8Weight<B> {
@@ -50,6 +87,106 @@ impl<B: Backend> Fp8Weight<B> {
         let ([m, k], [gm, gk]) = (self.codes.dims(), self.scale_inv.dims());
         m * k * self.codes.dtype().size() + gm * gk * self.scale_inv.dtype().size()
     }
+
+    /// Bytes of the whole weight, sharded or not (U8 codes, f32 scales).
+    pub fn whole_bytes(&self) -> usize {
+        let ([m, k], [_, gk]) = (self.codes.dims(), self.scale_inv.dims());
+        let rows = self.shard.map_or(m, |(_, rows)| rows);
+        rows * k + rows.div_ceil(self.block_rows) * gk * 4
+    }
+
+    /// A whole weight built from its codes and scales (the loader's).
+    pub fn new(codes: Tensor<B, 2, Int>, scale_inv: Tensor<B, 2>, [block_rows, block_cols]: [usize; 2]) -> Self {
+        Self { codes, scale_inv, block_rows, block_cols, shard: None, refetch: None }
+    }
+
+    /// Rank `shard.rank`'s FSDP slice: whole blocks of rows, so that each scale stays with its
+    /// codes — block rows `[r·c, (r+1)·c)` of `⌈M/b_r⌉` (`c` = their count over the ranks,
+    /// rounded up), zero-padded to `c·b_r` code rows and `c` scale rows on every rank. Module
+    /// constants are no parameters, so [`crate::distributed::ShardPlan`] does not cut them;
+    /// the text model gathers them per unit ([`super::model::TextModel`]).
+    pub fn into_shard(self, shard: RowShard) -> Self {
+        let ([m, k], [gm, gk]) = (self.codes.dims(), self.scale_inv.dims());
+        let c = gm.div_ceil(shard.size.max(1));
+        let blocks = (shard.rank * c).min(gm)..((shard.rank + 1) * c).min(gm);
+        let rows = (blocks.start * self.block_rows).min(m)..(blocks.end * self.block_rows).min(m);
+        let device = self.codes.device();
+        let codes = self.codes.to_data();
+        let codes = codes.as_slice::<u8>().unwrap_or_else(|e| panic!("FP8 codes are U8: {e:?}"));
+        let mut mine = vec![0u8; c * self.block_rows * k];
+        mine[..rows.len() * k].copy_from_slice(&codes[rows.start * k..rows.end * k]);
+        let scales = self.scale_inv.to_data().convert::<f32>();
+        let scales = scales.as_slice::<f32>().unwrap_or_else(|e| panic!("FP8 scales are f32: {e:?}"));
+        let mut my_scales = vec![0f32; c * gk];
+        my_scales[..blocks.len() * gk].copy_from_slice(&scales[blocks.start * gk..blocks.end * gk]);
+        Self {
+            codes: Tensor::from_data(TensorData::new(mine, [c * self.block_rows, k]), (&device, DType::U8)),
+            scale_inv: Tensor::from_data(TensorData::new(my_scales, [c, gk]), &device),
+            block_rows: self.block_rows,
+            block_cols: self.block_cols,
+            shard: Some((shard, m)),
+            refetch: None,
+        }
+    }
+
+    /// The whole weight from every rank's slice ([`Self::into_shard`]) over `group`: an
+    /// all-gather of the codes' bytes and the scales on the host. With `regather` (the unit is
+    /// freed after its forward and `B` has a backward), the result's `refetch` is set and the
+    /// same all-gather is recorded for the next anchored FSDP gather to run in backward
+    /// ([`Regather::push_task`]), so the backward does not keep the gathered weight. A weight
+    /// that is not sharded is returned as it is.
+    pub fn gathered(&self, group: &Group, regather: Option<&Arc<Regather>>) -> Result<Self, DistError> {
+        let Some((shard, rows)) = self.shard else { return Ok(self.clone()) };
+        if (group.rank(), group.size()) != (shard.rank, shard.size) {
+            return Err(DistError::Mesh {
+                message: format!(
+                    "an FP8 weight sharded as rank {} of {} is gathered over rank {} of {}",
+                    shard.rank,
+                    shard.size,
+                    group.rank(),
+                    group.size()
+                ),
+                reported: false,
+            });
+        }
+        let (codes, scales) = gather_fp8(&self.codes, &self.scale_inv, rows, self.block_rows, group)?;
+        let refetch = regather.map(|regather| {
+            let key = regather.key();
+            let (my_codes, my_scales, block_rows, group, store) =
+                (self.codes.clone(), self.scale_inv.clone(), self.block_rows, group.clone(), regather.clone());
+            regather.push_task(Box::new(move || {
+                // a failing engine aborts the MPI job; the counts are equal by construction
+                let full = gather_fp8(&my_codes, &my_scales, rows, block_rows, &group)
+                    .unwrap_or_else(|e| panic!("the re-gather of a sharded FP8 weight failed in backward: {e}"));
+                store.put_ready(key, (full.0.into_primitive(), full.1.into_primitive().tensor()));
+            }));
+            let store = regather.clone();
+            Refetcher(Arc::new(Arc::new(move || store.take_ready(key)) as Fp8Refetch<B>))
+        });
+        Ok(Self { codes, scale_inv: scales, block_rows: self.block_rows, block_cols: self.block_cols, shard: None, refetch })
+    }
+}
+
+/// Every rank's padded slice of codes and scales over `group`, cut to the `rows` of the whole
+/// weight (and its `⌈rows/b_r⌉` block rows).
+fn gather_fp8<B: Backend>(
+    codes: &Tensor<B, 2, Int>,
+    scales: &Tensor<B, 2>,
+    rows: usize,
+    block_rows: usize,
+    group: &Group,
+) -> Result<(Tensor<B, 2, Int>, Tensor<B, 2>), DistError> {
+    let ([_, k], [_, gk], device) = (codes.dims(), scales.dims(), codes.device());
+    let data = codes.to_data();
+    let mine = data.as_slice::<u8>().unwrap_or_else(|e| panic!("FP8 codes are U8: {e:?}"));
+    let mut all = typed::all_gather::<u8>(&**group, mine)?;
+    all.truncate(rows * k);
+    let data = scales.to_data().convert::<f32>();
+    let mine = data.as_slice::<f32>().unwrap_or_else(|e| panic!("FP8 scales are f32: {e:?}"));
+    let gm = rows.div_ceil(block_rows);
+    let mut all_scales = typed::all_gather::<f32>(&**group, mine)?;
+    all_scales.truncate(gm * gk);
+    Ok((Tensor::from_data(TensorData::new(all, [rows, k]), (&device, DType::U8)), Tensor::from_data(TensorData::new(all_scales, [gm, gk]), &device)))
 }
 
 /// The routed experts' weights of one projection in FP8: every expert's `[N, K]` codes

@@ -18,7 +18,7 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 
 use super::fp8_weight::Fp8Weight;
 use super::lora::LoraAdapter;
-use crate::ops::backend::{fp8_matmul_bias, matmul_bias, Glm5Backend};
+use crate::ops::backend::{fp8_matmul_bias, fp8_matmul_bias_refetched, matmul_bias, Glm5Backend};
 
 /// A linear layer with an optional low-rank adapter. The base weight is exactly one of
 /// `weight` (a parameter) and `fp8` (a frozen FP8 constant).
@@ -95,7 +95,11 @@ pub fn linear<B: Glm5Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>
     let bias = layer.bias.as_ref().map(|b| b.val());
     let base = |x: Tensor<B, 2>| match (&layer.weight, &layer.fp8) {
         (Some(w), _) => matmul_bias(x, w.val(), bias.clone()),
-        (None, Some(q)) => fp8_matmul_bias(x, q.codes.clone(), q.scale_inv.clone(), q.block(), bias.clone()),
+        (None, Some(q)) => match q.refetch.as_ref().and_then(|r| r.get::<B>()) {
+            None => fp8_matmul_bias(x, q.codes.clone(), q.scale_inv.clone(), q.block(), bias.clone()),
+            // a gathered FSDP slice freed after the unit's forward: re-gathered for backward
+            Some(r) => fp8_matmul_bias_refetched(x, q.codes.clone(), q.scale_inv.clone(), q.block(), bias.clone(), r),
+        },
         (None, None) => panic!("{}", NO_WEIGHT),
     };
     // the input is kept for the adapter only when there is one

@@ -43,6 +43,12 @@ pub(crate) fn new_linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, devi
 }
 
 impl<B: Backend> Mlp<B> {
+    /// `gate_proj`, `up_proj`, `down_proj` ([`super::decoder::MLP_PROJECTIONS`]) with those names.
+    pub fn projections_mut(&mut self) -> [(&'static str, &mut Linear<B>); 3] {
+        let [g, u, d] = super::decoder::MLP_PROJECTIONS;
+        [(g, &mut self.gate_proj), (u, &mut self.up_proj), (d, &mut self.down_proj)]
+    }
+
     /// Without biases (the text tower).
     pub fn new(hidden: usize, intermediate: usize, act: Activation, limit: f64, device: &B::Device) -> Self {
         Self::with_bias(hidden, intermediate, act, limit, false, device)

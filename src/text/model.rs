@@ -16,6 +16,7 @@ use burn::nn::{Embedding, EmbeddingConfig};
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
 use super::decoder::{DecoderLayer, Mixer};
+use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::{ForwardOptions, TokenMask};
 use crate::config::TextConfig;
@@ -112,6 +113,53 @@ impl<B: Backend> TextModel<B> {
         }
     }
 
+    /// `layer` with its FSDP-sharded FP8 projections gathered
+    /// ([`super::fp8_weight::Fp8Weight::gathered`]; none:
+    /// the layer as it is). With `reshard` (the layer's parameters are freed after its forward
+    /// too) and a backward to come, the gathered weights are not kept for it: the next
+    /// anchored gather's backward re-gathers them.
+    ///
+    /// # Panics
+    /// When the all-gather fails — a failing engine, which aborts an MPI job anyway, or a
+    /// layer sharded for another mesh, which [`crate::train::data_parallel`] refuses earlier.
+    pub fn fp8_gathered<'a>(&self, layer: Cow<'a, DecoderLayer<B>>, reshard: bool) -> Cow<'a, DecoderLayer<B>> {
+        let Some(plan) = &self.shards else { return layer };
+        let sharded = |l: &Linear<B>| l.fp8.as_ref().is_some_and(|q| q.shard.is_some());
+        if !layer.projections().into_iter().any(sharded) {
+            return layer;
+        }
+        let mut layer = layer.into_owned();
+        let device = layer.input_layernorm.weight.device();
+        let regather = (reshard && plan.reshard_after_forward() && B::ad_enabled(&device)).then(|| plan.regather());
+        for (name, l) in layer.projections_mut() {
+            if let Some(q) = l.fp8.as_mut().filter(|q| q.shard.is_some()) {
+                *q = q.gathered(plan.group(), regather).unwrap_or_else(|e| panic!("gathering the FP8 base of {name}: {e}"));
+            }
+        }
+        Cow::Owned(layer)
+    }
+
+    /// Bytes of the decoder's FP8-resident base as `[held by this rank, whole]`: the
+    /// projections (split over the FSDP group when sharded), then the routed experts (split
+    /// by expert parallelism).
+    pub fn fp8_base_bytes(&self) -> [[usize; 2]; 2] {
+        let (mut projections, mut experts) = ([0, 0], [0, 0]);
+        for layer in &self.layers {
+            for q in layer.projections().into_iter().filter_map(|l| l.fp8.as_ref()) {
+                projections[0] += q.num_bytes();
+                projections[1] += q.whole_bytes();
+            }
+            if let super::decoder::Ffn::Moe(moe) = &layer.mlp {
+                if let Some(x) = &moe.experts.fp8 {
+                    let n = x.gate_proj.num_bytes() + x.up_proj.num_bytes() + x.down_proj.num_bytes();
+                    experts[0] += n;
+                    experts[1] += n * moe.experts.parallel.as_ref().map_or(1, |p| p.group.size());
+                }
+            }
+        }
+        [projections, experts]
+    }
+
     /// Under a shard plan, for each unit boundary `k` (before layer `k`, `k = layers` before the
     /// final norm) whether a unit from there on gathers sharded parameters: a unit before
     /// `k` may then reshard after its forward (its re-gather hangs off that later gather).
@@ -193,7 +241,7 @@ impl<B: Backend> TextModel<B> {
         };
         let reshard = self.reshardable();
         for (i, layer) in self.layers.iter().enumerate() {
-            let layer = self.unit_after(layer, &x, reshard[i + 1]);
+            let layer = self.fp8_gathered(self.unit_after(layer, &x, reshard[i + 1]), reshard[i + 1]);
             let o = layer.forward(x, mask, &mut indices, opts);
             x = o.streams;
             if let Some(l) = o.router_logits {

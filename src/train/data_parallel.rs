@@ -220,8 +220,43 @@ pub fn shard_model_where<B: crate::distributed::CollectiveBackend>(
             reported: false,
         }
     })?;
+    if shard && group.size() > 1 {
+        shard_fp8_base(&mut model, &group);
+    }
     model.language_model.shards = Some(plan);
     Ok(model)
+}
+
+/// Split every FP8-resident projection of the decoder layers (a LoRA run's frozen base,
+/// [`crate::checkpoint::LoadOptions::fp8_base`]) over `group` by whole blocks of rows
+/// ([`crate::text::fp8_weight::Fp8Weight::into_shard`]), as FSDP splits the parameters: module
+/// constants are not parameters, so the shard plan does not see them; the text model gathers
+/// them with their layer and frees them after it
+/// ([`crate::text::model::TextModel::fp8_gathered`]). The routed experts' FP8 stacks are split
+/// by expert parallelism instead, and the vision tower's projections stay whole.
+fn shard_fp8_base<B: burn::tensor::backend::Backend>(model: &mut Glm5ForCausalLM<B>, group: &Group) {
+    let shard = crate::distributed::RowShard { rank: group.rank(), size: group.size() };
+    for layer in &mut model.language_model.layers {
+        for (_, l) in layer.projections_mut() {
+            if let Some(q) = l.fp8.take() {
+                l.fp8 = Some(if q.shard.is_some() { q } else { q.into_shard(shard) });
+            }
+        }
+    }
+}
+
+/// The FP8-resident projections of a model sharded by [`shard_fp8_base`] gathered whole.
+fn unshard_fp8_base<B: burn::tensor::backend::Backend>(model: &mut Glm5ForCausalLM<B>, group: &Group) -> Result<(), DistError> {
+    for layer in &mut model.language_model.layers {
+        for (name, l) in layer.projections_mut() {
+            if let Some(q) = l.fp8.as_mut().filter(|q| q.shard.is_some()) {
+                *q = q
+                    .gathered(group, None)
+                    .map_err(|e| DistError::Mesh { message: format!("gathering the FP8 base of {name}: {e}"), reported: false })?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Ids of the routed experts' parameters (every MoE layer's `mlp.experts`, their LoRA stacks
@@ -357,6 +392,8 @@ pub fn unshard_model<B: crate::distributed::CollectiveBackend>(model: Glm5ForCau
         }
     }
     let mut full = full.map(&mut Leaves(&plan));
+    // a failing engine aborts the MPI job; the slices were cut over this group
+    unshard_fp8_base(&mut full, plan.group()).unwrap_or_else(|e| panic!("{e}"));
     full.language_model.shards = None;
     full.pre_sharded = None;
     full

@@ -158,8 +158,9 @@ pub struct ModelSection {
     /// How the frozen base of a LoRA run is held: `f32` (absent: the default), `bf16` (needs
     /// `dtype: bf16`) or `fp8`, which keeps the checkpoint's FP8 projections in FP8 (a byte a
     /// weight) and the rest in `dtype`. `bf16` and `fp8` need `peft`; `fp8` an FP8
-    /// `checkpoint`. Under expert parallelism a rank holds its experts' FP8 stacks; the FP8
-    /// projections are replicated over the data-parallel ranks (not sharded).
+    /// `checkpoint`. Under expert parallelism a rank holds its experts' FP8 stacks; with
+    /// `distributed.shard_parameters` the FP8 projections are split over the data-parallel
+    /// world by block rows and gathered per layer (the other frozen weights stay whole).
     #[serde(default)]
     pub base_dtype: Option<BaseDtype>,
 }

@@ -41,8 +41,8 @@ use super::group::Group;
 use super::regather::ParamGather;
 use super::DistError;
 use crate::ops::adamw::AdamWScalars;
-use crate::ops::backend::Glm5Backend;
 use crate::ops::backend::ScanInputs;
+use crate::ops::backend::{Fp8Refetch, Glm5Backend};
 use crate::ops::kpool::KpoolSelect;
 use crate::ops::OpImpl;
 

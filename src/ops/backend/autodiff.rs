@@ -2,6 +2,8 @@
 //! `B`'s backward method (Burn 0.21's custom-op pattern; `burn-autodiff`'s own ops have the
 //! same shape). Ops without a gradient (`kpool_*`, `adamw_step`) run on the inner primitives.
 
+use std::sync::Arc;
+
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -135,17 +137,50 @@ impl<B: Glm5Backend, const N: usize> Backward<B, N> for LinearBackward {
     }
 }
 
-/// A linear layer on a frozen FP8 weight: holds the codes and scales (the base, which is kept
-/// anyway) and gives `∂x` and, with a bias (`N = 2`), `∂b`.
+/// The FP8 weight an FP8 linear's backward multiplies by: kept from the forward (the base,
+/// held anyway), or asked for again (an FSDP-sharded base freed after its unit's forward and
+/// re-gathered for the backward, [`Glm5Backend::fp8_linear_refetched`]).
+#[derive(Clone)]
+enum Fp8Held<B: Backend> {
+    Kept(IntTensor<B>, FloatTensor<B>),
+    Refetch(super::Fp8Refetch<B>),
+}
+
+impl<B: Backend> std::fmt::Debug for Fp8Held<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Kept(..) => "Fp8Held::Kept",
+            Self::Refetch(_) => "Fp8Held::Refetch",
+        })
+    }
+}
+
+impl<B: Backend> Fp8Held<B> {
+    fn take(self) -> (IntTensor<B>, FloatTensor<B>) {
+        match self {
+            Self::Kept(codes, scales) => (codes, scales),
+            Self::Refetch(refetch) => refetch().unwrap_or_else(|| {
+                panic!(
+                    "FSDP: a resharded FP8 weight was needed in backward before it was re-gathered — a unit's FP8 base was \
+                     used outside the unit, or a resharded unit was not followed by an anchored gather (distributed::fsdp)"
+                )
+            }),
+        }
+    }
+}
+
+/// A linear layer on a frozen FP8 weight: holds the codes and scales (or where to get them
+/// again) and gives `∂x` and, with a bias (`N = 2`), `∂b`.
 #[derive(Debug)]
 struct Fp8LinearBackward;
 
 impl<B: Glm5Backend, const N: usize> Backward<B, N> for Fp8LinearBackward {
-    type State = (IntTensor<B>, FloatTensor<B>, [usize; 2]);
+    type State = (Fp8Held<B>, [usize; 2]);
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
-        let (codes, scales, block) = ops.state;
+        let (held, block) = ops.state;
+        let (codes, scales) = held.take();
         let mut parents = ops.parents.into_iter();
         let (x, b) = (parents.next().flatten(), parents.next().flatten());
         if let Some(b) = b {
@@ -156,6 +191,29 @@ impl<B: Glm5Backend, const N: usize> Backward<B, N> for Fp8LinearBackward {
         if let Some(x) = x {
             grads.register::<B>(x.id, B::fp8_linear_backward(grad, codes, scales, block));
         }
+    }
+}
+
+/// [`Glm5Backend::fp8_linear`] on `B`, put on the graph with the weight held as `state` says.
+fn fp8_linear_tracked<B: Glm5Backend, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    codes: IntTensor<B>,
+    scales: FloatTensor<Autodiff<B, C>>,
+    b: Option<FloatTensor<Autodiff<B, C>>>,
+    state: (Fp8Held<B>, [usize; 2]),
+) -> FloatTensor<Autodiff<B, C>> {
+    let out = B::fp8_linear(x.primitive.clone(), codes, scales.primitive, state.1, b.as_ref().map(|b| b.primitive.clone()));
+    macro_rules! finish {
+        ($prep:expr) => {
+            match $prep.compute_bound().stateful() {
+                OpsKind::Tracked(prep) => prep.finish(state, out),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            }
+        };
+    }
+    match b {
+        None => finish!(Fp8LinearBackward.prepare::<C>([x.node.clone()])),
+        Some(b) => finish!(Fp8LinearBackward.prepare::<C>([x.node.clone(), b.node.clone()])),
     }
 }
 
@@ -545,20 +603,20 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
         block: [usize; 2],
         b: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        let state = (codes.clone(), scales.primitive.clone(), block);
-        let out = B::fp8_linear(x.primitive.clone(), codes, scales.primitive, block, b.as_ref().map(|b| b.primitive.clone()));
-        macro_rules! finish {
-            ($prep:expr) => {
-                match $prep.compute_bound().stateful() {
-                    OpsKind::Tracked(prep) => prep.finish(state, out),
-                    OpsKind::UnTracked(prep) => prep.finish(out),
-                }
-            };
-        }
-        match b {
-            None => finish!(Fp8LinearBackward.prepare::<C>([x.node.clone()])),
-            Some(b) => finish!(Fp8LinearBackward.prepare::<C>([x.node.clone(), b.node.clone()])),
-        }
+        let state = (Fp8Held::Kept(codes.clone(), scales.primitive.clone()), block);
+        fp8_linear_tracked::<B, C>(x, codes, scales, b, state)
+    }
+
+    fn fp8_linear_refetched(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        b: Option<FloatTensor<Self>>,
+        refetch: crate::ops::backend::Fp8Refetch<Self>,
+    ) -> FloatTensor<Self> {
+        let inner = move || refetch().map(|(codes, scales)| (codes, scales.primitive));
+        fp8_linear_tracked::<B, C>(x, codes, scales, b, (Fp8Held::Refetch(Arc::new(inner)), block))
     }
 
     fn fp8_grouped_matmul(

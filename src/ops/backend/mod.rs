@@ -67,6 +67,8 @@
 //!    `src/distributed/decorator/ops_glm5.rs` lacks the op, since `Distributed<B>` would run
 //!    the default body instead of `B`'s).
 
+use std::sync::Arc;
+
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Tensor, TensorPrimitive};
 
@@ -380,6 +382,22 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         fp8_linear::reference_forward(f2::<Self>(x), codes, f2(scales), block, b.map(f1)).into_primitive().tensor()
     }
 
+    /// [`Self::fp8_linear`] on a weight its backward does not keep: an FSDP-sharded FP8 base
+    /// gathered for one unit's forward and freed after it, so the backward asks `refetch` for
+    /// the codes and scales again (the FSDP re-gather, [`crate::distributed::fsdp`]). Only
+    /// `Autodiff` has a backward to differ in; everywhere else this is [`Self::fp8_linear`].
+    fn fp8_linear_refetched(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        b: Option<FloatTensor<Self>>,
+        refetch: Fp8Refetch<Self>,
+    ) -> FloatTensor<Self> {
+        let _ = refetch;
+        Self::fp8_linear(x, codes, scales, block, b)
+    }
+
     /// Backward of [`Self::fp8_linear`] for `∂y` `[N, M]`: `∂x` `[N, K]` (the weight is frozen).
     fn fp8_linear_backward(grad: FloatTensor<Self>, codes: IntTensor<Self>, scales: FloatTensor<Self>, block: [usize; 2]) -> FloatTensor<Self> {
         let codes = Tensor::<Self, 2, Int>::from_primitive(codes);
@@ -654,6 +672,31 @@ pub fn fp8_matmul_bias<B: Glm5Backend>(
         scales.into_primitive().tensor(),
         block,
         b.map(|b| b.into_primitive().tensor()),
+    ))
+}
+
+/// Where the backward of [`Glm5Backend::fp8_linear_refetched`] finds the FP8 weight it did
+/// not keep: the codes `[M, K]` and scales, or `None` when they were not re-gathered (a bug of
+/// the caller's ordering, reported by the backward).
+pub type Fp8Refetch<B> = Arc<dyn Fn() -> Option<(IntTensor<B>, FloatTensor<B>)> + Send + Sync>;
+
+/// [`Glm5Backend::fp8_linear_refetched`] on tensors: [`fp8_matmul_bias`] whose backward asks
+/// `refetch` for the weight instead of keeping it.
+pub fn fp8_matmul_bias_refetched<B: Glm5Backend>(
+    x: Tensor<B, 2>,
+    codes: Tensor<B, 2, Int>,
+    scales: Tensor<B, 2>,
+    block: [usize; 2],
+    b: Option<Tensor<B, 1>>,
+    refetch: Fp8Refetch<B>,
+) -> Tensor<B, 2> {
+    f2(B::fp8_linear_refetched(
+        x.into_primitive().tensor(),
+        codes.into_primitive(),
+        scales.into_primitive().tensor(),
+        block,
+        b.map(|b| b.into_primitive().tensor()),
+        refetch,
     ))
 }
 
