@@ -75,8 +75,7 @@ pub const KDA_PROJECTIONS: [&str; 9] =
     ["q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "forget_gate.f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj"];
 /// The MLA mixer's projections (not the indexer's).
 pub const MLA_PROJECTIONS: [&str; 5] = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"];
-/// A dense MLP's or shared expert's projections.
-pub const MLP_PROJECTIONS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+pub use super::mlp::MLP_PROJECTIONS;
 
 impl<B: Backend> Mixer<B> {
     /// The projections [`KDA_PROJECTIONS`] / [`MLA_PROJECTIONS`] name, with those names.

@@ -42,10 +42,13 @@ pub(crate) fn new_linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, devi
     burn::nn::LinearConfig::new(d_in, d_out).with_bias(bias).init(device)
 }
 
+/// A dense MLP's or shared expert's projections, as HF names them.
+pub const MLP_PROJECTIONS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
 impl<B: Backend> Mlp<B> {
-    /// `gate_proj`, `up_proj`, `down_proj` ([`super::decoder::MLP_PROJECTIONS`]) with those names.
+    /// `gate_proj`, `up_proj`, `down_proj` ([`MLP_PROJECTIONS`]) with those names.
     pub fn projections_mut(&mut self) -> [(&'static str, &mut Linear<B>); 3] {
-        let [g, u, d] = super::decoder::MLP_PROJECTIONS;
+        let [g, u, d] = MLP_PROJECTIONS;
         [(g, &mut self.gate_proj), (u, &mut self.up_proj), (d, &mut self.down_proj)]
     }
 
