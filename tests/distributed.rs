@@ -1229,7 +1229,8 @@ mod mpi_engine {
     }
 
     /// LoRA in bf16 on a base held in bf16 (`model.base_dtype: bf16`, no fp32 masters) under
-    /// FSDP on 2 ranks (the frozen bf16 base and the adapters sharded, gathered per unit)
+    /// FSDP on 2 ranks (the adapters sharded and gathered per unit; the frozen bf16 base, which
+    /// takes no gradient, held whole on each rank)
     /// follows the single-process run: loss and gradient norm within 1e-5 relative over 3
     /// steps.
     #[test]

@@ -540,3 +540,46 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
+
+/// An FP8 weight's FSDP slices (`Fp8Weight::into_shard`): every rank holds whole blocks of
+/// rows, the same number of rows everywhere (zero-padded), and the ranks' slices in rank order
+/// are the weight — codes and block scales — which is what the per-layer all-gather rebuilds.
+/// 40 rows in blocks of 16 over 2, 3 and 4 ranks (a last partial block; a rank with padding
+/// only).
+#[test]
+fn fp8_weight_slices_are_whole_blocks_and_concatenate_to_the_weight() {
+    use burn::tensor::{DType, Int, TensorData};
+    use glm5_burn::distributed::RowShard;
+    use glm5_burn::text::fp8_weight::Fp8Weight;
+    type F = Flex;
+    let dev = Default::default();
+    let (m, k, block) = (40usize, 20usize, [16usize, 8]);
+    let (gm, gk) = (m.div_ceil(block[0]), k.div_ceil(block[1]));
+    let codes: Vec<u8> = (0..m * k).map(|i| (i * 7 % 251) as u8 + 1).collect();
+    let scales: Vec<f32> = (0..gm * gk).map(|i| 0.5 + i as f32).collect();
+    let whole = || {
+        Fp8Weight::<F>::new(
+            Tensor::<F, 2, Int>::from_data(TensorData::new(codes.clone(), [m, k]), (&dev, DType::U8)),
+            Tensor::from_data(TensorData::new(scales.clone(), [gm, gk]), &dev),
+            block,
+        )
+    };
+    for size in [2usize, 3, 4] {
+        let c = gm.div_ceil(size);
+        let (mut all_codes, mut all_scales) = (Vec::new(), Vec::new());
+        for rank in 0..size {
+            let w = whole().into_shard(RowShard { rank, size });
+            assert_eq!(w.shard, Some((RowShard { rank, size }, m)));
+            assert_eq!(w.codes.dims(), [c * block[0], k], "{rank} of {size}: whole blocks, padded alike");
+            assert_eq!(w.scale_inv.dims(), [c, gk]);
+            let held = w.codes.to_data().as_slice::<u8>().unwrap().to_vec();
+            let rows = (rank * c * block[0]).min(m)..((rank + 1) * c * block[0]).min(m);
+            assert!(held[rows.len() * k..].iter().all(|&b| b == 0), "{rank} of {size}: padding rows are zero codes");
+            assert_eq!(w.whole_bytes(), m * k + gm * gk * 4);
+            all_codes.extend(held);
+            all_scales.extend(w.scale_inv.to_data().as_slice::<f32>().unwrap().to_vec());
+        }
+        assert_eq!(&all_codes[..m * k], &codes[..], "codes over {size} ranks");
+        assert_eq!(&all_scales[..gm * gk], &scales[..], "scales over {size} ranks");
+    }
+}

@@ -221,7 +221,7 @@ pub fn shard_model_where<B: crate::distributed::CollectiveBackend>(
         }
     })?;
     if shard && group.size() > 1 {
-        shard_fp8_base(&mut model, &group);
+        shard_fp8_base(&mut model, &group)?;
     }
     model.language_model.shards = Some(plan);
     Ok(model)
@@ -233,16 +233,29 @@ pub fn shard_model_where<B: crate::distributed::CollectiveBackend>(
 /// constants are not parameters, so the shard plan does not see them; the text model gathers
 /// them with their layer and frees them after it
 /// ([`crate::text::model::TextModel::fp8_gathered`]). The routed experts' FP8 stacks are split
-/// by expert parallelism instead, and the vision tower's projections stay whole.
-fn shard_fp8_base<B: burn::tensor::backend::Backend>(model: &mut Glm5ForCausalLM<B>, group: &Group) {
+/// by expert parallelism instead, and the vision tower's projections stay whole. A weight
+/// already split for another group is an error naming it.
+fn shard_fp8_base<B: burn::tensor::backend::Backend>(model: &mut Glm5ForCausalLM<B>, group: &Group) -> Result<(), DistError> {
     let shard = crate::distributed::RowShard { rank: group.rank(), size: group.size() };
-    for layer in &mut model.language_model.layers {
-        for (_, l) in layer.projections_mut() {
-            if let Some(q) = l.fp8.take() {
-                l.fp8 = Some(if q.shard.is_some() { q } else { q.into_shard(shard) });
-            }
+    for (i, layer) in model.language_model.layers.iter_mut().enumerate() {
+        for (name, l) in layer.projections_mut() {
+            let Some(q) = l.fp8.take() else { continue };
+            l.fp8 = Some(match q.shard {
+                None => q.into_shard(shard),
+                Some((s, _)) if s == shard => q,
+                Some((s, _)) => {
+                    return Err(DistError::Mesh {
+                        message: format!(
+                            "the FP8 base of model.language_model.layers.{i}.{name} is rank {} of {}'s slice but is sharded over rank {} of {} here",
+                            s.rank, s.size, shard.rank, shard.size
+                        ),
+                        reported: false,
+                    })
+                }
+            });
         }
     }
+    Ok(())
 }
 
 /// The FP8-resident projections of a model sharded by [`shard_fp8_base`] gathered whole.
