@@ -17,7 +17,7 @@ use std::ops::Range;
 
 use burn::tensor::{backend::Backend, Tensor, TensorData};
 
-use crate::text::context::ContextShard;
+use crate::text::context::ContextSplit;
 pub use crate::text::Outputs;
 use crate::text::{document_ranges, ModelError, TokenMask};
 
@@ -77,14 +77,17 @@ pub struct ModelInput<B: Backend> {
     /// id, placeholders included, is embedded as a token (as HF does without `pixel_values`).
     pub images: Option<Images>,
     /// Context parallelism: `ids` is the whole packed row and this rank runs `context`'s shard
-    /// of it (every rank of its group passes the same row and images).
-    pub context: Option<ContextShard<B>>,
+    /// of it (every rank of the model's context-parallel group passes the same row and
+    /// images). Data only: the group is the model's.
+    pub context: Option<ContextSplit>,
+    /// The backend the input's tensors are built on.
+    pub backend: std::marker::PhantomData<fn() -> B>,
 }
 
 impl<B: Backend> ModelInput<B> {
     /// Ids `[batch, seq]` row-major, every position a token.
     pub fn new(ids: Vec<i64>, batch: usize, seq: usize) -> Self {
-        Self { ids, batch, seq, mask: None, documents: None, images: None, context: None }
+        Self { ids, batch, seq, mask: None, documents: None, images: None, context: None, backend: std::marker::PhantomData }
     }
 
     /// One row of ids.
@@ -111,8 +114,9 @@ impl<B: Backend> ModelInput<B> {
         self
     }
 
-    /// As this rank's shard of the row under context parallelism.
-    pub fn with_context(mut self, context: ContextShard<B>) -> Self {
+    /// As this rank's shard of the row under context parallelism: `context` says which shard
+    /// ([`ContextSplit::new`]); the model runs it over its context-parallel group.
+    pub fn with_context(mut self, context: ContextSplit) -> Self {
         self.context = Some(context);
         self
     }

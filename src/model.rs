@@ -185,10 +185,19 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     {
         input.check()?;
         let embeds = self.embed_input(&input)?;
-        let Some(context) = input.context.clone() else {
+        let Some(split) = input.context.clone() else {
             let mask = input.token_mask(&embeds.device());
             return Ok(self.language_model.forward_embeds(embeds, &mask, opts, outputs));
         };
+        let err = |message: String| ModelError::Input { name: "context".into(), message };
+        let group = self.language_model.context_group_on(&embeds.device()).ok_or_else(|| {
+            err(format!(
+                "shard {} of {} of a context-parallel row, but the model has no context-parallel group: prepare it on a layout \
+                 with cp_size > 1 (ParallelTraining::prepare) or build it on a mesh device with cp > 1",
+                split.rank, split.size
+            ))
+        })?;
+        let context = crate::text::context::ContextShard::on(group, split).map_err(|e| err(e.to_string()))?;
         let s = input.seq;
         let (shard, cp) = (context.shard.clone(), context.group.size());
         let keep = self.conv_window();
@@ -205,7 +214,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         if input.mask.is_some() || input.documents.as_ref().is_some_and(|_| input.document_ranges() != context.row_documents) {
             return Err(ModelError::Input {
                 name: "documents".into(),
-                message: "a context-parallel row takes its documents from its shard (ContextShard::new) and has no padding mask".into(),
+                message: "a context-parallel row takes its documents from its shard (ContextSplit::new) and has no padding mask".into(),
             });
         }
         let d = embeds.dims()[2];
@@ -213,7 +222,9 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         let mut mask = TokenMask::all(1, shard.len(), &embeds.device());
         mask.documents = Some(context.docs.docs.clone());
         mask.context = Some(context);
-        Ok(self.language_model.forward_embeds(embeds, &mask, opts, outputs))
+        let mut out = self.language_model.forward_embeds(embeds, &mask, opts, outputs);
+        out.context = mask.context.take();
+        Ok(out)
     }
 
     /// The earlier inputs a KDA layer's short conv reads (`W − 1`; 0 without KDA layers): a

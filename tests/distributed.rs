@@ -2431,7 +2431,7 @@ mod mpi_engine {
         use burn::tensor::backend::{AutodiffBackend, Backend};
         use burn::tensor::{Int, Tensor};
         use glm5_burn::distributed::Group;
-        use glm5_burn::text::context::ContextShard;
+        use glm5_burn::text::context::ContextSplit;
         use glm5_burn::text::{AttentionImpl, ForwardOptions, KdaImpl};
         use glm5_burn::Glm5ForCausalLM;
         type AD = Autodiff<Flex>;
@@ -2442,8 +2442,11 @@ mod mpi_engine {
         let device = Default::default();
         AD::seed(&device, 13);
         let config = glm5_burn::Glm5Config::tiny();
-        let model = Glm5ForCausalLM::<AD>::try_new_with_vision(&config, None, &device).unwrap();
+        let mut model = Glm5ForCausalLM::<AD>::try_new_with_vision(&config, None, &device).unwrap();
         glm5_burn::train::params::materialize(&model);
+        // the group a batch's context shard runs over is the model's (ParallelTraining::prepare
+        // sets it; this test builds the model by hand)
+        model.language_model.context_group = Some(group.clone());
         let (s, docs) = (48, vec![0..5, 5..30, 30..31, 31..48]);
         let v = config.text_config.vocab_size as i64;
         let mut ids: Vec<i64> = (0..s).map(|t| ((t * 37 + 11) as i64) % v).collect();
@@ -2466,7 +2469,7 @@ mod mpi_engine {
         let want_loss = loss.clone().into_scalar() as f64;
         let grads = loss.backward();
         // this rank's shard
-        let ctx = ContextShard::new(group.clone(), docs.clone(), s).unwrap();
+        let ctx = ContextSplit::new(r, n, docs.clone(), s).unwrap();
         let shard = ctx.shard.clone();
         let out = model.forward(row.with_context(ctx), &opts, glm5_burn::Outputs::default()).unwrap();
         let targets = glm5_burn::loss::shifted_targets(&labels, 1, s);

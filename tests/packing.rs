@@ -138,3 +138,32 @@ fn packed_conversations_with_images_equal_separate_runs() {
         assert!((sum - packed_sum as f64).abs() <= 1e-5 * sum.abs(), "{attention:?}: loss {sum} alone vs {packed_sum} packed");
     }
 }
+
+/// A batch carries its context-parallel shard as data (`ContextSplit`); the model runs it over
+/// its own context-parallel group. A shard for a model without one, or made for another group
+/// size, is an error naming both — not a forward over the wrong rows.
+#[test]
+fn a_context_shard_needs_the_models_group_of_its_size() {
+    use glm5_burn::distributed::{Group, LocalGroup};
+    use glm5_burn::text::context::ContextSplit;
+    let device = Default::default();
+    let mut m = load_causal_lm::<B>(&fixtures().join("base_k4"), &device, &LoadOptions::default()).unwrap().model;
+    let ids: Vec<i64> = (0..16).collect();
+    let split = ContextSplit::new(1, 2, vec![0..10, 10..16], 16).unwrap();
+    assert_eq!((split.shard.clone(), split.docs.continues), (8..16, true));
+    let run = |m: &glm5_burn::Glm5ForCausalLM<B>, split: ContextSplit| {
+        m.forward(ModelInput::<B>::row(ids.clone()).with_context(split), &ForwardOptions::default(), Outputs::default())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let e = run(&m, split.clone());
+    assert!(e.contains("shard 1 of 2") && e.contains("no context-parallel group") && e.contains("cp_size"), "{e}");
+    m.language_model.context_group = Some(std::sync::Arc::new(LocalGroup) as Group);
+    let e = run(&m, split);
+    assert!(e.contains("shard 1 of 2") && e.contains("rank 0 of a context-parallel group of 1"), "{e}");
+    let e = ContextSplit::new(2, 2, vec![0..8, 8..16], 16).unwrap_err().to_string();
+    assert!(e.contains("context parallelism") && e.contains("rank 2"), "{e}");
+    let e = ContextSplit::new(0, 3, vec![0..8, 8..16], 16).unwrap_err().to_string();
+    assert!(e.contains("does not split into 3 equal shards"), "{e}");
+}

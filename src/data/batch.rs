@@ -41,6 +41,7 @@ impl MicroBatch {
             documents: self.documents.clone(),
             images: self.images.clone(),
             context: None,
+            backend: std::marker::PhantomData,
         }
     }
 

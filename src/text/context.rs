@@ -114,6 +114,37 @@ impl ShardDocs {
     }
 }
 
+/// This rank's shard of a packed row under context parallelism, as data the batch carries
+/// ([`crate::ModelInput::with_context`]): which of `size` equal contiguous shards it is, the
+/// whole row's documents, this shard's token range and its document pieces. No process group:
+/// the model runs it over its context-parallel group ([`ContextShard::on`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContextSplit {
+    /// This shard's index (the rank in the context-parallel group).
+    pub rank: usize,
+    /// Shards of the row (the context-parallel group's size).
+    pub size: usize,
+    /// The whole row's documents (global ranges, in order, covering the row).
+    pub row_documents: Vec<Range<usize>>,
+    /// This shard's tokens of the row.
+    pub shard: Range<usize>,
+    /// This shard's document pieces.
+    pub docs: ShardDocs,
+}
+
+impl ContextSplit {
+    /// Shard `rank` of `size` of a row of `len` tokens with documents `row_documents` (an
+    /// error when `size` does not divide `len`, `rank ≥ size`, or the documents do not cover
+    /// the row).
+    pub fn new(rank: usize, size: usize, row_documents: Vec<Range<usize>>, len: usize) -> Result<Self, DistError> {
+        if rank >= size {
+            return Err(DistError::Rank { op: "context parallelism", rank, size });
+        }
+        let (shard, docs) = ShardDocs::of(&row_documents, len, rank, size)?;
+        Ok(Self { rank, size, row_documents, shard, docs })
+    }
+}
+
 /// One rank's shard of a packed row under context parallelism, as the layers see it (carried
 /// by [`crate::text::TokenMask::context`]): the group, the row's documents, this shard's rows
 /// and pieces, and the chain ordering this forward's collectives.
@@ -135,8 +166,38 @@ impl<B: Backend> ContextShard<B> {
     /// This rank's shard of a row of `len` tokens with documents `row_documents` (an error
     /// when the group's size does not divide `len`, or the documents do not cover the row).
     pub fn new(group: Group, row_documents: Vec<Range<usize>>, len: usize) -> Result<Self, DistError> {
-        let (shard, docs) = ShardDocs::of(&row_documents, len, group.rank(), group.size())?;
+        let split = ContextSplit::new(group.rank(), group.size(), row_documents, len)?;
+        Self::on(group, split)
+    }
+
+    /// `split` run over `group`, with a fresh chain: an error naming both when the split was
+    /// made for another rank or another group size.
+    pub fn on(group: Group, split: ContextSplit) -> Result<Self, DistError> {
+        if (split.rank, split.size) != (group.rank(), group.size()) {
+            return Err(DistError::Mesh {
+                message: format!(
+                    "a context-parallel shard made as shard {} of {} runs on rank {} of a context-parallel group of {}",
+                    split.rank,
+                    split.size,
+                    group.rank(),
+                    group.size()
+                ),
+                reported: false,
+            });
+        }
+        let ContextSplit { row_documents, shard, docs, .. } = split;
         Ok(Self { group, row_documents, shard, docs, chain: Default::default() })
+    }
+
+    /// The shard as data (what a batch carries).
+    pub fn split(&self) -> ContextSplit {
+        ContextSplit {
+            rank: self.group.rank(),
+            size: self.group.size(),
+            row_documents: self.row_documents.clone(),
+            shard: self.shard.clone(),
+            docs: self.docs.clone(),
+        }
     }
 
     /// The chain, locked for one collective.

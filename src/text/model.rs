@@ -43,6 +43,11 @@ pub struct TextModel<B: Backend> {
     /// it runs. Not part of the checkpoint.
     #[module(skip)]
     pub shards: Option<Arc<ShardPlan>>,
+    /// The context-parallel group a packed row's shards run over
+    /// ([`crate::text::context`]; set by [`crate::train::parallel::ParallelTraining::prepare`]).
+    /// `None`: the device's mesh's, if any. Not part of the checkpoint.
+    #[module(skip)]
+    pub context_group: Option<crate::distributed::Group>,
 }
 
 /// Everything a forward can report besides the final hidden state.
@@ -53,6 +58,10 @@ pub struct TextOutput<B: Backend> {
     pub layer_streams: Vec<Tensor<B, 4>>,
     /// Router logits of each MoE layer `[B·S, E]`.
     pub router_logits: Vec<Tensor<B, 2>>,
+    /// Under context parallelism, the shard the forward ran and its chain of collectives: the
+    /// collectives that follow on this forward's graph (the load-balancing loss,
+    /// [`crate::model::Glm5ForCausalLM::aux_loss_context`]) continue the chain.
+    pub context: Option<crate::text::context::ContextShard<B>>,
     /// Index rows of each DSA layer (layer, `[B, S, W]` host buffer), when
     /// [`Outputs::index_rows`].
     pub indices: Vec<(usize, Vec<i64>)>,
@@ -84,6 +93,7 @@ impl<B: Backend> TextModel<B> {
             hc_mult: c.hc_mult,
             pad_token_id: c.pad_token_id,
             shards: None,
+            context_group: None,
         }
     }
 
@@ -158,6 +168,12 @@ impl<B: Backend> TextModel<B> {
             }
         }
         [projections, experts]
+    }
+
+    /// The context-parallel group a packed row's shards run over: [`Self::context_group`],
+    /// else the context-parallel group of `device`'s mesh ([`crate::distributed::MeshDevice`]).
+    pub fn context_group_on(&self, device: &B::Device) -> Option<crate::distributed::Group> {
+        self.context_group.clone().or_else(|| crate::distributed::mesh_of(device).and_then(|m| m.context().cloned()))
     }
 
     /// Under a shard plan, for each unit boundary `k` (before layer `k`, `k = layers` before the
@@ -238,6 +254,7 @@ impl<B: Backend> TextModel<B> {
             router_logits: Vec::new(),
             indices: Vec::new(),
             index_margins: Vec::new(),
+            context: None,
         };
         let reshard = self.reshardable();
         for (i, layer) in self.layers.iter().enumerate() {

@@ -211,6 +211,8 @@ impl ParallelTraining {
             Some(m) => m,
             None => Arc::new(Mesh::new(g.clone(), layout.sizes(g.size())?)?),
         };
+        // a batch carries its context shard as data; the model runs it over this group
+        model.language_model.context_group = mesh.context().cloned();
         let mut experts = None;
         if let Some(ex) = mesh.expert() {
             model = expert_parallel_model(model, ex.ep.clone())?;

@@ -19,7 +19,7 @@ use crate::distributed::Group;
 use crate::input::{ModelInput, Outputs};
 use crate::model::{CausalLmOutput, Glm5ForCausalLM};
 use crate::ops::backend::Glm5Backend;
-use crate::text::context::ContextShard;
+use crate::text::context::{ContextShard, ContextSplit};
 use crate::text::ForwardOptions;
 use crate::text::ModelError;
 
@@ -178,13 +178,14 @@ pub fn forward_micro<B: Glm5Backend>(
     labels.resize(seq, -100);
     let mut lengths = m.documents.clone().unwrap_or_else(|| vec![m.seq]);
     lengths.push(pad);
-    let ctx = ContextShard::new(group.clone(), crate::text::document_ranges(&lengths), seq)?;
-    let shard = ctx.shard.clone();
-    let input = ModelInput::row(ids).with_images(m.images.clone()).with_context(ctx.clone());
-    let output = model.forward(input, opts, Outputs::default())?;
+    let split = ContextSplit::new(group.rank(), p, crate::text::document_ranges(&lengths), seq)?;
+    let shard = split.shard.clone();
+    let input = ModelInput::row(ids).with_images(m.images.clone()).with_context(split);
+    let mut output = model.forward(input, opts, Outputs::default())?;
+    let ctx = output.text.context.take();
     let targets = crate::loss::shifted_targets(&labels, 1, seq)[shard.clone()].to_vec();
     let valid = shard.map(|t| t < m.seq).collect();
-    Ok(MicroOutput { output, targets, valid, shard: Some(ctx) })
+    Ok(MicroOutput { output, targets, valid, shard: ctx })
 }
 
 /// A summed loss and the label tokens it covers.
