@@ -569,3 +569,36 @@ fn lora_on_an_fp8_base_follows_the_dequantised_base_and_resumes() {
     ]);
     assert!(e.contains("no FP8 weight") && e.contains(base.to_str().unwrap()), "{e}");
 }
+
+/// The README's quick start as a user runs it: the default recipe (40 steps, no arguments
+/// but the directory), then `configs/tiny_medpix_lora.yaml` on its step-40 checkpoint — the
+/// LoRA run's validation loss falls and its greedy answers improve (exact match over the 24
+/// validation questions, measured before the first step and at the end).
+#[test]
+fn the_quick_start_lora_run_lowers_the_validation_loss_and_improves_the_answers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, lora) = (tmp.path().join("base"), tmp.path().join("lora"));
+    let run = |args: &[String]| {
+        let out = Command::new(example("finetune")).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "finetune {args:?} failed:\n{text}");
+    };
+    run(&[format!("--checkpoint.checkpoint_dir={}", base.display())]);
+    let recipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny_medpix_lora.yaml");
+    run(&[
+        recipe.display().to_string(),
+        format!("--checkpoint.checkpoint_dir={}", lora.display()),
+        format!("--model.checkpoint={}", base.join("step_000040/model").display()),
+    ]);
+    let validations: Vec<(u64, f64, f64)> = std::fs::read_to_string(lora.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter_map(|r| Some((r["step"].as_u64()?, r["val_loss"].as_f64()?, r["val_accuracy"].as_f64()?)))
+        .collect();
+    let (first, last) = (validations[0], validations[validations.len() - 1]);
+    println!("LoRA quick start (step, validation loss, exact match): {validations:?}");
+    assert_eq!((first.0, last.0), (0, 40), "{validations:?}");
+    assert!(last.1 < first.1, "the validation loss falls: {validations:?}");
+    assert!(last.2 > first.2, "the answers improve: {validations:?}");
+}
