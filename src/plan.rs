@@ -391,11 +391,14 @@ pub(crate) fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSpli
     let held = trainable * pt + s.frozen_dense_bytes + s.frozen_expert_bytes;
     // a LoRA base is held as the implementation holds it: the trainable values (adapters)
     // sharded over the world; the frozen parameters whole on every rank (FSDP shards what
-    // takes a gradient), except the FP8 projections, which are split over the world by block
-    // rows and gathered per layer; the frozen experts as each expert-parallel rank's share
+    // takes a gradient), except an FP8 base, whose projections are split over the world by
+    // block rows and whose experts are split by expert parallelism and then over the ranks
+    // holding the same experts (so over the world too), gathered per layer; frozen bf16
+    // experts as each expert-parallel rank's share
     let params = if inputs.peft.is_some() {
         let frozen_whole = s.frozen_dense_bytes - s.fp8_dense_bytes;
-        trainable * pt / w + frozen_whole + s.fp8_dense_bytes / w + s.frozen_expert_bytes / mesh.ep as f64
+        let experts = if inputs.base_fp8 { s.frozen_expert_bytes / w } else { s.frozen_expert_bytes / mesh.ep as f64 };
+        trainable * pt / w + frozen_whole + s.fp8_dense_bytes / w + experts
     } else {
         held / w
     };
@@ -460,10 +463,11 @@ pub(crate) fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSpli
         Some(_) => s.trainable_dense * pt + s.fp8_dense_bytes,
         None => s.trainable_dense * pt + s.frozen_dense_bytes,
     };
-    // under LoRA the frozen experts are held (not gathered) by their expert-parallel ranks
+    // under LoRA frozen bf16 experts are held (not gathered) by their expert-parallel ranks;
+    // FP8 experts are gathered like the adapters
     let gathered_expert_bytes = match inputs.peft {
-        Some(_) => s.trainable_experts * pt,
-        None => s.trainable_experts * pt + s.frozen_expert_bytes,
+        Some(_) if !inputs.base_fp8 => s.trainable_experts * pt,
+        _ => s.trainable_experts * pt + s.frozen_expert_bytes,
     };
     let mut comm = StepComm::default();
     comm.rows.push(("all_gather", "dense parameters (FSDP over dp×cp)", mb * gathers * ring(w) * dense_bytes));

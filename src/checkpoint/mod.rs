@@ -466,12 +466,11 @@ fn keep_fp8<B: Backend>(
                     }
                     let [br, bc] = block.unwrap_or([1, 1]);
                     let e = experts.len();
-                    Ok(Fp8Stack {
-                        codes: Tensor::<B, 3, Int>::from_data(TensorData::new(codes, [e, n, k]), (device, DType::U8)),
-                        scale_inv: Tensor::from_data(TensorData::new(scales, [e, n.div_ceil(br), k.div_ceil(bc)]), device),
-                        block_rows: br,
-                        block_cols: bc,
-                    })
+                    Ok(Fp8Stack::new(
+                        Tensor::<B, 3, Int>::from_data(TensorData::new(codes, [e, n, k]), (device, DType::U8)),
+                        Tensor::from_data(TensorData::new(scales, [e, n.div_ceil(br), k.div_ceil(bc)]), device),
+                        [br, bc],
+                    ))
                 };
                 let fp8 =
                     Fp8Experts { gate_proj: stack("gate_proj", [i, d])?, up_proj: stack("up_proj", [i, d])?, down_proj: stack("down_proj", [d, i])? };

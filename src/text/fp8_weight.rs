@@ -149,44 +149,81 @@ impl<B: Backend> Fp8Weight<B> {
                 reported: false,
             });
         }
-        let (codes, scales) = gather_fp8(&self.codes, &self.scale_inv, rows, self.block_rows, group)?;
-        let refetch = regather.map(|regather| {
-            let key = regather.key();
-            let (my_codes, my_scales, block_rows, group, store) =
-                (self.codes.clone(), self.scale_inv.clone(), self.block_rows, group.clone(), regather.clone());
-            regather.push_task(Box::new(move || {
-                // a failing engine aborts the MPI job; the counts are equal by construction
-                let full = gather_fp8(&my_codes, &my_scales, rows, block_rows, &group)
-                    .unwrap_or_else(|e| panic!("the re-gather of a sharded FP8 weight failed in backward: {e}"));
-                store.put_ready(key, (full.0.into_primitive(), full.1.into_primitive().tensor()));
-            }));
-            let store = regather.clone();
-            Refetcher(Arc::new(Arc::new(move || store.take_ready(key)) as Fp8Refetch<B>))
-        });
+        let [_, k] = self.codes.dims();
+        let [_, gk] = self.scale_inv.dims();
+        let full = ([rows, k], [rows.div_ceil(self.block_rows), gk]);
+        let (codes, scales, refetch) = gather_fp8(&self.codes, &self.scale_inv, full, group, regather)?;
         Ok(Self { codes, scale_inv: scales, block_rows: self.block_rows, block_cols: self.block_cols, shard: None, refetch })
     }
 }
 
-/// Every rank's padded slice of codes and scales over `group`, cut to the `rows` of the whole
-/// weight (and its `⌈rows/b_r⌉` block rows).
-fn gather_fp8<B: Backend>(
-    codes: &Tensor<B, 2, Int>,
-    scales: &Tensor<B, 2>,
-    rows: usize,
-    block_rows: usize,
+/// Every rank's equal, padded slice (dim 0) of `codes` and `scales` over `group`,
+/// concatenated and cut to the whole tensors' dims `full` — an all-gather of the codes' bytes and
+/// the scales on the host. With `regather`, the same all-gather is also recorded for the next
+/// anchored FSDP gather to run in backward, and a refetch that takes its result is returned.
+#[allow(clippy::type_complexity)]
+fn gather_fp8<B: Backend, const D: usize>(
+    codes: &Tensor<B, D, Int>,
+    scales: &Tensor<B, D>,
+    full: ([usize; D], [usize; D]),
     group: &Group,
-) -> Result<(Tensor<B, 2, Int>, Tensor<B, 2>), DistError> {
-    let ([_, k], [_, gk], device) = (codes.dims(), scales.dims(), codes.device());
+    regather: Option<&Arc<Regather>>,
+) -> Result<(Tensor<B, D, Int>, Tensor<B, D>, Option<Refetcher>), DistError> {
+    let (codes_full, scales_full) = gather_host(codes, scales, full, group)?;
+    let refetch = regather.map(|regather| {
+        let key = regather.key();
+        let (codes, scales, group, store) = (codes.clone(), scales.clone(), group.clone(), regather.clone());
+        regather.push_task(Box::new(move || {
+            // a failing engine aborts the MPI job; the counts are equal by construction
+            let (c, s) = gather_host(&codes, &scales, full, &group)
+                .unwrap_or_else(|e| panic!("the re-gather of a sharded FP8 weight failed in backward: {e}"));
+            store.put_ready(key, (c.into_primitive(), s.into_primitive().tensor()));
+        }));
+        let store = regather.clone();
+        Refetcher(Arc::new(Arc::new(move || store.take_ready(key)) as Fp8Refetch<B>))
+    });
+    Ok((codes_full, scales_full, refetch))
+}
+
+/// [`gather_fp8`]'s all-gather.
+fn gather_host<B: Backend, const D: usize>(
+    codes: &Tensor<B, D, Int>,
+    scales: &Tensor<B, D>,
+    (code_dims, scale_dims): ([usize; D], [usize; D]),
+    group: &Group,
+) -> Result<(Tensor<B, D, Int>, Tensor<B, D>), DistError> {
+    let device = codes.device();
     let data = codes.to_data();
     let mine = data.as_slice::<u8>().unwrap_or_else(|e| panic!("FP8 codes are U8: {e:?}"));
     let mut all = typed::all_gather::<u8>(&**group, mine)?;
-    all.truncate(rows * k);
+    all.truncate(code_dims.iter().product());
     let data = scales.to_data().convert::<f32>();
     let mine = data.as_slice::<f32>().unwrap_or_else(|e| panic!("FP8 scales are f32: {e:?}"));
-    let gm = rows.div_ceil(block_rows);
     let mut all_scales = typed::all_gather::<f32>(&**group, mine)?;
-    all_scales.truncate(gm * gk);
-    Ok((Tensor::from_data(TensorData::new(all, [rows, k]), (&device, DType::U8)), Tensor::from_data(TensorData::new(all_scales, [gm, gk]), &device)))
+    all_scales.truncate(scale_dims.iter().product());
+    Ok((
+        Tensor::from_data(TensorData::new(all, code_dims), (&device, DType::U8)),
+        Tensor::from_data(TensorData::new(all_scales, scale_dims), &device),
+    ))
+}
+
+/// The whole `[E, …]` stacks' dim-0 rows `range` of a row-major tensor of `width` values a row,
+/// zero-padded to `rows` rows.
+fn padded_rows<T: Copy + Default>(data: &[T], width: usize, range: std::ops::Range<usize>, rows: usize) -> Vec<T> {
+    let mut out = vec![T::default(); rows * width];
+    out[..range.len() * width].copy_from_slice(&data[range.start * width..range.end * width]);
+    out
+}
+
+/// How a stack of FP8 experts is split: over `group`, `experts` in all (this rank's
+/// `⌈experts/size⌉`, the last ones padded with zero experts).
+#[derive(Debug, Clone)]
+pub struct StackShard {
+    /// The group the stack is split over (the expert-data-parallel group under expert
+    /// parallelism, else the data-parallel world).
+    pub group: Group,
+    /// The experts of the whole stack.
+    pub experts: usize,
 }
 
 /// The routed experts' weights of one projection in FP8: every expert's `[N, K]` codes
@@ -201,9 +238,57 @@ pub struct Fp8Stack<B: Backend> {
     pub block_rows: usize,
     /// Columns a scale covers (`b_c`).
     pub block_cols: usize,
+    /// Set when the stack is split over an FSDP group ([`Self::into_shard`]).
+    #[module(skip)]
+    pub shard: Option<StackShard>,
+    /// Set on a gathered copy whose layer is freed after its forward ([`Fp8Weight::refetch`]).
+    #[module(skip)]
+    pub refetch: Option<Refetcher>,
 }
 
 impl<B: Backend> Fp8Stack<B> {
+    /// A whole stack from its codes `[E, N, K]` and scales (the loader's).
+    pub fn new(codes: Tensor<B, 3, Int>, scale_inv: Tensor<B, 3>, [block_rows, block_cols]: [usize; 2]) -> Self {
+        Self { codes, scale_inv, block_rows, block_cols, shard: None, refetch: None }
+    }
+
+    /// This rank's FSDP slice over `group`: experts `[r·c, (r+1)·c)` (`c = ⌈E/size⌉`), with
+    /// their scales, zero-padded to `c` experts on every rank.
+    pub fn into_shard(self, group: Group) -> Self {
+        let ([e, n, k], [_, gn, gk]) = (self.codes.dims(), self.scale_inv.dims());
+        let c = e.div_ceil(group.size().max(1));
+        let range = (group.rank() * c).min(e)..((group.rank() + 1) * c).min(e);
+        let device = self.codes.device();
+        let codes = self.codes.to_data();
+        let codes = padded_rows(codes.as_slice::<u8>().unwrap_or_else(|err| panic!("FP8 codes are U8: {err:?}")), n * k, range.clone(), c);
+        let scales = self.scale_inv.to_data().convert::<f32>();
+        let scales = padded_rows(scales.as_slice::<f32>().unwrap_or_else(|err| panic!("FP8 scales are f32: {err:?}")), gn * gk, range, c);
+        Self {
+            codes: Tensor::from_data(TensorData::new(codes, [c, n, k]), (&device, DType::U8)),
+            scale_inv: Tensor::from_data(TensorData::new(scales, [c, gn, gk]), &device),
+            block_rows: self.block_rows,
+            block_cols: self.block_cols,
+            shard: Some(StackShard { group, experts: e }),
+            refetch: None,
+        }
+    }
+
+    /// The whole stack from every rank's slice ([`Self::into_shard`]), as
+    /// [`Fp8Weight::gathered`]: with `regather`, re-gathered for the backward instead of kept.
+    pub fn gathered(&self, regather: Option<&Arc<Regather>>) -> Result<Self, DistError> {
+        let Some(shard) = &self.shard else { return Ok(self.clone()) };
+        let ([_, n, k], [_, gn, gk]) = (self.codes.dims(), self.scale_inv.dims());
+        let e = shard.experts;
+        let (codes, scale_inv, refetch) = gather_fp8(&self.codes, &self.scale_inv, ([e, n, k], [e, gn, gk]), &shard.group, regather)?;
+        Ok(Self { codes, scale_inv, block_rows: self.block_rows, block_cols: self.block_cols, shard: None, refetch })
+    }
+
+    /// Bytes of the whole stack, split or not (U8 codes, f32 scales).
+    pub fn whole_bytes(&self) -> usize {
+        let ([e, n, k], [_, gn, gk]) = (self.codes.dims(), self.scale_inv.dims());
+        self.shard.as_ref().map_or(e, |s| s.experts) * (n * k + gn * gk * 4)
+    }
+
     /// `[b_r, b_c]`.
     pub fn block(&self) -> [usize; 2] {
         [self.block_rows, self.block_cols]
@@ -212,12 +297,7 @@ impl<B: Backend> Fp8Stack<B> {
     /// The experts `range` only (an expert-parallel rank's share).
     pub fn slice(self, range: std::ops::Range<usize>) -> Self {
         let ([_, n, k], [_, gn, gk]) = (self.codes.dims(), self.scale_inv.dims());
-        Self {
-            codes: self.codes.slice([range.clone(), 0..n, 0..k]),
-            scale_inv: self.scale_inv.slice([range, 0..gn, 0..gk]),
-            block_rows: self.block_rows,
-            block_cols: self.block_cols,
-        }
+        Self::new(self.codes.slice([range.clone(), 0..n, 0..k]), self.scale_inv.slice([range, 0..gn, 0..gk]), [self.block_rows, self.block_cols])
     }
 
     /// The dequantised weights in the experts' Burn layout `[E, K, N]`, in `dtype`.
@@ -249,4 +329,16 @@ pub struct Fp8Experts<B: Backend> {
     pub up_proj: Fp8Stack<B>,
     /// `down_proj` of every expert.
     pub down_proj: Fp8Stack<B>,
+}
+
+impl<B: Backend> Fp8Experts<B> {
+    /// The three stacks.
+    pub fn stacks_mut(&mut self) -> [&mut Fp8Stack<B>; 3] {
+        [&mut self.gate_proj, &mut self.up_proj, &mut self.down_proj]
+    }
+
+    /// Whether a stack is split over an FSDP group.
+    pub fn is_sharded(&self) -> bool {
+        [&self.gate_proj, &self.up_proj, &self.down_proj].iter().any(|s| s.shard.is_some())
+    }
 }

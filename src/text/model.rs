@@ -50,6 +50,22 @@ pub struct TextModel<B: Backend> {
     pub context_group: Option<crate::distributed::Group>,
 }
 
+/// A MoE layer's FP8-resident routed experts.
+fn fp8_experts<B: Backend>(layer: &DecoderLayer<B>) -> Option<&super::fp8_weight::Fp8Experts<B>> {
+    match &layer.mlp {
+        super::decoder::Ffn::Moe(moe) => moe.experts.fp8.as_ref(),
+        super::decoder::Ffn::Dense(_) => None,
+    }
+}
+
+/// The expert-parallel size of a MoE layer's experts (1: none).
+fn layer_ep<B: Backend>(layer: &DecoderLayer<B>) -> usize {
+    match &layer.mlp {
+        super::decoder::Ffn::Moe(moe) => moe.experts.parallel.as_ref().map_or(1, |p| p.group.size()),
+        super::decoder::Ffn::Dense(_) => 1,
+    }
+}
+
 /// Everything a forward can report besides the final hidden state.
 pub struct TextOutput<B: Backend> {
     /// `[B, S, D]` after the final norm.
@@ -135,7 +151,7 @@ impl<B: Backend> TextModel<B> {
     pub fn fp8_gathered<'a>(&self, layer: Cow<'a, DecoderLayer<B>>, reshard: bool) -> Cow<'a, DecoderLayer<B>> {
         let Some(plan) = &self.shards else { return layer };
         let sharded = |l: &Linear<B>| l.fp8.as_ref().is_some_and(|q| q.shard.is_some());
-        if !layer.projections().into_iter().any(sharded) {
+        if !layer.projections().into_iter().any(sharded) && !fp8_experts(&layer).is_some_and(|x| x.is_sharded()) {
             return layer;
         }
         let mut layer = layer.into_owned();
@@ -146,12 +162,17 @@ impl<B: Backend> TextModel<B> {
                 *q = q.gathered(plan.group(), regather).unwrap_or_else(|e| panic!("gathering the FP8 base of {name}: {e}"));
             }
         }
+        if let super::decoder::Ffn::Moe(moe) = &mut layer.mlp {
+            for stack in moe.experts.fp8.iter_mut().flat_map(|x| x.stacks_mut()) {
+                *stack = stack.gathered(regather).unwrap_or_else(|e| panic!("gathering the FP8 experts: {e}"));
+            }
+        }
         Cow::Owned(layer)
     }
 
     /// Bytes of the decoder's FP8-resident base as `[held by this rank, whole]`: the
     /// projections (split over the FSDP group when sharded), then the routed experts (split
-    /// by expert parallelism).
+    /// by expert parallelism, and over the expert-data-parallel group when sharded).
     pub fn fp8_base_bytes(&self) -> [[usize; 2]; 2] {
         let (mut projections, mut experts) = ([0, 0], [0, 0]);
         for layer in &self.layers {
@@ -159,11 +180,11 @@ impl<B: Backend> TextModel<B> {
                 projections[0] += q.num_bytes();
                 projections[1] += q.whole_bytes();
             }
-            if let super::decoder::Ffn::Moe(moe) = &layer.mlp {
-                if let Some(x) = &moe.experts.fp8 {
-                    let n = x.gate_proj.num_bytes() + x.up_proj.num_bytes() + x.down_proj.num_bytes();
-                    experts[0] += n;
-                    experts[1] += n * moe.experts.parallel.as_ref().map_or(1, |p| p.group.size());
+            if let Some(x) = fp8_experts(layer) {
+                let ep = layer_ep(layer);
+                for s in [&x.gate_proj, &x.up_proj, &x.down_proj] {
+                    experts[0] += s.num_bytes();
+                    experts[1] += s.whole_bytes() * ep;
                 }
             }
         }

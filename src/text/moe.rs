@@ -39,7 +39,7 @@ use super::mlp::{clamped_swiglu, Mlp};
 use crate::config::{Activation, TextConfig};
 use crate::distributed::collective::all_to_all_rows;
 use crate::distributed::{typed, Group};
-use crate::ops::backend::{fp8_grouped_matmul, grouped_matmul};
+use crate::ops::backend::{fp8_grouped_matmul, fp8_grouped_matmul_refetched, grouped_matmul};
 
 /// Router (`mlp.gate`).
 #[derive(Module, Debug)]
@@ -253,7 +253,11 @@ impl<B: Backend> Experts<B> {
                     Proj::Up => &q.up_proj,
                     Proj::Down => &q.down_proj,
                 };
-                fp8_grouped_matmul(x, stack.codes.clone(), stack.scale_inv.clone(), stack.block(), sizes)
+                match stack.refetch.as_ref().and_then(|r| r.get::<B>()) {
+                    None => fp8_grouped_matmul(x, stack.codes.clone(), stack.scale_inv.clone(), stack.block(), sizes),
+                    // a gathered FSDP slice freed after the layer's forward: re-gathered for backward
+                    Some(r) => fp8_grouped_matmul_refetched(x, stack.codes.clone(), stack.scale_inv.clone(), stack.block(), sizes, r),
+                }
             }
             (None, None) => panic!("{NO_EXPERT_WEIGHTS}"),
         }

@@ -221,7 +221,9 @@ pub fn shard_model_where<B: crate::distributed::CollectiveBackend>(
         }
     })?;
     if shard && group.size() > 1 {
-        shard_fp8_base(&mut model, &group)?;
+        // the FP8 experts over the group their parameters would be sharded over
+        let fp8_experts_over = if local_experts { experts_over.clone().filter(|g| g.size() > 1) } else { Some(group.clone()) };
+        shard_fp8_base(&mut model, &group, fp8_experts_over)?;
     }
     model.language_model.shards = Some(plan);
     Ok(model)
@@ -233,10 +235,24 @@ pub fn shard_model_where<B: crate::distributed::CollectiveBackend>(
 /// constants are not parameters, so the shard plan does not see them; the text model gathers
 /// them with their layer and frees them after it
 /// ([`crate::text::model::TextModel::fp8_gathered`]). The routed experts' FP8 stacks are split
-/// by expert parallelism instead, and the vision tower's projections stay whole. A weight
-/// already split for another group is an error naming it.
-fn shard_fp8_base<B: burn::tensor::backend::Backend>(model: &mut Glm5ForCausalLM<B>, group: &Group) -> Result<(), DistError> {
+/// by whole experts over `experts_over` (the group their parameters would be sharded over:
+/// the expert-data-parallel group under expert parallelism, else the world), and the vision
+/// tower's projections stay whole. A weight already split for another group is an error
+/// naming it.
+fn shard_fp8_base<B: burn::tensor::backend::Backend>(
+    model: &mut Glm5ForCausalLM<B>,
+    group: &Group,
+    experts_over: Option<Group>,
+) -> Result<(), DistError> {
     let shard = crate::distributed::RowShard { rank: group.rank(), size: group.size() };
+    for layer in &mut model.language_model.layers {
+        let (Ffn::Moe(moe), Some(over)) = (&mut layer.mlp, &experts_over) else { continue };
+        for stack in moe.experts.fp8.iter_mut().flat_map(|x| x.stacks_mut()) {
+            if stack.shard.is_none() {
+                *stack = stack.clone().into_shard(over.clone());
+            }
+        }
+    }
     for (i, layer) in model.language_model.layers.iter_mut().enumerate() {
         for (name, l) in layer.projections_mut() {
             let Some(q) = l.fp8.take() else { continue };
@@ -258,9 +274,15 @@ fn shard_fp8_base<B: burn::tensor::backend::Backend>(model: &mut Glm5ForCausalLM
     Ok(())
 }
 
-/// The FP8-resident projections of a model sharded by [`shard_fp8_base`] gathered whole.
+/// The FP8-resident projections and experts of a model sharded by [`shard_fp8_base`]
+/// gathered whole.
 fn unshard_fp8_base<B: burn::tensor::backend::Backend>(model: &mut Glm5ForCausalLM<B>, group: &Group) -> Result<(), DistError> {
     for layer in &mut model.language_model.layers {
+        if let Ffn::Moe(moe) = &mut layer.mlp {
+            for stack in moe.experts.fp8.iter_mut().flat_map(|x| x.stacks_mut()) {
+                *stack = stack.gathered(None)?;
+            }
+        }
         for (name, l) in layer.projections_mut() {
             if let Some(q) = l.fp8.as_mut().filter(|q| q.shard.is_some()) {
                 *q = q

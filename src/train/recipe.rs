@@ -160,7 +160,8 @@ pub struct ModelSection {
     /// weight) and the rest in `dtype`. `bf16` and `fp8` need `peft`; `fp8` an FP8
     /// `checkpoint`. Under expert parallelism a rank holds its experts' FP8 stacks; with
     /// `distributed.shard_parameters` the FP8 projections are split over the data-parallel
-    /// world by block rows and gathered per layer (the other frozen weights stay whole).
+    /// world by block rows, the FP8 experts over the ranks holding the same experts, both
+    /// gathered per layer (the other frozen weights stay whole).
     #[serde(default)]
     pub base_dtype: Option<BaseDtype>,
 }

@@ -217,17 +217,18 @@ fn fp8_linear_tracked<B: Glm5Backend, C: CheckpointStrategy>(
     }
 }
 
-/// The routed experts' products on frozen FP8 weights: holds the codes, scales and group
-/// sizes and gives `∂x`.
+/// The routed experts' products on frozen FP8 weights: holds the codes and scales (or where to
+/// get them again) and the group sizes, and gives `∂x`.
 #[derive(Debug)]
 struct Fp8GroupedBackward;
 
 impl<B: Glm5Backend> Backward<B, 1> for Fp8GroupedBackward {
-    type State = (IntTensor<B>, FloatTensor<B>, [usize; 2], Vec<usize>);
+    type State = (Fp8Held<B>, [usize; 2], Vec<usize>);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
-        let (codes, scales, block, sizes) = ops.state;
+        let (held, block, sizes) = ops.state;
+        let (codes, scales) = held.take();
         register!(grads, ops.parents, [B::fp8_grouped_matmul_backward(grad, codes, scales, block, &sizes)]);
     }
 }
@@ -627,7 +628,21 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
         sizes: &[usize],
     ) -> FloatTensor<Self> {
         let out = B::fp8_grouped_matmul(x.primitive.clone(), codes.clone(), scales.primitive.clone(), block, sizes);
-        record!(Fp8GroupedBackward, [x], (codes, scales.primitive, block, sizes.to_vec()), out)
+        record!(Fp8GroupedBackward, [x], (Fp8Held::Kept(codes, scales.primitive), block, sizes.to_vec()), out)
+    }
+
+    fn fp8_grouped_matmul_refetched(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        sizes: &[usize],
+        refetch: crate::ops::backend::Fp8Refetch<Self>,
+    ) -> FloatTensor<Self> {
+        let out = B::fp8_grouped_matmul(x.primitive.clone(), codes, scales.primitive, block, sizes);
+        let inner = move || refetch().map(|(codes, scales)| (codes, scales.primitive));
+        let held: Fp8Held<B> = Fp8Held::Refetch(Arc::new(inner));
+        record!(Fp8GroupedBackward, [x], (held, block, sizes.to_vec()), out)
     }
 
     fn cross_entropy_sum(logits: FloatTensor<Self>, targets: &[i64]) -> FloatTensor<Self> {

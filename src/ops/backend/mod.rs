@@ -419,6 +419,20 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         fp8_linear::grouped_reference_forward(f2::<Self>(x), codes, f3(scales), block, sizes).into_primitive().tensor()
     }
 
+    /// [`Self::fp8_grouped_matmul`] on stacks its backward does not keep (an FSDP-sharded FP8
+    /// base gathered for one layer's forward, [`Self::fp8_linear_refetched`]'s counterpart).
+    fn fp8_grouped_matmul_refetched(
+        x: FloatTensor<Self>,
+        codes: IntTensor<Self>,
+        scales: FloatTensor<Self>,
+        block: [usize; 2],
+        sizes: &[usize],
+        refetch: Fp8Refetch<Self>,
+    ) -> FloatTensor<Self> {
+        let _ = refetch;
+        Self::fp8_grouped_matmul(x, codes, scales, block, sizes)
+    }
+
     /// Backward of [`Self::fp8_grouped_matmul`] for `∂y` `[M, N]`: `∂x` `[M, K]`.
     fn fp8_grouped_matmul_backward(
         grad: FloatTensor<Self>,
@@ -721,6 +735,26 @@ pub fn fp8_grouped_matmul<B: Glm5Backend>(
         sizes.iter().sum::<usize>()
     );
     f2(B::fp8_grouped_matmul(x.into_primitive().tensor(), codes.into_primitive(), scales.into_primitive().tensor(), block, sizes))
+}
+
+/// [`fp8_grouped_matmul`] whose backward asks `refetch` for the stacks instead of keeping them
+/// ([`Glm5Backend::fp8_grouped_matmul_refetched`]).
+pub fn fp8_grouped_matmul_refetched<B: Glm5Backend>(
+    x: Tensor<B, 2>,
+    codes: Tensor<B, 3, Int>,
+    scales: Tensor<B, 3>,
+    block: [usize; 2],
+    sizes: &[usize],
+    refetch: Fp8Refetch<B>,
+) -> Tensor<B, 2> {
+    let ([m, k], [g, _, ck]) = (x.dims(), codes.dims());
+    assert!(
+        sizes.len() == g && sizes.iter().sum::<usize>() == m && k == ck,
+        "fp8_grouped_matmul: {} group sizes summing to {} for {m} rows of width {k} and {g} experts of width {ck}",
+        sizes.len(),
+        sizes.iter().sum::<usize>()
+    );
+    f2(B::fp8_grouped_matmul_refetched(x.into_primitive().tensor(), codes.into_primitive(), scales.into_primitive().tensor(), block, sizes, refetch))
 }
 
 /// [`Glm5Backend::grouped_matmul`] on tensors: rows `x` `[M, K]` in groups of `sizes` (one per
