@@ -680,13 +680,7 @@ pub fn fp8_matmul_bias<B: Glm5Backend>(
     block: [usize; 2],
     b: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 2> {
-    f2(B::fp8_linear(
-        x.into_primitive().tensor(),
-        codes.into_primitive(),
-        scales.into_primitive().tensor(),
-        block,
-        b.map(|b| b.into_primitive().tensor()),
-    ))
+    fp8_linear_on(x, codes, scales, block, b, None)
 }
 
 /// Where the backward of [`Glm5Backend::fp8_linear_refetched`] finds the FP8 weight it did
@@ -704,14 +698,23 @@ pub fn fp8_matmul_bias_refetched<B: Glm5Backend>(
     b: Option<Tensor<B, 1>>,
     refetch: Fp8Refetch<B>,
 ) -> Tensor<B, 2> {
-    f2(B::fp8_linear_refetched(
-        x.into_primitive().tensor(),
-        codes.into_primitive(),
-        scales.into_primitive().tensor(),
-        block,
-        b.map(|b| b.into_primitive().tensor()),
-        refetch,
-    ))
+    fp8_linear_on(x, codes, scales, block, b, Some(refetch))
+}
+
+fn fp8_linear_on<B: Glm5Backend>(
+    x: Tensor<B, 2>,
+    codes: Tensor<B, 2, Int>,
+    scales: Tensor<B, 2>,
+    block: [usize; 2],
+    b: Option<Tensor<B, 1>>,
+    refetch: Option<Fp8Refetch<B>>,
+) -> Tensor<B, 2> {
+    let (x, codes, scales, b) =
+        (x.into_primitive().tensor(), codes.into_primitive(), scales.into_primitive().tensor(), b.map(|b| b.into_primitive().tensor()));
+    f2(match refetch {
+        None => B::fp8_linear(x, codes, scales, block, b),
+        Some(r) => B::fp8_linear_refetched(x, codes, scales, block, b, r),
+    })
 }
 
 /// [`Glm5Backend::fp8_grouped_matmul`] on tensors: rows `x` `[M, K]` in groups of `sizes`
@@ -727,14 +730,7 @@ pub fn fp8_grouped_matmul<B: Glm5Backend>(
     block: [usize; 2],
     sizes: &[usize],
 ) -> Tensor<B, 2> {
-    let ([m, k], [g, _, ck]) = (x.dims(), codes.dims());
-    assert!(
-        sizes.len() == g && sizes.iter().sum::<usize>() == m && k == ck,
-        "fp8_grouped_matmul: {} group sizes summing to {} for {m} rows of width {k} and {g} experts of width {ck}",
-        sizes.len(),
-        sizes.iter().sum::<usize>()
-    );
-    f2(B::fp8_grouped_matmul(x.into_primitive().tensor(), codes.into_primitive(), scales.into_primitive().tensor(), block, sizes))
+    fp8_grouped_on(x, codes, scales, block, sizes, None)
 }
 
 /// [`fp8_grouped_matmul`] whose backward asks `refetch` for the stacks instead of keeping them
@@ -747,6 +743,17 @@ pub fn fp8_grouped_matmul_refetched<B: Glm5Backend>(
     sizes: &[usize],
     refetch: Fp8Refetch<B>,
 ) -> Tensor<B, 2> {
+    fp8_grouped_on(x, codes, scales, block, sizes, Some(refetch))
+}
+
+fn fp8_grouped_on<B: Glm5Backend>(
+    x: Tensor<B, 2>,
+    codes: Tensor<B, 3, Int>,
+    scales: Tensor<B, 3>,
+    block: [usize; 2],
+    sizes: &[usize],
+    refetch: Option<Fp8Refetch<B>>,
+) -> Tensor<B, 2> {
     let ([m, k], [g, _, ck]) = (x.dims(), codes.dims());
     assert!(
         sizes.len() == g && sizes.iter().sum::<usize>() == m && k == ck,
@@ -754,7 +761,11 @@ pub fn fp8_grouped_matmul_refetched<B: Glm5Backend>(
         sizes.len(),
         sizes.iter().sum::<usize>()
     );
-    f2(B::fp8_grouped_matmul_refetched(x.into_primitive().tensor(), codes.into_primitive(), scales.into_primitive().tensor(), block, sizes, refetch))
+    let (x, codes, scales) = (x.into_primitive().tensor(), codes.into_primitive(), scales.into_primitive().tensor());
+    f2(match refetch {
+        None => B::fp8_grouped_matmul(x, codes, scales, block, sizes),
+        Some(r) => B::fp8_grouped_matmul_refetched(x, codes, scales, block, sizes, r),
+    })
 }
 
 /// [`Glm5Backend::grouped_matmul`] on tensors: rows `x` `[M, K]` in groups of `sizes` (one per
