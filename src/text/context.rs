@@ -189,17 +189,6 @@ impl<B: Backend> ContextShard<B> {
         Ok(Self { group, row_documents, shard, docs, chain: Default::default() })
     }
 
-    /// The shard as data (what a batch carries).
-    pub fn split(&self) -> ContextSplit {
-        ContextSplit {
-            rank: self.group.rank(),
-            size: self.group.size(),
-            row_documents: self.row_documents.clone(),
-            shard: self.shard.clone(),
-            docs: self.docs.clone(),
-        }
-    }
-
     /// The chain, locked for one collective.
     pub fn chain(&self) -> std::sync::MutexGuard<'_, Chain<B>> {
         self.chain.lock().unwrap_or_else(|e| e.into_inner())

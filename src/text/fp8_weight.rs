@@ -112,13 +112,9 @@ impl<B: Backend> Fp8Weight<B> {
         let rows = (blocks.start * self.block_rows).min(m)..(blocks.end * self.block_rows).min(m);
         let device = self.codes.device();
         let codes = self.codes.to_data();
-        let codes = codes.as_slice::<u8>().unwrap_or_else(|e| panic!("FP8 codes are U8: {e:?}"));
-        let mut mine = vec![0u8; c * self.block_rows * k];
-        mine[..rows.len() * k].copy_from_slice(&codes[rows.start * k..rows.end * k]);
+        let mine = padded_rows(codes.as_slice::<u8>().unwrap_or_else(|e| panic!("FP8 codes are U8: {e:?}")), k, rows, c * self.block_rows);
         let scales = self.scale_inv.to_data().convert::<f32>();
-        let scales = scales.as_slice::<f32>().unwrap_or_else(|e| panic!("FP8 scales are f32: {e:?}"));
-        let mut my_scales = vec![0f32; c * gk];
-        my_scales[..blocks.len() * gk].copy_from_slice(&scales[blocks.start * gk..blocks.end * gk]);
+        let my_scales = padded_rows(scales.as_slice::<f32>().unwrap_or_else(|e| panic!("FP8 scales are f32: {e:?}")), gk, blocks, c);
         Self {
             codes: Tensor::from_data(TensorData::new(mine, [c * self.block_rows, k]), (&device, DType::U8)),
             scale_inv: Tensor::from_data(TensorData::new(my_scales, [c, gk]), &device),
@@ -207,8 +203,8 @@ fn gather_host<B: Backend, const D: usize>(
     ))
 }
 
-/// The whole `[E, …]` stacks' dim-0 rows `range` of a row-major tensor of `width` values a row,
-/// zero-padded to `rows` rows.
+/// Rows `range` of a row-major tensor of `width` values a row, zero-padded to `rows` rows
+/// (one rank's slice along dim 0).
 fn padded_rows<T: Copy + Default>(data: &[T], width: usize, range: std::ops::Range<usize>, rows: usize) -> Vec<T> {
     let mut out = vec![T::default(); rows * width];
     out[..range.len() * width].copy_from_slice(&data[range.start * width..range.end * width]);
