@@ -8,7 +8,7 @@
 
 use burn::tensor::{DType, Tensor};
 
-use crate::ops::backend::{cross_entropy_sum, Glm5Backend};
+use crate::ops::backend::{cast, cross_entropy_sum, Glm5Backend};
 
 /// Shifted next-token cross-entropy (mean over labels ≠ −100). `labels` `[B, S]` host.
 pub fn lm_loss<B: Glm5Backend>(logits: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1> {
@@ -36,7 +36,7 @@ pub fn target_loss_sum<B: Glm5Backend>(logits: Tensor<B, 3>, targets: &[i64]) ->
     let [b, s, v] = logits.dims();
     let targets = &targets[..b * s];
     let count = targets.iter().filter(|&&l| l >= 0 && (l as usize) < v).count();
-    (cross_entropy_sum(logits.cast(DType::F32).reshape([b * s, v]), targets), count)
+    (cross_entropy_sum(cast(logits, DType::F32).reshape([b * s, v]), targets), count)
 }
 
 /// Number of label tokens of a `[B, S]` label buffer after the shift.

@@ -11,11 +11,13 @@ use std::collections::BTreeMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor, TensorPrimitive};
 
 use super::recipe::FreezeConfig;
 use crate::checkpoint::hf_map::resolve;
 use crate::model::Glm5ForCausalLM;
+use crate::ops::backend::{cast, Glm5Backend};
 
 /// Tracks the module path during a visit or map (enum variants add no segment).
 #[derive(Default)]
@@ -198,23 +200,44 @@ impl CastPlan {
     }
 }
 
-/// Casts into fresh graph leaves (the compute copy of [`compute_copy`]).
-struct CastCompute(CastPlan);
+/// The compute copies of frozen parameters, by id: a frozen parameter never changes during a
+/// run, so its cast is made at the first step and reused ([`compute_copy`]).
+pub(crate) struct FrozenCopies<B: AutodiffBackend>(std::sync::Mutex<std::collections::HashMap<ParamId, FloatTensor<B::InnerBackend>>>);
 
-impl<B: AutodiffBackend> ModuleMapper<B> for CastCompute {
+impl<B: AutodiffBackend> Default for FrozenCopies<B> {
+    fn default() -> Self {
+        Self(Default::default())
+    }
+}
+
+/// Casts into fresh graph leaves (the compute copy of [`compute_copy`]).
+struct CastCompute<'a, B: AutodiffBackend> {
+    plan: CastPlan,
+    frozen: &'a FrozenCopies<B>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for CastCompute<'_, B>
+where
+    B::InnerBackend: Glm5Backend,
+{
     fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.0.tracker.enter(name, container_type);
+        self.plan.tracker.enter(name, container_type);
     }
     fn exit_module(&mut self, _: &str, _: &str) {
-        self.0.tracker.exit();
+        self.plan.tracker.exit();
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
         let grad = tensor.is_require_grad();
         let inner = tensor.inner();
-        let inner = match self.0.target() {
+        let inner = match self.plan.target() {
             // a base already held in `dtype` (recipe `model.base_dtype`) is used as it is
-            Some(dtype) if inner.dtype() != dtype => inner.cast(dtype),
+            Some(dtype) if inner.dtype() != dtype && !grad => {
+                let mut frozen = self.frozen.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                let copy = frozen.entry(id).or_insert_with(|| cast(inner, dtype).into_primitive().tensor());
+                Tensor::from_primitive(TensorPrimitive::Float(copy.clone()))
+            }
+            Some(dtype) if inner.dtype() != dtype => cast(inner, dtype),
             _ => inner,
         };
         // a fresh leaf: gradients land on the same id as the master parameter
@@ -233,7 +256,7 @@ struct CastWeights {
     frozen_only: bool,
 }
 
-impl<B: Backend> ModuleMapper<B> for CastWeights {
+impl<B: Glm5Backend> ModuleMapper<B> for CastWeights {
     fn enter_module(&mut self, name: &str, container_type: &str) {
         self.plan.tracker.enter(name, container_type);
     }
@@ -246,7 +269,7 @@ impl<B: Backend> ModuleMapper<B> for CastWeights {
             // already in `dtype` (a base loaded so): no cast node, no copy
             Some(dtype) if param.val().dtype() == dtype => param,
             // `map` keeps a trainable parameter trainable
-            Some(dtype) => param.map(|t| t.cast(dtype)),
+            Some(dtype) => param.map(|t| cast(t, dtype)),
             None => param,
         }
     }
@@ -257,37 +280,48 @@ impl<B: Backend> ModuleMapper<B> for CastWeights {
 /// parameters keep their dtype (fp32 masters). A base loaded in `dtype` is left as it is.
 /// [`crate::train::trainer::Trainer`] does this for a LoRA run; a loop of one's own calls it
 /// after [`crate::peft::attach`] (a model whose forward then runs in `dtype`).
-pub fn hold_frozen_in<B: Backend>(model: Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
+pub fn hold_frozen_in<B: Glm5Backend>(model: Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
     model.map(&mut CastWeights { plan: CastPlan::new(dtype), frozen_only: true })
 }
 
 /// `model` for inference in `dtype`: every parameter cast, except the tensors the checkpoint
 /// keeps in fp32 (router bias, mHC scales), as a load with [`crate::checkpoint::LoadOptions`]
 /// `dtype` gives them.
-pub fn cast_weights<B: Backend>(model: Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
+pub fn cast_weights<B: Glm5Backend>(model: Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
     model.map(&mut CastWeights { plan: CastPlan::new(dtype), frozen_only: false })
 }
 
 /// The compute copy of fp32 master weights: every parameter cast to `dtype` (the checkpoint's
 /// fp32-kept tensors — router bias, mHC scales — stay fp32), as graph leaves with the master's
 /// ids, so its gradients can be applied to the master.
-pub(crate) fn compute_copy<B: AutodiffBackend>(master: &Glm5ForCausalLM<B>, dtype: DType) -> Glm5ForCausalLM<B> {
-    master.clone().map(&mut CastCompute(CastPlan::new(dtype)))
+/// `frozen` keeps the frozen parameters' copies from one call to the next (one store per
+/// master model and dtype).
+pub(crate) fn compute_copy<B: AutodiffBackend>(master: &Glm5ForCausalLM<B>, dtype: DType, frozen: &FrozenCopies<B>) -> Glm5ForCausalLM<B>
+where
+    B::InnerBackend: Glm5Backend,
+{
+    master.clone().map(&mut CastCompute { plan: CastPlan::new(dtype), frozen })
 }
 
 struct CastGrads<'a> {
     grads: &'a mut GradientsParams,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for CastGrads<'_> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for CastGrads<'_>
+where
+    B::InnerBackend: Glm5Backend,
+{
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-            self.grads.register::<B::InnerBackend, D>(param.id, g.cast(DType::F32));
+            self.grads.register::<B::InnerBackend, D>(param.id, cast(g, DType::F32));
         }
     }
 }
 
 /// Cast every gradient of `module`'s parameters to fp32 (for the fp32 master update).
-pub(crate) fn grads_to_f32<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &mut GradientsParams) {
+pub(crate) fn grads_to_f32<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &mut GradientsParams)
+where
+    B::InnerBackend: Glm5Backend,
+{
     module.visit(&mut CastGrads { grads });
 }

@@ -36,7 +36,7 @@ use burn::tensor::DType;
 use super::checkpoint::{self as ckpt, TrainerState};
 use super::data_parallel::{gather_usize, plan_of};
 use super::parallel::ParallelTraining;
-use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, hold_frozen_in, materialize, param_ids};
+use super::params::{assign_param_ids, compute_copy, freeze, grads_to_f32, hold_frozen_in, materialize, param_ids, FrozenCopies};
 use super::recipe::{BaseDtype, FreezeConfig, NonFinitePolicy, Precision, Recipe};
 use super::schedule::LrSchedule;
 use super::sharded;
@@ -248,6 +248,8 @@ where
     pub data_fingerprint: Option<DataFingerprint>,
     /// This rank's part in the mesh (one process: nothing).
     parallel: ParallelTraining,
+    /// Under bf16 precision, the frozen parameters' bf16 copies (made once: they never change).
+    frozen_copies: FrozenCopies<B>,
 }
 
 fn adamw<B: AutodiffBackend>(o: &OptimizerSettings) -> Adam<B>
@@ -297,7 +299,16 @@ where
         if let (None, Some(mesh)) = (&options.parallel.mesh, parallel.mesh()) {
             options.parallel = options.parallel.on_mesh(mesh)?;
         }
-        Ok(Self { model: Some(model), optim: adamw::<B>(&options.optimizer), options, step: 0, skipped_steps: 0, data_fingerprint: None, parallel })
+        Ok(Self {
+            model: Some(model),
+            optim: adamw::<B>(&options.optimizer),
+            options,
+            step: 0,
+            skipped_steps: 0,
+            data_fingerprint: None,
+            parallel,
+            frozen_copies: FrozenCopies::default(),
+        })
     }
 
     /// The routed experts a rank of `options` holds (`None`: all): what to pass as
@@ -334,7 +345,10 @@ where
                 return Err(e);
             }
         };
-        let grad_norm = match self.clip(&master, &mut grads) {
+        let norm = crate::profile::scope("gradient norm");
+        let grad_norm = self.clip(&master, &mut grads);
+        drop(norm);
+        let grad_norm = match grad_norm {
             Ok(n) => n,
             Err(e) => {
                 self.model = Some(master);
@@ -397,8 +411,11 @@ where
         match o.precision {
             Precision::F32 => accumulate(master, micro, &step),
             Precision::Bf16 => {
-                let compute = compute_copy(master, DType::BF16);
+                let cast = crate::profile::scope("bf16 compute copy");
+                let compute = compute_copy(master, DType::BF16, &self.frozen_copies);
+                drop(cast);
                 let mut acc = accumulate(&compute, micro, &step)?;
+                let _cast = crate::profile::scope("gradients to fp32");
                 grads_to_f32::<B, _>(master, &mut acc.grads);
                 Ok(acc)
             }
@@ -419,7 +436,7 @@ where
     pub fn evaluate(&self, batches: &[MicroBatch]) -> Result<(f64, usize), TrainError> {
         let model = match self.options.precision {
             Precision::F32 => self.model().valid(),
-            Precision::Bf16 => compute_copy(self.model(), DType::BF16).valid(),
+            Precision::Bf16 => compute_copy(self.model(), DType::BF16, &self.frozen_copies).valid(),
         };
         let mut sum = 0.0;
         let mut count = 0;
