@@ -4,7 +4,8 @@
 //! ```text
 //! cargo run --release --example bench -- --config configs/bench_small.json --seq 512 \
 //!     [--batch 1] [--mode forward|train|both|decode] [--warmup 10] [--steps 5] [--threads 2] [--profile] \
-//!     [--dtype f32|bf16] [--set text_config.num_hidden_layers=4 --set text_config.n_routed_experts=16]
+//!     [--dtype f32|bf16] [--set text_config.num_hidden_layers=4 --set text_config.n_routed_experts=16] \
+//!     [--freeze embeddings,head]
 //! ```
 //!
 //! `--set PATH=JSON` edits the config before it is resolved, so a cut of the release config
@@ -33,6 +34,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
@@ -60,6 +62,15 @@ enum Mode {
 enum Dtype {
     F32,
     Bf16,
+}
+
+/// A part a train step leaves frozen (`--freeze`).
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum Frozen {
+    /// `language_model.embed_tokens` (recipe `freeze_embeddings`).
+    Embeddings,
+    /// `lm_head`.
+    Head,
 }
 
 #[derive(Clone, Copy, PartialEq, ValueEnum)]
@@ -118,6 +129,10 @@ struct Args {
     /// of the release config keep its widths and vocabulary.
     #[arg(long = "set", value_name = "PATH=JSON")]
     set: Vec<String>,
+    /// Parts a train step leaves frozen, comma-separated (`embeddings,head`): at the real
+    /// width the two 154,880 × 4,096 matrices' fp32 AdamW state alone is 20 GB.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    freeze: Vec<Frozen>,
     /// Instead: measure the linear layers' product (`Glm5Backend::linear_layer`, the op every
     /// projection runs through) in `--dtype` at the shapes of `MATMUL_SHAPES`, printed as
     /// `{"dtype", "gflops": {...}}` (`tests/reference/bench_matmul.py` measures PyTorch's).
@@ -139,16 +154,33 @@ const MATMUL_SHAPES: [(&str, usize, usize, usize); 7] = [
     ("square 2048x2048x2048", 2048, 2048, 2048),
 ];
 
-/// GFLOP/s of Flex's linear layer at `x` `[n, k]` · `w` `[k, m]` in `dtype`: the best of
-/// timed calls after two warm-up calls, repeated for ~2 s (at least three timed calls).
-fn matmul_gflops(n: usize, k: usize, m: usize, dtype: Dtype) -> f64 {
+/// Which product of a linear layer `bench --matmul` times.
+#[derive(Clone, Copy, PartialEq)]
+enum Product {
+    /// `y = x·W`.
+    Forward,
+    /// `∂x = ∂y·Wᵀ` (the backward of a frozen or trained layer).
+    GradInput,
+    /// `∂W = xᵀ·∂y` (the backward of a trained layer).
+    GradWeight,
+}
+
+/// GFLOP/s of Flex's linear layer (`product` of `x` `[n, k]` · `w` `[k, m]`) in `dtype`: the
+/// best of timed calls after two warm-up calls, repeated for ~2 s (at least three timed calls).
+fn matmul_gflops(n: usize, k: usize, m: usize, dtype: Dtype, product: Product) -> f64 {
     use burn::tensor::{Distribution, TensorPrimitive};
     let device = Default::default();
-    let cast = |t: Tensor<Flex, 2>| if dtype == Dtype::Bf16 { t.cast(burn::tensor::DType::BF16) } else { t };
+    let cast = |t: Tensor<Flex, 2>| if dtype == Dtype::Bf16 { glm5_burn::ops::backend::cast(t, burn::tensor::DType::BF16) } else { t };
     let x = cast(Tensor::<Flex, 2>::random([n, k], Distribution::Default, &device));
     let w = cast(Tensor::<Flex, 2>::random([k, m], Distribution::Default, &device));
+    let g = cast(Tensor::<Flex, 2>::random([n, m], Distribution::Default, &device));
+    let p = |t: &Tensor<Flex, 2>| t.clone().into_primitive().tensor();
     let call = || {
-        let y = <Flex as Glm5Backend>::linear_layer(x.clone().into_primitive().tensor(), w.clone().into_primitive().tensor(), None);
+        let y = match product {
+            Product::Forward => <Flex as Glm5Backend>::linear_layer(p(&x), p(&w), None),
+            Product::GradInput => <Flex as Glm5Backend>::linear_layer_backward(None, Some(p(&w)), p(&g), false).0.expect("∂x"),
+            Product::GradWeight => <Flex as Glm5Backend>::linear_layer_backward(Some(p(&x)), None, p(&g), false).1.expect("∂W"),
+        };
         let _ = Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(y)).slice([0..1, 0..1]).into_data();
     };
     call();
@@ -220,8 +252,16 @@ fn main() -> Result<()> {
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("rayon thread pool")?;
     }
     if a.matmul {
-        let rates: serde_json::Map<String, serde_json::Value> =
-            MATMUL_SHAPES.iter().map(|&(name, n, k, m)| (name.to_string(), json!((matmul_gflops(n, k, m, a.dtype) * 10.0).round() / 10.0))).collect();
+        // the forward at every shape; the backward's two products at the real width's
+        let mut rates = serde_json::Map::new();
+        for &(name, n, k, m) in &MATMUL_SHAPES {
+            for (product, suffix) in [(Product::Forward, ""), (Product::GradInput, " dx"), (Product::GradWeight, " dw")] {
+                if product != Product::Forward && (name.starts_with("small") || name.starts_with("square")) {
+                    continue;
+                }
+                rates.insert(format!("{name}{suffix}"), json!((matmul_gflops(n, k, m, a.dtype, product) * 10.0).round() / 10.0));
+            }
+        }
         println!("{}", json!({"impl": "burn", "dtype": format!("{:?}", a.dtype).to_lowercase(), "gflops": rates}));
         return Ok(());
     }
@@ -326,7 +366,10 @@ where
 {
     let device = Default::default();
     A::seed(&device, 0);
-    let model = Glm5ForCausalLM::<A>::try_new(config, &device)?;
+    let mut model = Glm5ForCausalLM::<A>::try_new(config, &device)?;
+    if a.freeze.contains(&Frozen::Head) {
+        model.lm_head = model.lm_head.map(|h| h.no_grad());
+    }
     let options = TrainOptions {
         optimizer: OptimizerSettings {
             lr: LrSchedule { style: DecayStyle::Constant, lr: 1e-4, min_lr: 0.0, warmup_steps: 0, total_steps: a.warmup + a.steps },
@@ -342,7 +385,7 @@ where
             Dtype::Bf16 => Precision::Bf16,
         },
         on_nonfinite: NonFinitePolicy::Abort,
-        freeze: FreezeConfig { freeze_embeddings: false, freeze_vision_tower: false, freeze_language_model: false },
+        freeze: FreezeConfig { freeze_embeddings: a.freeze.contains(&Frozen::Embeddings), freeze_vision_tower: false, freeze_language_model: false },
         forward: opts,
         parallel: ParallelLayout::default(),
         peft: None,

@@ -71,9 +71,9 @@ pub(crate) fn gemm_bf16(c: &mut [f32], accumulate: bool, a: Bf16Operand, b: Bf16
     }
     #[cfg(target_arch = "x86_64")]
     if avx512::available() {
-        // SAFETY: the CPU has the instructions (checked just above); the operands' extents
-        // were checked against their buffers.
-        unsafe { avx512::gemm(c, accumulate, a, b, m, n, k) };
+        // SAFETY: the CPU has the instructions (checked just above), and AMX's tiles where
+        // `amx::available` says so; the operands' extents were checked against their buffers.
+        unsafe { avx512::gemm(c, accumulate, a, b, m, n, k, amx::available()) };
         return;
     }
     portable(c, accumulate, a, b, m, n, k);
@@ -158,7 +158,7 @@ mod avx512 {
     use half::bf16;
     use rayon::prelude::*;
 
-    use super::{Bf16Operand, SharedOut, PARALLEL_FLOPS};
+    use super::{amx, Bf16Operand, SharedOut, PARALLEL_FLOPS};
 
     /// Rows of the micro-kernel's tile.
     const MR: usize = 6;
@@ -222,12 +222,20 @@ mod avx512 {
     /// # Safety
     /// The CPU must have AVX512F and AVX512-BF16 ([`available`]); `a` and `b` must cover their
     /// `[m, k]` and `[k, n]` extents and `c` hold `m·n` elements.
-    pub(super) unsafe fn gemm(c: &mut [f32], accumulate: bool, a: Bf16Operand, b: Bf16Operand, m: usize, n: usize, k: usize) {
+    pub(super) unsafe fn gemm(c: &mut [f32], accumulate: bool, a: Bf16Operand, b: Bf16Operand, m: usize, n: usize, k: usize, amx: bool) {
         // A is read in place when each row's inner elements are contiguous and every pair
         // starts on an even element; otherwise (a transposed activation, an odd k) it is packed once, whole —
-        // every caller's A is activation-sized.
-        let direct = a.col_stride == 1 && k.is_multiple_of(2) && a.row_stride.is_multiple_of(2);
+        // every caller's A is activation-sized. The AMX tiles read rows of A, so there a
+        // non-direct A is copied once into rows of an even length instead.
+        let mut direct = a.col_stride == 1 && k.is_multiple_of(2) && a.row_stride.is_multiple_of(2);
         let mut a_packed = Vec::new();
+        let a_rows = if !direct && amx { rows_even(a, m, k) } else { Vec::new() };
+        let a = if !direct && amx {
+            direct = true;
+            Bf16Operand::plain(&a_rows, k.next_multiple_of(2))
+        } else {
+            a
+        };
         if !direct {
             a_packed = pack_a_whole(a, m, k);
         }
@@ -237,20 +245,25 @@ mod avx512 {
         let col_tasks = n.div_ceil(tw);
         // split rows too when the columns alone leave threads idle
         let row_tasks = if col_tasks >= 2 * threads { 1 } else { (2 * threads).div_ceil(col_tasks).min(m.div_ceil(MR)) };
-        let th = m.div_ceil(row_tasks).next_multiple_of(MR);
+        // tiled strips start on a 16-row group of the packed tiles (96: a multiple of MR too)
+        let th = m.div_ceil(row_tasks).next_multiple_of(if amx { 96 } else { MR });
         let row_tasks = m.div_ceil(th);
         let out = SharedOut(c.as_mut_ptr());
         let a_packed = &a_packed[..];
+        let a_tiles = if amx { amx::pack_a(a, m, k, KC) } else { Vec::new() };
+        let a_tiles = amx.then_some(&a_tiles[..]);
         let task = |b_pack: &mut Vec<u32>, t: usize| {
             let (ri, ci) = (t / col_tasks, t % col_tasks);
             let (r0, r1) = (ri * th, ((ri + 1) * th).min(m));
             let (c0, c1) = (ci * tw, ((ci + 1) * tw).min(n));
+            // SAFETY: AMX was granted to the process (`amx::available`, checked by the caller)
+            let _tiles = amx.then(|| unsafe { super::amx::Tiles::configure() });
             for k0 in (0..k).step_by(KC) {
                 let k1 = (k0 + KC).min(k);
                 pack(b_pack, b.data, b.col_stride, b.row_stride, (c0, c1), (k0, k1), NR);
                 // SAFETY: the task writes rows r0..r1 × columns c0..c1 of `c`, which no other
                 // task touches; the reads stay inside the operands (checked by the caller).
-                unsafe { block(out, n, accumulate || k0 > 0, a, a_packed, direct, m, (r0, r1), (c0, c1), (k0, k1), b_pack) };
+                unsafe { block(out, n, accumulate || k0 > 0, a, a_packed, direct, a_tiles, m, (r0, r1), (c0, c1), (k0, k1), b_pack) };
             }
         };
         let tasks = row_tasks * col_tasks;
@@ -260,6 +273,16 @@ mod avx512 {
         } else {
             (0..tasks).into_par_iter().for_each_init(Vec::new, task);
         }
+    }
+
+    /// `A` `[m, k]` as row-major rows of `k` rounded up to even (the pad a zero).
+    fn rows_even(a: Bf16Operand, m: usize, k: usize) -> Vec<bf16> {
+        let ke = k.next_multiple_of(2);
+        let mut rows = vec![bf16::ZERO; m * ke];
+        rows.par_chunks_mut(ke).enumerate().for_each(|(r, row)| {
+            row[..k].iter_mut().enumerate().for_each(|(t, v)| *v = a.data[r * a.row_stride + t * a.col_stride]);
+        });
+        rows
     }
 
     /// `A` `[m, k]` packed whole: for each block of `KC` inner elements, for each group of `MR`
@@ -293,6 +316,7 @@ mod avx512 {
         a: Bf16Operand,
         a_packed: &[u32],
         direct: bool,
+        a_tiles: Option<&[bf16]>,
         m: usize,
         (r0, r1): (usize, usize),
         (c0, c1): (usize, usize),
@@ -304,23 +328,36 @@ mod avx512 {
         // packed A: the blocks before k0 hold `groups · pairs_of_block · MR` lanes each
         let groups = m.div_ceil(MR);
         let a_block = groups * (k0 / 2) * MR;
+        // the AMX tiles take whole steps of 16 pairs; the vector kernel the pairs after them
+        let tile_pairs = if a_tiles.is_some() && direct { pairs / amx::STEP * amx::STEP } else { 0 };
         for i0 in (r0..r1).step_by(MC) {
             let i1 = (i0 + MC).min(r1);
             for (jp, j0) in (c0..c1).step_by(NR).enumerate() {
                 let cols = NR.min(c1 - j0);
                 let bp = b_pack.as_ptr().add(jp * pairs * NR);
-                for r in (i0..i1).step_by(MR) {
-                    let rows = MR.min(i1 - r);
+                // rows in whole 32-row strips of a whole panel go through the tiles first
+                let tiled_to = if tile_pairs > 0 && cols == NR { i0 + (i1 - i0) / amx::ROWS * amx::ROWS } else { i0 };
+                for r in (i0..tiled_to).step_by(amx::ROWS) {
+                    let a_at = amx::a_tile(a_tiles.unwrap_or_default(), m, KC, k0, r);
+                    for jj in (0..NR).step_by(amx::COLS) {
+                        amx::tile(a_at, bp.add(jj), NR, out.at(r * ldc + j0 + jj), ldc, tile_pairs / amx::STEP, accumulate);
+                    }
+                }
+                // the tiled rows' last pairs, then the other rows whole
+                let spans = [(i0, tiled_to, tile_pairs), (tiled_to, i1, 0)];
+                for r in spans.iter().filter(|&&(_, _, done)| done < pairs).flat_map(|&(s, e, done)| (s..e).step_by(MR).map(move |r| (r, e, done))) {
+                    let (r, end, done) = r;
+                    let rows = MR.min(end - r);
                     let (rows_at, step) = if direct {
                         // rows past the end repeat the last one: computed, never stored
-                        let at: [*const u32; MR] = std::array::from_fn(|i| a_words.add(((r + i.min(rows - 1)) * a.row_stride + k0) / 2));
+                        let at: [*const u32; MR] = std::array::from_fn(|i| a_words.add(((r + i.min(rows - 1)) * a.row_stride + k0) / 2 + done));
                         (at, 1)
                     } else {
                         debug_assert!(r % MR == 0);
                         let base = a_packed.as_ptr().add(a_block + (r / MR) * pairs * MR);
                         (std::array::from_fn(|i| base.add(i)), MR)
                     };
-                    kernel(pairs, rows_at, step, bp, out.at(r * ldc + j0), ldc, rows, cols, accumulate);
+                    kernel(pairs - done, rows_at, step, bp.add(done * NR), out.at(r * ldc + j0), ldc, rows, cols, accumulate || done > 0);
                 }
             }
         }
@@ -384,6 +421,190 @@ mod avx512 {
     }
 }
 
+/// Intel AMX (Sapphire Rapids and later): eight tile registers of 16 rows × 64 bytes, and
+/// `tdpbf16ps`, which multiplies a 16 × 32 BF16 tile by a 16-pair × 16-column tile in the
+/// same pair layout as the packed `B` above and adds the products into a 16 × 16 f32 tile —
+/// 8,192 multiply-adds per instruction, in f32 like `vdpbf16ps` (subnormals as zero). PyTorch's
+/// BF16 `matmul` runs on it through oneDNN; on this project's 2-core host it multiplies at
+/// 1.8–2.1 TFLOP/s there, where the `vdpbf16ps` kernel reaches ~0.2 (`bench --matmul --dtype
+/// bf16`, `tests/reference/bench_matmul.py`). A 32 × 32 block of `C` is four tiles, `A`'s two
+/// row tiles read in place and `B`'s two column tiles from the packed panel; the
+/// [`avx512`] loop nest hands it whole 32-row strips of whole 64-column panels and whole steps
+/// of 16 pairs, and runs the rest (edges, the last pairs of a block) on the vector kernel.
+///
+/// Linux lends a process the tiles' 8 KB of state only on request
+/// (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`); [`available`] asks once. Set
+/// `GLM5_NO_AMX=1` to run the vector kernel instead (for comparison).
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use std::arch::asm;
+    use std::sync::OnceLock;
+
+    use half::bf16;
+
+    /// Rows of `C` per [`tile`] call (two tiles of 16).
+    pub(super) const ROWS: usize = 32;
+    /// Columns of `C` per [`tile`] call (two tiles of 16 f32).
+    pub(super) const COLS: usize = 32;
+    /// Inner-dimension pairs per tile step (a tile row of `A`: 32 BF16, 64 bytes).
+    pub(super) const STEP: usize = 16;
+
+    /// Whether the CPU has AMX-TILE and AMX-BF16 (and the AVX512-BF16 kernel the edges take),
+    /// the OS granted the tile state, and `GLM5_NO_AMX` is unset.
+    pub(super) fn available() -> bool {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| std::env::var_os("GLM5_NO_AMX").is_none() && cpu_has() && os_grants())
+    }
+
+    fn cpu_has() -> bool {
+        use std::arch::x86_64::{__cpuid, __cpuid_count};
+        // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE
+        if __cpuid(0).eax < 7 {
+            return false;
+        }
+        let edx = __cpuid_count(7, 0).edx;
+        edx & (1 << 22) != 0 && edx & (1 << 24) != 0 && super::avx512::available()
+    }
+
+    #[cfg(target_os = "linux")]
+    fn os_grants() -> bool {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: a request for a process-wide permission; no memory is passed
+        unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn os_grants() -> bool {
+        false
+    }
+
+    /// BF16 elements in one tile of `A` (16 rows × 32).
+    const TILE: usize = 16 * 32;
+
+    /// `A` `[m, k]` (rows read in place: `col_stride` 1, rows of at least `k` rounded up to
+    /// even) as contiguous tiles: for each block of `kc` inner elements, for each 32-row
+    /// strip, for each whole step of 16 pairs, the strip's two tiles of 16 rows × 32 (rows
+    /// past `m` zero). Read in place, a tile's 16 rows lie a row stride apart — a page apart
+    /// at the model's widths — and its loads were half the kernel's time (`perf annotate`);
+    /// packed, each is 1 KB in a row.
+    pub(super) fn pack_a(a: super::Bf16Operand, m: usize, k: usize, kc: usize) -> Vec<bf16> {
+        use rayon::prelude::*;
+        let (strips, blocks, steps) = (m.div_ceil(ROWS), k.div_ceil(kc), kc / (2 * STEP));
+        let mut out = vec![bf16::ZERO; blocks * strips * steps * 2 * TILE];
+        out.par_chunks_mut(steps * 2 * TILE).enumerate().for_each(|(i, chunk)| {
+            let (kb, strip) = (i / strips, i % strips);
+            let k0 = kb * kc;
+            // whole steps only; the block's last pairs are read in place by the vector kernel
+            let whole = (k.min(k0 + kc) - k0).div_ceil(2) / STEP;
+            for (s, tiles) in chunk.chunks_exact_mut(2 * TILE).enumerate().take(whole) {
+                for (row, dst) in tiles.chunks_exact_mut(32).enumerate() {
+                    let r = strip * ROWS + row;
+                    if r < m {
+                        let at = r * a.row_stride + k0 + 32 * s;
+                        dst.copy_from_slice(&a.data[at..at + 32]);
+                    }
+                }
+            }
+        });
+        out
+    }
+
+    /// Where [`pack_a`]'s tiles for rows `r..r + 32` (`r` a multiple of 32) of the block at
+    /// `k0` start.
+    pub(super) fn a_tile(tiles: &[bf16], m: usize, kc: usize, k0: usize, r: usize) -> *const bf16 {
+        let (strips, steps) = (m.div_ceil(ROWS), kc / (2 * STEP));
+        debug_assert!(r % ROWS == 0 && k0 % kc == 0);
+        tiles[((k0 / kc) * strips + r / ROWS) * steps * 2 * TILE..].as_ptr()
+    }
+
+    /// The tile configuration `ldtilecfg` reads: palette 1, every tile 16 rows × 64 bytes.
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+
+    /// This thread's tiles, configured while the value lives (`tilerelease` on drop).
+    pub(super) struct Tiles(());
+
+    impl Tiles {
+        /// # Safety
+        /// [`available`] must have returned true; no other `Tiles` may be alive on this thread.
+        pub(super) unsafe fn configure() -> Self {
+            let mut cfg = Config([0; 64]);
+            cfg.0[0] = 1;
+            for t in 0..8 {
+                // bytes per row (u16 at 16 + 2t) and rows (u8 at 48 + t) of tile t
+                cfg.0[16 + 2 * t] = 64;
+                cfg.0[48 + t] = 16;
+            }
+            // SAFETY: a valid configuration for palette 1 (caller: AMX is granted)
+            unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
+            Tiles(())
+        }
+    }
+
+    impl Drop for Tiles {
+        fn drop(&mut self) {
+            // SAFETY: the tiles were configured by this value
+            unsafe { asm!("tilerelease", options(nostack, nomem)) };
+        }
+    }
+
+    /// `C` `[32, 32]` (row stride `ldc`) `(+)= A · B` over `steps × 16` pairs: `a` at the
+    /// strip's first pair of tiles ([`pack_a`]), `b` at pair 0 of the block's first column in
+    /// a packed panel (`ldb` lanes per pair).
+    ///
+    /// # Safety
+    /// A live [`Tiles`] on this thread; `a` covers `steps` pairs of tiles, `b` `16 · steps`
+    /// pairs of 32 lanes, `c` 32 rows of 32 f32.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn tile(a: *const bf16, b: *const u32, ldb: usize, c: *mut f32, ldc: usize, steps: usize, accumulate: bool) {
+        let (sa, sb, sc) = (64usize, ldb * 4, ldc * 4);
+        // SAFETY: the caller's extents; tmm0–3 hold C's four 16 × 16 quarters, tmm4–5 A's two
+        // row tiles, tmm6–7 B's two column tiles
+        unsafe {
+            let (c1, c2) = (c.add(16), c.add(16 * ldc));
+            let c3 = c2.add(16);
+            if accumulate {
+                asm!(
+                    "tileloadd tmm0, [{c0} + {s}*1]",
+                    "tileloadd tmm1, [{c1} + {s}*1]",
+                    "tileloadd tmm2, [{c2} + {s}*1]",
+                    "tileloadd tmm3, [{c3} + {s}*1]",
+                    c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, s = in(reg) sc,
+                    options(nostack, readonly)
+                );
+            } else {
+                asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+            }
+            let (a1, b1) = (a.add(TILE), b.add(16));
+            for s in 0..steps {
+                asm!(
+                    "tileloadd tmm4, [{a0} + {sa}*1]",
+                    "tileloadd tmm5, [{a1} + {sa}*1]",
+                    "tileloadd tmm6, [{b0} + {sb}*1]",
+                    "tileloadd tmm7, [{b1} + {sb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a.add(2 * TILE * s), a1 = in(reg) a1.add(2 * TILE * s),
+                    b0 = in(reg) b.add(STEP * s * ldb), b1 = in(reg) b1.add(STEP * s * ldb),
+                    sa = in(reg) sa, sb = in(reg) sb,
+                    options(nostack, readonly)
+                );
+            }
+            asm!(
+                "tilestored [{c0} + {s}*1], tmm0",
+                "tilestored [{c1} + {s}*1], tmm1",
+                "tilestored [{c2} + {s}*1], tmm2",
+                "tilestored [{c3} + {s}*1], tmm3",
+                c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, s = in(reg) sc,
+                options(nostack)
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -429,6 +650,11 @@ mod tests {
             (200, 70, 600),
             (9, 130, 1101),
             (64, 64, 0),
+            // the AMX tiles' strips, panels and steps, whole and with every kind of rest
+            (64, 128, 64),
+            (96, 200, 1030),
+            (33, 64, 32),
+            (230, 192, 544),
         ]
     }
 
@@ -461,10 +687,31 @@ mod tests {
 
     #[test]
     fn dispatched_matches_f64_products() {
-        // the AVX512-BF16 body where the CPU has it (said, so a run shows which body it tested)
+        // the AVX512-BF16 body where the CPU has it, with AMX's tiles where it has those (said,
+        // so a run shows which body it tested)
         #[cfg(target_arch = "x86_64")]
-        eprintln!("avx512-bf16: {}", avx512::available());
+        eprintln!("avx512-bf16: {}, amx: {}", avx512::available(), amx::available());
         run(gemm_bf16, "dispatched");
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn vector_kernel_alone_matches_f64_products() {
+        // on an AMX machine the dispatched body tiles most of each product: the vector kernel
+        // on its own too
+        if avx512::available() {
+            // SAFETY: the CPU has AVX512-BF16 (checked); `run` passes buffers of the shapes
+            let vector = |c: &mut [f32], acc: bool, a: Bf16Operand, b: Bf16Operand, m: usize, n: usize, k: usize| match k {
+                // the dispatcher's own case
+                0 => {
+                    if !acc {
+                        c.fill(0.0)
+                    }
+                }
+                _ => unsafe { avx512::gemm(c, acc, a, b, m, n, k, false) },
+            };
+            run(vector, "avx512-bf16 without AMX");
+        }
     }
 
     #[test]

@@ -3,7 +3,8 @@ by side, at steady state, with the ratios and model FLOP utilisation.
 
     python tests/reference/bench_compare.py [--config configs/bench_small.json] \
         [--seqs 512,2048,8192] [--threads 2] [--warmup 10] [--steps 5] [--rounds 3] \
-        [--ref-max-seq 2048] [--matmul] [--dtype f32|bf16] [--set PATH=JSON ...] [--compile]
+        [--ref-max-seq 2048] [--matmul] [--dtype f32|bf16] [--set PATH=JSON ...] [--compile] \
+        [--freeze embeddings,head]
 
 For every (sequence length, mode) it runs `target/release/examples/bench` (built first with
 `cargo build --release --example bench`) and `bench_reference.py`, each in its own process (so
@@ -23,7 +24,10 @@ adds our cache bytes per position (DSA latents and indexer keys; KDA states are 
 
 At the real width: `--set` cuts the config for both sides (`--set text_config.num_hidden_layers=4
 --set text_config.n_routed_experts=16` on `configs/glm5_3_flash.json`), `--dtype bf16` runs both
-in bf16, and `--compile` adds a third side per round, HF under `torch.compile`, with its own row
+in bf16 (a train step on both sides: fp32 masters and AdamW state, bf16 compute — HF's under
+`torch.autocast`, as its `Trainer` with `bf16=True`), `--freeze embeddings,head` trains neither
+the embedding nor the LM head on either side (a train step that fits this machine: their fp32
+AdamW state alone is 20 GB), and `--compile` adds a third side per round, HF under `torch.compile`, with its own row
 (`HF compiled`); a compiled run that fails is reported as such and the eager rows stand.
 """
 
@@ -63,6 +67,7 @@ def main():
     ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     ap.add_argument("--set", action="append", default=[], metavar="PATH=JSON")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--freeze", help="parts a train step leaves frozen on both sides (embeddings,head)")
     ap.add_argument("--mfu-shape", default="small 512x256x768",
                     help="the bench --matmul shape whose rate MFU is taken against (real width: 'ffn_up 512x4096x12288')")
     a = ap.parse_args()
@@ -89,7 +94,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     raw = []
     common = ["--config", a.config, "--warmup", str(a.warmup), "--steps", str(a.steps), "--threads", str(a.threads),
-              "--dtype", a.dtype] + sets
+              "--dtype", a.dtype] + sets + (["--freeze", a.freeze] if a.freeze else [])
     for seq in [int(s) for s in a.seqs.split(",")]:
         for mode in a.modes.split(","):
             ours_cmd = ["target/release/examples/bench", "--seq", str(seq), "--mode", mode] + common

@@ -2,7 +2,7 @@
 
     /opt/refenv/bin/python tests/reference/bench_reference.py --config configs/bench_small.json --seq 512 \
         [--batch 1] [--mode forward|train|both|decode] [--warmup 10] [--steps 5] [--threads 2] \
-        [--dtype f32|bf16] [--set text_config.num_hidden_layers=4 ...] [--compile]
+        [--dtype f32|bf16] [--set text_config.num_hidden_layers=4 ...] [--freeze embeddings,head] [--compile]
 
 Builds `Glm5NextForConditionalGeneration` from the config with seeded weights (PyTorch eager,
 its default SDPA attention, fp32), runs warm-up plus N timed iterations of a forward pass
@@ -20,12 +20,16 @@ token, under `torch.no_grad`.
 `--set PATH=JSON` overrides a field the config has before it is built, as our `bench --set`
 does (a cut of the release config: `text_config.num_hidden_layers=4`,
 `text_config.n_routed_experts=16`). `--dtype bf16` casts the seeded model to bfloat16 after
-building it (forward and decode; HF keeps no fp32 masters of its own, so a bf16 train step is
-pure-bf16 AdamW and not comparable to ours). `--compile` wraps the forward in `torch.compile`
-(Inductor); the warm-up then includes the compilation.
+building it for the forward and decode. A bf16 train step is what the HF `Trainer` runs with
+`bf16=True`: fp32 weights and AdamW state, the forward and loss under
+`torch.autocast("cpu", dtype=torch.bfloat16)` — as our `bench --dtype bf16` trains (fp32 masters,
+bf16 compute copies). `--freeze embeddings,head` leaves the token embedding and the LM head
+without gradients (`requires_grad_(False)`), as `bench --freeze`. `--compile` wraps the forward
+in `torch.compile` (Inductor); the warm-up then includes the compilation.
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import resource
@@ -71,15 +75,27 @@ def main():
     ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     ap.add_argument("--set", action="append", default=[], metavar="PATH=JSON")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--freeze", default="", help="comma-separated parts a train step leaves frozen: embeddings, head")
     a = ap.parse_args()
+    frozen = {p for p in a.freeze.split(",") if p}
+    if frozen - {"embeddings", "head"}:
+        raise SystemExit(f"--freeze {a.freeze}: expected embeddings and/or head")
+    if a.dtype == "bf16" and a.mode == "both":
+        raise SystemExit("--dtype bf16: the forward runs on bf16 weights, a train step on fp32 masters; pick one --mode")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     raw = apply_sets(json.load(open(a.config)), a.set)
     config = Glm5NextConfig(**raw)
     config._attn_implementation = "sdpa"
     model = Glm5NextForConditionalGeneration(config).float()
-    if a.dtype == "bf16":
+    if "embeddings" in frozen:
+        model.get_input_embeddings().requires_grad_(False)
+    if "head" in frozen:
+        model.get_output_embeddings().requires_grad_(False)
+    # bf16 weights for inference; a train step keeps fp32 masters and autocasts (module docs)
+    if a.dtype == "bf16" and a.mode != "train":
         model = model.to(torch.bfloat16)
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if a.dtype == "bf16" else contextlib.nullcontext
     run = torch.compile(model) if a.compile else model
     vocab = config.text_config.vocab_size
     ids = torch.randint(1, vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(1))
@@ -119,10 +135,12 @@ def main():
                     times.append(time.perf_counter() - t0)
         else:
             model.train()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+            trained = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(trained, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
             for i in range(a.warmup + a.steps):
                 t0 = time.perf_counter()
-                loss = run(input_ids=ids, labels=ids).loss
+                with autocast():
+                    loss = run(input_ids=ids, labels=ids, use_cache=False).loss
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
