@@ -136,7 +136,12 @@ fn non_finite_steps_apply_nothing() {
 
 #[test]
 fn bf16_compute_updates_fp32_master_weights() {
-    let (config, _, micro, mut opts) = setup();
+    let (mut config, _, micro, mut opts) = setup();
+    // every expert and every key selected: no top-k choice for a bf16 rounding to flip, so the
+    // two runs differ by rounding alone (a flipped expert moves this tiny model's gradient
+    // norm by ~10 %)
+    let t = &mut config.text_config;
+    (t.num_experts_per_tok, t.n_group, t.topk_group, t.index_topk) = (t.n_routed_experts, 1, 1, 1 << 16);
     let m = model(&config, 7);
     let mut f32_run = Trainer::<A>::new(m.clone(), opts.clone());
     opts.precision = Precision::Bf16;
@@ -144,9 +149,10 @@ fn bf16_compute_updates_fp32_master_weights() {
     for step in 0..3 {
         let (StepOutcome::Applied(a), StepOutcome::Applied(b)) = (f32_run.step(&micro).unwrap(), bf16_run.step(&micro).unwrap()) else { panic!() };
         println!("step {step}: loss f32 {:.5} bf16 {:.5}, grad norm {:.4} / {:.4}", a.loss, b.loss, a.grad_norm, b.grad_norm);
-        // bf16 rounding (8 mantissa bits) in every matmul: a few parts in a thousand
-        assert!((a.loss - b.loss).abs() < 2e-2 * a.loss, "step {step}: {} vs {}", a.loss, b.loss);
-        assert!((a.grad_norm - b.grad_norm).abs() < 5e-2 * a.grad_norm);
+        // bf16 rounding (8 mantissa bits) in every matmul: a few parts in a thousand (measured:
+        // loss ≤ 2.5e-3, gradient norm ≤ 1.7e-2 relative)
+        assert!((a.loss - b.loss).abs() < 5e-3 * a.loss, "step {step}: {} vs {}", a.loss, b.loss);
+        assert!((a.grad_norm - b.grad_norm).abs() < 3e-2 * a.grad_norm, "step {step}: {} vs {}", a.grad_norm, b.grad_norm);
     }
     let w = bf16_run.model().language_model.layers[0].post_attention_layernorm.weight.val();
     assert_eq!(w.dtype(), DType::F32, "master weights stay fp32");

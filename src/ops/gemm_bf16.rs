@@ -2,8 +2,11 @@
 //! CPU (oneDNN): `C = A·B` (or `C += A·B`) for BF16 `A` `[m, k]` and `B` `[k, n]` read with
 //! any strides, into a row-major f32 `C` `[m, n]`. The callers round `C` to BF16 once.
 //!
-//! Two bodies, the same sums up to their order:
+//! Three bodies, the same sums up to their order:
 //!
+//! * **AMX** (Sapphire Rapids and later, where Linux grants the tiles; module `amx`): the
+//!   AVX512-BF16 loop nest below hands whole 32-row strips of whole panels to `tdpbf16ps`
+//!   on four 16 × 16 f32 accumulator tiles; the rest runs on the vector kernel.
 //! * **AVX512-BF16** (x86-64 Zen 4 and later, Cooper Lake / Sapphire Rapids and later;
 //!   detected at run time). `vdpbf16ps` multiplies 16 pairs of BF16 values from each operand
 //!   and adds both products into 16 f32 lanes — 32 multiply-adds per instruction, twice an
@@ -222,6 +225,7 @@ mod avx512 {
     /// # Safety
     /// The CPU must have AVX512F and AVX512-BF16 ([`available`]); `a` and `b` must cover their
     /// `[m, k]` and `[k, n]` extents and `c` hold `m·n` elements.
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn gemm(c: &mut [f32], accumulate: bool, a: Bf16Operand, b: Bf16Operand, m: usize, n: usize, k: usize, amx: bool) {
         // A is read in place when each row's inner elements are contiguous and every pair
         // starts on an even element; otherwise (a transposed activation, an odd k) it is packed once, whole —
@@ -345,8 +349,8 @@ mod avx512 {
                 }
                 // the tiled rows' last pairs, then the other rows whole
                 let spans = [(i0, tiled_to, tile_pairs), (tiled_to, i1, 0)];
-                for r in spans.iter().filter(|&&(_, _, done)| done < pairs).flat_map(|&(s, e, done)| (s..e).step_by(MR).map(move |r| (r, e, done))) {
-                    let (r, end, done) = r;
+                let rest = spans.iter().filter(|&&(_, _, done)| done < pairs);
+                for (r, end, done) in rest.flat_map(|&(s, e, done)| (s..e).step_by(MR).map(move |r| (r, e, done))) {
                     let rows = MR.min(end - r);
                     let (rows_at, step) = if direct {
                         // rows past the end repeat the last one: computed, never stored
@@ -514,7 +518,7 @@ mod amx {
     /// `k0` start.
     pub(super) fn a_tile(tiles: &[bf16], m: usize, kc: usize, k0: usize, r: usize) -> *const bf16 {
         let (strips, steps) = (m.div_ceil(ROWS), kc / (2 * STEP));
-        debug_assert!(r % ROWS == 0 && k0 % kc == 0);
+        debug_assert!(r.is_multiple_of(ROWS) && k0.is_multiple_of(kc));
         tiles[((k0 / kc) * strips + r / ROWS) * steps * 2 * TILE..].as_ptr()
     }
 

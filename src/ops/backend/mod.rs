@@ -619,9 +619,10 @@ pub fn block_attention<B: Glm5Backend>(q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tens
 }
 
 /// `x` in `dtype`, rounded once to nearest even ([`Glm5Backend::cast_float`]); `x` itself when
-/// it already is. Flex's fused ops round their results through it; the model's other casts
-/// (activations, the bf16 compute copy of fp32 weights) are still `Tensor::cast`, whose Flex
-/// rounding differs in about one value in 16k (`docs/parity.md`, "Rounding").
+/// it already is. Flex's fused ops round their results through it, and so do the training
+/// casts (the bf16 compute copy of fp32 masters, gradients back to fp32, the loss's logits);
+/// the model's activation casts are still `Tensor::cast`, whose Flex rounding differs in about
+/// one value in 16k (`docs/parity.md`, "Rounding").
 pub fn cast<B: Glm5Backend, const D: usize>(x: Tensor<B, D>, dtype: burn::tensor::DType) -> Tensor<B, D> {
     if x.dtype() == dtype {
         return x;
