@@ -368,6 +368,10 @@ where
     A::seed(&device, 0);
     let mut model = Glm5ForCausalLM::<A>::try_new(config, &device)?;
     if a.freeze.contains(&Frozen::Head) {
+        // a tied head is the embedding: freezing it alone would silently train it
+        if model.lm_head.is_none() && !a.freeze.contains(&Frozen::Embeddings) {
+            bail!("--freeze head: this config ties the LM head to the token embedding; freeze `embeddings` to freeze both");
+        }
         model.lm_head = model.lm_head.map(|h| h.no_grad());
     }
     let options = TrainOptions {

@@ -231,6 +231,9 @@ mod avx512 {
         // starts on an even element; otherwise (a transposed activation, an odd k) it is packed once, whole —
         // every caller's A is activation-sized. The AMX tiles read rows of A, so there a
         // non-direct A is copied once into rows of an even length instead.
+        // Too small for one 32 × 64 block of whole 16-pair steps: no tile would run, so
+        // neither copy of A is made.
+        let amx = amx && m >= amx::ROWS && n >= NR && k >= 2 * amx::STEP;
         let mut direct = a.col_stride == 1 && k.is_multiple_of(2) && a.row_stride.is_multiple_of(2);
         let mut a_packed = Vec::new();
         let a_rows = if !direct && amx { rows_even(a, m, k) } else { Vec::new() };
