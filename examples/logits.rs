@@ -88,6 +88,10 @@ struct Args {
     /// DSA attention form.
     #[arg(long, value_enum, default_value = "auto")]
     attention: Attention,
+    /// Under --dtype bf16, keep the mHC residual streams in fp32 (`ForwardOptions::fp32_residual`;
+    /// default: bf16, as HF does).
+    #[arg(long)]
+    fp32_residual: bool,
 }
 
 fn main() {
@@ -146,6 +150,7 @@ fn run<B: Glm5Backend>(args: &Args, device: &B::Device) -> Result<()> {
             Attention::Dense => AttentionImpl::Dense,
             Attention::Sparse => AttentionImpl::Sparse,
         },
+        fp32_residual: args.fp32_residual,
         ..Default::default()
     };
     let start = std::time::Instant::now();

@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release --example plan -- [--config configs/glm5_3_flash.json] [--mesh dp=36,ep=72,cp=2]
 //!     [--seq 2048] [--micro-batches N] [--param-bytes 2] [--grad-bytes 4] [--optim-bytes 8]
-//!     [--no-checkpointing] [--keep-gathered]
+//!     [--no-checkpointing] [--keep-gathered] [--fp32-residual]
 //!     [--peft r=16,alpha=32,rslora,targets=attention+experts] [--base-dtype fp8|bf16|f32]
 //! ```
 //!
@@ -56,6 +56,9 @@ struct Args {
     /// Keep gathered weights until backward (FSDP `reshard_after_forward=False`).
     #[arg(long)]
     keep_gathered: bool,
+    /// The mHC residual streams in fp32 (recipe `model.fp32_residual: true`).
+    #[arg(long)]
+    fp32_residual: bool,
     /// LoRA on a frozen base: `r=…[,alpha=…][,rslora][,targets=group+name+…]`.
     #[arg(long)]
     peft: Option<String>,
@@ -145,6 +148,7 @@ fn main() -> Result<()> {
         optim_bytes: a.optim_bytes,
         checkpointing: !a.no_checkpointing,
         reshard_after_forward: !a.keep_gathered,
+        fp32_residual: a.fp32_residual,
         ..PlanInputs::medpix_recipe(mesh)
     };
     let i = inputs(mesh);

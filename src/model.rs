@@ -11,6 +11,7 @@
 //! HF: `Glm5NextForConditionalGeneration.forward`, `ForCausalLMLoss`,
 //! `load_balancing_loss_func` (computed over all MoE layers, padding excluded).
 
+use crate::ops::backend::ToDtype;
 use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::activation::softmax;
@@ -353,7 +354,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(image_pos, [nf]), &device);
         let flat = embeds.reshape([batch * seq, d]);
         let current = flat.clone().select(0, idx.clone());
-        let feats = feats.cast(flat.dtype());
+        let feats = feats.to_dtype(flat.dtype());
         let embeds = flat.select_assign(0, idx, feats - current, burn::tensor::IndexingUpdateOp::Add).reshape([batch, seq, d]);
         Ok(embeds)
     }

@@ -409,7 +409,7 @@ pub fn is_adapter_path(path: &str) -> bool {
 /// Fold every adapter into its base weight and drop it (PEFT's `merge_and_unload`):
 /// `W ← W + s·A·B` per linear layer and per expert, computed in fp32 and stored in the base
 /// weight's dtype. The result has no adapter and its parameters keep their `require_grad`.
-pub fn merge<B: Backend>(mut model: Glm5ForCausalLM<B>) -> Glm5ForCausalLM<B> {
+pub fn merge<B: crate::ops::backend::Glm5Backend>(mut model: Glm5ForCausalLM<B>) -> Glm5ForCausalLM<B> {
     use burn::tensor::DType;
     for (_, site) in sites(&mut model) {
         match site {

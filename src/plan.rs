@@ -11,7 +11,8 @@
 //!              bytes, twice (the running unit and the prefetched one); its fp32 gradient before
 //!              the reduce-scatter; experts gathered over the expert-data-parallel group when
 //!              it has more than one rank
-//! activations  checkpointing: each layer's input streams (T·n·D in p bytes) for every layer,
+//! activations  checkpointing: each layer's input streams (T·n·D in p bytes, 4 under
+//!              `fp32_residual`) for every layer,
 //!              plus one layer's working set recomputed in backward; without: every layer's
 //!              working set. Working set of a layer ≈ T·(8·n·D + mixer + MoE) values, mixer
 //!              and MoE terms below; plus the logits (T·V fp32, twice for the softmax backward)
@@ -134,6 +135,10 @@ pub struct PlanInputs {
     /// LM head, router, norms, mHC, vision tower) in `param_bytes`. Only with `peft`: a
     /// trained weight is not held in FP8.
     pub base_fp8: bool,
+    /// The mHC residual streams kept in fp32 (`ForwardOptions::fp32_residual`, recipe
+    /// `model.fp32_residual`): the streams' activations take 4 bytes a value instead of
+    /// `param_bytes`.
+    pub fp32_residual: bool,
 }
 
 impl PlanInputs {
@@ -156,6 +161,7 @@ impl PlanInputs {
             with_mtp: false,
             peft: None,
             base_fp8: false,
+            fp32_residual: false,
         }
     }
 }
@@ -425,9 +431,11 @@ pub(crate) fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSpli
     let mla_q = (c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)) as f64;
     let mla_v = (c.num_attention_heads * c.v_head_dim) as f64;
     let width = c.index_width() as f64;
+    // bytes per value of the residual streams
+    let rp = if inputs.fp32_residual { p.max(4.0) } else { p };
     let layer_working = |i: usize| -> f64 {
-        // streams, norms and mHC mixes around the two sites; LoRA's A·x
-        let mut vals = 8.0 * n * d + s.lora_per_token[i];
+        // streams, norms and mHC mixes around the two sites (the streams in `rp` bytes); LoRA's A·x
+        let mut vals = 8.0 * n * d * rp / p + s.lora_per_token[i];
         vals += match c.layer_types[i] {
             // q, k, v (pre/post conv), gates, β, output gate, norm
             LayerType::LinearAttention => 10.0 * kda_p + 2.0 * d,
@@ -445,7 +453,7 @@ pub(crate) fn plan_split(config: &Glm5Config, inputs: &PlanInputs, s: &ParamSpli
         vals * t * p
     };
     let layers = c.num_hidden_layers;
-    let inputs_kept = layers as f64 * t * n * d * p;
+    let inputs_kept = layers as f64 * t * n * d * rp;
     let working: Vec<f64> = (0..layers).map(layer_working).collect();
     let logits = 2.0 * t * v * 4.0;
     m.activations =

@@ -26,6 +26,7 @@
 //! one process. Reference: FLA `fla/ops/kda` context-parallel path (`h_ext`, `M`, chained in
 //! fp32) and NeMo AutoModel's packed CP for this model.
 
+use crate::ops::backend::ToDtype;
 use std::ops::Range;
 
 use burn::tensor::backend::Backend;
@@ -283,13 +284,13 @@ pub fn kda_context<B: CollectiveBackend + Glm5Backend>(
     let m = if through { m } else { m * 0.0 };
     // every rank's (M, S_end|0), and which ranks carry a document through
     let (nm, ns) = (h * dk * dk, h * dk * dv);
-    let packed = Tensor::cat(vec![m.reshape([1, nm]), s_tail.cast(DType::F32).reshape([1, ns])], 1);
+    let packed = Tensor::cat(vec![m.reshape([1, nm]), s_tail.to_dtype(DType::F32).reshape([1, ns])], 1);
     let p = group.size();
     let all = all_gather_rows(chain.tie(packed), &vec![1; p], group)?;
     chain.link(&all);
     let carries = typed::all_gather(&**group, &[u8::from(through)])?;
     // on the graph of every rank, used or not, so every rank's backward joins the adjoint
-    outs[0] = outs[0].clone() + (all.clone().sum() * 0.0).cast(dtype).reshape([1, 1, 1, 1]);
+    outs[0] = outs[0].clone() + (all.clone().sum() * 0.0).to_dtype(dtype).reshape([1, 1, 1, 1]);
     let Some(m_q) = m_q else {
         return Ok(Tensor::cat(outs, 1));
     };
@@ -301,7 +302,7 @@ pub fn kda_context<B: CollectiveBackend + Glm5Backend>(
         s_in = if carry == 1 { row.slice([0..1, 0..nm]).reshape([1, h, dk, dk]).matmul(s_in) + s_j } else { s_j };
     }
     // o_t += S_inᵀ (M_tᵀ q_t) on the first piece
-    let correction = m_q.cast(DType::F32).swap_dims(1, 2).matmul(s_in).swap_dims(1, 2).cast(dtype);
+    let correction = m_q.to_dtype(DType::F32).swap_dims(1, 2).matmul(s_in).swap_dims(1, 2).to_dtype(dtype);
     outs[0] = outs[0].clone() + correction;
     Ok(Tensor::cat(outs, 1))
 }

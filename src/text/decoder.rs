@@ -7,6 +7,7 @@
 //!
 //! HF: `Glm5NextTextDecoderLayer.forward`. Streams `[B, S, n, D]`.
 
+use crate::ops::backend::ToDtype;
 use burn::module::Module;
 use burn::tensor::{backend::Backend, Tensor};
 
@@ -195,7 +196,10 @@ impl<B: Backend> DecoderLayer<B> {
         B: crate::ops::backend::Glm5Backend,
     {
         let hc = profile::scope("mhc");
+        // the sublayers compute in their weights' dtype, whatever the streams' (`fp32_residual`)
+        let act = self.input_layernorm.weight.val().dtype();
         let (w, h) = self.attn_hc.pre(streams.clone());
+        let h = h.to_dtype(act);
         drop(hc);
         let h = self.input_layernorm.forward(h);
         let mut index_margin = None;
@@ -219,8 +223,9 @@ impl<B: Backend> DecoderLayer<B> {
             (mixer, None) => self.mixer_forward(mixer, h, mask, indices, opts, &mut index_margin),
         };
         let hc = profile::scope("mhc");
-        let streams = HyperConnection::post(w, y, streams);
+        let streams = HyperConnection::post(w, y.to_dtype(streams.dtype()), streams);
         let (w, h) = self.ffn_hc.pre(streams.clone());
+        let h = h.to_dtype(act);
         drop(hc);
         let h = self.post_attention_layernorm.forward(h);
         let (y, router_logits) = match &self.mlp {
@@ -235,7 +240,7 @@ impl<B: Backend> DecoderLayer<B> {
             }
         };
         let _t = profile::scope("mhc");
-        LayerOutput { streams: HyperConnection::post(w, y, streams), router_logits, index_margin }
+        LayerOutput { streams: HyperConnection::post(w, y.to_dtype(streams.dtype()), streams), router_logits, index_margin }
     }
 
     /// The token mixer of an uncached forward.

@@ -14,6 +14,7 @@
 //! (the reference runs it under `no_grad`): inputs are detached and the parameters are used
 //! untracked ([`Indexer::untracked`]).
 
+use crate::ops::backend::ToDtype;
 use burn::module::{Initializer, Module, ModuleVisitor, Param};
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, DType, Tensor, TensorPrimitive};
@@ -114,7 +115,7 @@ impl<B: Backend> Indexer<B> {
         let [b, s, _] = x.dims();
         let (h, d) = (self.n_heads, self.head_dim);
 
-        let q = this.wq_b.forward(q_resid).cast(DType::F32).reshape([b, s, h, d]);
+        let q = this.wq_b.forward(q_resid).to_dtype(DType::F32).reshape([b, s, h, d]);
         let (k, gate) = this.key_inputs(x.clone());
         let ape = this.index_kpool_compress_ape.val();
         let first: Vec<usize> = pool_layouts(&mask.host, b, s, self.kpool).iter().map(|l| l.first).collect();
@@ -124,13 +125,16 @@ impl<B: Backend> Indexer<B> {
         } else {
             reference_compress(k, gate, ape, &first)
         };
-        let w = this.weights_proj.forward(x).cast(DType::F32) * (h as f64).powf(-0.5); // [B,S,H]
+        let w = this.weights_proj.forward(x).to_dtype(DType::F32) * (h as f64).powf(-0.5); // [B,S,H]
         (q, w, pooled)
     }
 
     /// Per-position pooling inputs of (detached) `x` `[B, S, D]`: the LayerNorm'd keys `k^I`
     /// and the compression gates `γ`, both `[B, S, d]`. Call on [`Self::untracked`].
-    fn key_inputs(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    fn key_inputs(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Tensor<B, 3>)
+    where
+        B: Glm5Backend,
+    {
         let k = self.k_norm.forward(self.wk.forward(x.clone()));
         let gate = x.matmul(self.index_kpool_compress_gate.val().transpose().unsqueeze::<3>());
         (k, gate)
@@ -138,7 +142,10 @@ impl<B: Backend> Indexer<B> {
 
     /// The decoding cache of a prompt `x` `[B, S, D]` with validity `mask`: its keys, gates
     /// and pooled keys (pools anchored at each row's first token, as in [`Self::forward`]).
-    pub fn prompt_cache(&self, x: Tensor<B, 3>, mask: &TokenMask<B>) -> IndexerCache<B> {
+    pub fn prompt_cache(&self, x: Tensor<B, 3>, mask: &TokenMask<B>) -> IndexerCache<B>
+    where
+        B: Glm5Backend,
+    {
         let this = self.untracked();
         let [b, s, _] = x.dims();
         let (keys, gates) = this.key_inputs(x.detach());
@@ -153,7 +160,10 @@ impl<B: Backend> Indexer<B> {
     /// recomputes only the pools they fall into (earlier pools are complete and final), then
     /// scores the `T` queries against the `ceil(L/kpool)` pooled keys — O(L / kpool) per
     /// query — and selects as [`Self::forward`] would for these rows. Returns `[B, T, width]`.
-    pub fn forward_cached(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, cache: &mut IndexerCache<B>, context: &[bool]) -> Vec<i64> {
+    pub fn forward_cached(&self, x: Tensor<B, 3>, q_resid: Tensor<B, 3>, cache: &mut IndexerCache<B>, context: &[bool]) -> Vec<i64>
+    where
+        B: Glm5Backend,
+    {
         let this = self.untracked();
         let (x, q_resid) = (x.detach(), q_resid.detach());
         let [b, t, _] = x.dims();

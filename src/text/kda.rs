@@ -18,6 +18,7 @@
 
 #![allow(non_snake_case)]
 
+use crate::ops::backend::ToDtype;
 use burn::module::{Initializer, Module, Param};
 use burn::tensor::activation::sigmoid;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
@@ -46,7 +47,7 @@ impl<B: Backend> DepthwiseConv<B> {
     where
         B: Glm5Backend,
     {
-        causal_conv1d(x.cast(DType::F32), self.weight.val().cast(DType::F32))
+        causal_conv1d(x.to_dtype(DType::F32), self.weight.val().to_dtype(DType::F32))
     }
 }
 
@@ -139,8 +140,8 @@ impl<B: Backend> KdaAttention<B> {
     {
         let [b, t, _] = u.dims();
         let (h, hd) = (self.num_heads, self.head_dim);
-        let f = linear(&self.f_b_proj, linear(&self.f_a_proj, u)).cast(DType::F32).reshape([b * t, h * hd]);
-        let fp32 = |p: &Param<Tensor<B, 1>>| p.val().cast(DType::F32);
+        let f = linear(&self.f_b_proj, linear(&self.f_a_proj, u)).to_dtype(DType::F32).reshape([b * t, h * hd]);
+        let fp32 = |p: &Param<Tensor<B, 1>>| p.val().to_dtype(DType::F32);
         // one op (`ops::kda_gate`): as tensor ops the broadcast bias add and per-head scale
         // were element-by-element passes on Flex, forward and backward
         kda_forget_gate(f, fp32(&self.dt_bias), fp32(&self.A_log), self.lower_bound).reshape([b, t, h, hd])
@@ -224,14 +225,14 @@ impl<B: Backend> KdaAttention<B> {
         let u_pad = Tensor::cat(vec![flat, Tensor::zeros([1, d], (&device, dtype))], 0).select(0, src).reshape([1, sp, d]);
         let branch = |proj: &Linear<B>, conv: &DepthwiseConv<B>| {
             let x = conv.forward(linear(proj, u_pad.clone()));
-            self.act.apply_op(x).cast(dtype).reshape([1, sp, h, hd])
+            self.act.apply_op(x).to_dtype(dtype).reshape([1, sp, h, hd])
         };
         let q = branch(&self.q_proj, &self.q_conv1d);
         let k = branch(&self.k_proj, &self.k_conv1d);
         let v = branch(&self.v_proj, &self.v_conv1d);
         // padding is inert: g = 0 (no decay) and β = 0 (no write)
         let g = self.forget_gate(u_pad.clone()) * real.clone().reshape([1, sp, 1, 1]);
-        let beta = sigmoid(linear(&self.b_proj, u_pad)) * real.reshape([1, sp, 1]).cast(dtype);
+        let beta = sigmoid(linear(&self.b_proj, u_pad)) * real.reshape([1, sp, 1]).to_dtype(dtype);
         drop(t_in);
         let (o, _) = crate::ops::kda::kda_packed_op(KdaInputs { q, k, v, g, beta, initial_state: None }, chunk, &resets);
         let o = o.reshape([sp, h * hd]).select(0, back).reshape([1, s, h, hd]);
@@ -280,13 +281,13 @@ impl<B: Backend> KdaAttention<B> {
                 .map(|(i, r)| {
                     let xi = x.clone().slice([0..1, r.clone(), 0..p]);
                     if i == 0 {
-                        conv.forward(Tensor::cat(vec![halo.clone().cast(xi.dtype()), xi], 1)).slice([0..1, keep..keep + r.len(), 0..p])
+                        conv.forward(Tensor::cat(vec![halo.clone().to_dtype(xi.dtype()), xi], 1)).slice([0..1, keep..keep + r.len(), 0..p])
                     } else {
                         conv.forward(xi)
                     }
                 })
                 .collect();
-            Ok(self.act.apply_op(Tensor::cat(pieces, 1)).cast(dtype).reshape([1, t, h, hd]))
+            Ok(self.act.apply_op(Tensor::cat(pieces, 1)).to_dtype(dtype).reshape([1, t, h, hd]))
         };
         let q = branch(&self.q_proj, &self.q_conv1d)?;
         let k = branch(&self.k_proj, &self.k_conv1d)?;
@@ -309,7 +310,7 @@ impl<B: Backend> KdaAttention<B> {
     where
         B: Glm5Backend,
     {
-        let u = if mask.has_padding() { u.clone() * mask.float.clone().cast(u.dtype()) } else { u };
+        let u = if mask.has_padding() { u.clone() * mask.float.clone().to_dtype(u.dtype()) } else { u };
         let [b, t, _] = u.dims();
         let (h, hd) = (self.num_heads, self.head_dim);
         let p = h * hd;
@@ -320,11 +321,11 @@ impl<B: Backend> KdaAttention<B> {
             let y = if keep == 0 {
                 conv.forward(x)
             } else {
-                let full = Tensor::cat(vec![window.clone().cast(x.dtype()), x], 1); // [B, W−1+T, P]
+                let full = Tensor::cat(vec![window.clone().to_dtype(x.dtype()), x], 1); // [B, W−1+T, P]
                 *window = full.clone().slice([0..b, t..t + keep, 0..p]);
                 conv.forward(full).slice([0..b, keep..keep + t, 0..p])
             };
-            self.act.apply_op(y).cast(dtype).reshape([b, t, h, hd])
+            self.act.apply_op(y).to_dtype(dtype).reshape([b, t, h, hd])
         };
         let [wq, wk, wv] = &mut cache.conv;
         let q = branch(&self.q_proj, &self.q_conv1d, wq);
@@ -356,13 +357,13 @@ impl<B: Backend> KdaAttention<B> {
     where
         B: Glm5Backend,
     {
-        let u = if mask.has_padding() { u.clone() * mask.float.clone().cast(u.dtype()) } else { u };
+        let u = if mask.has_padding() { u.clone() * mask.float.clone().to_dtype(u.dtype()) } else { u };
         let [b, t, _] = u.dims();
         let (h, hd) = (self.num_heads, self.head_dim);
         let dtype = u.dtype();
         let branch = |proj: &Linear<B>, conv: &DepthwiseConv<B>| {
             let x = conv.forward(linear(proj, u.clone()));
-            self.act.apply_op(x).cast(dtype).reshape([b, t, h, hd])
+            self.act.apply_op(x).to_dtype(dtype).reshape([b, t, h, hd])
         };
         let t_in = crate::profile::scope("kda: projections, conv, gates");
         let q = branch(&self.q_proj, &self.q_conv1d);

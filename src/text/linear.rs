@@ -12,6 +12,7 @@
 //! [`super::lora`]. The fields keep Burn's names, so module paths (`q_proj.weight`) match the
 //! checkpoint table in [`crate::checkpoint::hf_map`].
 
+use crate::ops::backend::ToDtype;
 use burn::module::{Module, Param};
 use burn::nn::LinearConfig;
 use burn::tensor::{backend::Backend, DType, Tensor};
@@ -44,7 +45,10 @@ impl<B: Backend> Linear<B> {
     /// `W + s·A·B` `[K, M]` in `W`'s dtype (the sum in fp32): the weight as a whole, for the
     /// paths that use it other than as `x·W` (MLA's absorbed `kv_b_proj`). Without an adapter,
     /// `W` itself. An FP8 base is dequantised into `fp8_dtype` (the activations').
-    pub fn effective_weight(&self, fp8_dtype: DType) -> Tensor<B, 2> {
+    pub fn effective_weight(&self, fp8_dtype: DType) -> Tensor<B, 2>
+    where
+        B: Glm5Backend,
+    {
         let (w, dtype) = match (&self.weight, &self.fp8) {
             (Some(w), _) => {
                 let w = w.val();
@@ -58,7 +62,7 @@ impl<B: Backend> Linear<B> {
             None => w,
             Some(ad) => {
                 let delta = ad.a.val().cast(DType::F32).matmul(ad.b.val().cast(DType::F32)).mul_scalar(ad.scaling);
-                (w.cast(DType::F32) + delta).cast(dtype)
+                (w.cast(DType::F32) + delta).to_dtype(dtype)
             }
         }
     }
@@ -108,7 +112,7 @@ pub fn linear<B: Glm5Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>
         Some(lora) => {
             let y = base(x2.clone());
             let dtype = y.dtype();
-            y + lora.forward(x2).cast(dtype)
+            y + lora.forward(x2).to_dtype(dtype)
         }
     };
     let mut out_dims = dims;

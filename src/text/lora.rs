@@ -22,6 +22,7 @@
 //! dtype (PEFT's `autocast_adapter_dtype=True` and `_cast_input_dtype`); the term is cast back
 //! to the base output's dtype before the sum.
 
+use crate::ops::backend::ToDtype;
 use std::collections::BTreeMap;
 
 use burn::module::{Module, Param};
@@ -64,7 +65,7 @@ impl<B: Backend> LoraAdapter<B> {
         B: Glm5Backend,
     {
         let a = self.a.val();
-        let x = self.dropout.forward(x.cast(a.dtype()));
+        let x = self.dropout.forward(x.to_dtype(a.dtype()));
         matmul_bias(matmul_bias(x, a, None), self.b.val(), None).mul_scalar(self.scaling)
     }
 }
@@ -102,7 +103,7 @@ impl<B: Backend> ExpertLora<B> {
         B: Glm5Backend,
     {
         let a = self.a.val();
-        let h = grouped_matmul(x.cast(a.dtype()), a, sizes);
+        let h = grouped_matmul(x.to_dtype(a.dtype()), a, sizes);
         grouped_matmul(h, self.b.val(), sizes).mul_scalar(self.scaling)
     }
 }

@@ -16,6 +16,7 @@
 //! `Glm5NextTextDecoderLayer.forward`; all mapping math in fp32.
 //! Shapes: streams `[B, S, n, D]`; `fn`: `[(2+n)n, n·D]`, `base`: `[(2+n)n]`, `scale`: `[3]`.
 
+use crate::ops::backend::ToDtype;
 use burn::module::{Initializer, Module, Param};
 use burn::tensor::activation::sigmoid;
 use burn::tensor::{backend::Backend, DType, Tensor};
@@ -73,9 +74,9 @@ impl<B: Glm5Backend> HyperConnection<B> {
         let dtype = streams.dtype();
         let bs = b * s;
         let flat = rms_normalize(streams.clone().reshape([bs, n * d]), self.rms_eps);
-        let m = matmul_bias(flat, self.fn_weight.val().cast(DType::F32).transpose(), None); // [BS, (2+n)n]
-        let base = self.base.val().cast(DType::F32);
-        let scale = self.scale.val().cast(DType::F32);
+        let m = matmul_bias(flat, self.fn_weight.val().to_dtype(DType::F32).transpose(), None); // [BS, (2+n)n]
+        let base = self.base.val().to_dtype(DType::F32);
+        let scale = self.scale.val().to_dtype(DType::F32);
         let sc = |i: usize| scale.clone().slice(i..i + 1).reshape([1, 1]);
 
         let pre_w = m.clone().slice([0..bs, 0..n]);

@@ -14,6 +14,7 @@
 //! HF: `Glm5NextTextAttention.forward`. The two attention forms are in
 //! [`crate::ops::sparse_attn`]; [`crate::text::AttentionImpl`] picks one.
 
+use crate::ops::backend::ToDtype;
 use burn::module::Module;
 use burn::tensor::{backend::Backend, Bool, Int, Tensor, TensorData};
 
@@ -392,7 +393,7 @@ pub(crate) fn sparse_absorbed<B: Glm5Backend>(
                                                                              // so their two gradients add as contiguous tensors, not as a strided add of every
                                                                              // [B·n, W, R] block
         let scores = kv.clone().matmul(qb.swap_dims(1, 2)).swap_dims(1, 2) * scale; // [B·n, H, W]
-        let p = masked_softmax(scores, valid.expand([b * n, h, width])).cast(kv.dtype());
+        let p = masked_softmax(scores, valid.expand([b * n, h, width])).to_dtype(kv.dtype());
         let o_lat = p.matmul(kv); // [B·n, H, R]
                                   // o = W_UV õ per head: [H, B·n, R] @ [H, R, dv]
         let o = o_lat.swap_dims(0, 1).matmul(w_uv.clone().swap_dims(1, 2)); // [H, B·n, dv]

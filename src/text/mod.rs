@@ -67,6 +67,14 @@ pub struct ForwardOptions {
     /// KDA's in-chunk pair terms: the backend's kernel or the reference tensor ops (recipe
     /// `model.backend.kda`).
     pub kda_path: PathKind,
+    /// Keep the mHC residual streams in fp32 when the model computes in bf16/f16 (Megatron's
+    /// `fp32_residual_connection`): each sublayer still reads its input rounded to the model's
+    /// dtype and writes its output in it, but the streams it is added to are not rounded after
+    /// every layer. Measured closer to the fp32 truth (`docs/precision.md`); costs the
+    /// streams' extra bytes (under activation checkpointing, `2·T·n·D` bytes more per layer).
+    /// Off by default: HF (and NeMo, whose memory `plan` models) keeps them in the model's
+    /// dtype. A no-op for an fp32 model; with it, [`Outputs::layer_streams`] are fp32.
+    pub fp32_residual: bool,
 }
 
 impl Default for ForwardOptions {
@@ -77,6 +85,7 @@ impl Default for ForwardOptions {
             sparse_block: 256,
             attn_path: PathKind::Op,
             kda_path: PathKind::Op,
+            fp32_residual: false,
         }
     }
 }

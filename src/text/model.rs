@@ -8,6 +8,7 @@
 //!
 //! Shapes: ids `[B, S]` → hidden `[B, S, D]`. No positional encoding anywhere (NoPE).
 
+use crate::ops::backend::ToDtype;
 use std::borrow::Cow;
 use std::sync::Arc;
 
@@ -252,12 +253,13 @@ impl<B: Backend> TextModel<B> {
         let n = self.hc_mult;
         cache.push(&mask.host, t);
         let context = cache.mask();
-        let mut x = initial_streams(embeds, n);
+        let act = embeds.dtype();
+        let mut x = initial_streams(embeds, n, opts);
         let mut indices: Option<Vec<i64>> = None;
         for (layer, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
             x = layer.forward_cached(x, mask, &context, c, &mut indices, opts).streams;
         }
-        self.norm.forward(x.mean_dim(2).reshape([b, t, d]))
+        self.norm.forward(x.mean_dim(2).reshape([b, t, d]).to_dtype(act))
     }
 
     /// Run the decoder on input embeddings `[B, S, D]`.
@@ -267,7 +269,8 @@ impl<B: Backend> TextModel<B> {
     {
         let [b, s, d] = embeds.dims();
         let n = self.hc_mult;
-        let mut x = initial_streams(embeds, n);
+        let act = embeds.dtype();
+        let mut x = initial_streams(embeds, n, opts);
         let mut indices: Option<Vec<i64>> = None;
         let mut out = TextOutput {
             hidden: Tensor::zeros([1, 1, 1], &x.device()),
@@ -295,7 +298,7 @@ impl<B: Backend> TextModel<B> {
                 out.indices.push((i, idx.clone()));
             }
         }
-        let mean = x.mean_dim(2).reshape([b, s, d]);
+        let mean = x.mean_dim(2).reshape([b, s, d]).to_dtype(act);
         // the last unit of the decoder is kept (its backward comes first)
         out.hidden = self.unit_after(&self.norm, &mean, false).forward(mean);
         out
@@ -303,9 +306,11 @@ impl<B: Backend> TextModel<B> {
 }
 
 /// The `n` residual streams at the first layer, each a copy of the embeddings: `[B, S, D]` →
-/// `[B, S, n, D]`. Concatenated copies rather than a broadcast (`expand`) view: each layer
-/// reshapes its streams, and Flex turns a stride-0 view into a contiguous buffer element by
-/// element, forward and backward, while `cat` copies rows whole.
-fn initial_streams<B: Backend>(embeds: Tensor<B, 3>, n: usize) -> Tensor<B, 4> {
+/// `[B, S, n, D]`, in fp32 under [`ForwardOptions::fp32_residual`]. Concatenated copies rather
+/// than a broadcast (`expand`) view: each layer reshapes its streams, and Flex turns a
+/// stride-0 view into a contiguous buffer element by element, forward and backward, while
+/// `cat` copies rows whole.
+fn initial_streams<B: crate::ops::backend::Glm5Backend>(embeds: Tensor<B, 3>, n: usize, opts: &ForwardOptions) -> Tensor<B, 4> {
+    let embeds = if opts.fp32_residual { embeds.to_dtype(DType::F32) } else { embeds };
     Tensor::cat(vec![embeds.unsqueeze_dim::<4>(2); n], 2)
 }

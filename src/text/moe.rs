@@ -28,6 +28,7 @@
 //! Shapes: `x` `[B, S, D]`; stacked experts `gate_proj`, `up_proj` `[E, D, I]`,
 //! `down_proj` `[E, I, D]`; router `weight` `[E, D]` (checkpoint layout).
 
+use crate::ops::backend::ToDtype;
 use burn::module::{Initializer, Module, Param};
 use burn::tensor::activation::sigmoid;
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -301,8 +302,12 @@ impl<B: Backend> Experts<B> {
             Some(_) => w.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(slots, [n * k]), &device)),
             None => w,
         };
-        let w = w.cast(y.dtype()).unsqueeze_dim(1);
-        Tensor::zeros([n, d], (&device, x.dtype())).select_assign(0, tok_t, y * w, IndexingUpdateOp::Add)
+        // HF weights each expert's output in fp32, rounds it, and adds the k rounded rows in the
+        // activation dtype (`index_add_`); here the k weighted rows are summed in fp32 and the
+        // sum rounded once
+        let dtype = x.dtype();
+        let weighted = y.to_dtype(DType::F32) * w.unsqueeze_dim(1);
+        Tensor::zeros([n, d], (&device, DType::F32)).select_assign(0, tok_t, weighted, IndexingUpdateOp::Add).to_dtype(dtype)
     }
 
     /// The local experts on rows: row `j` is `x[src[j]]`, computed with (local) expert
@@ -330,7 +335,7 @@ impl<B: Backend> Experts<B> {
         let mut up = self.product(Proj::Up, rows, &sizes);
         if let (Some(lora), Some(rows)) = (&self.lora_gate_up, lora_in) {
             let [_, i] = gate.dims();
-            let t = lora.forward(rows, &sizes).cast(gate.dtype());
+            let t = lora.forward(rows, &sizes).to_dtype(gate.dtype());
             gate = gate + t.clone().slice([0..m, 0..i]);
             up = up + t.slice([0..m, i..2 * i]);
         }
@@ -340,7 +345,7 @@ impl<B: Backend> Experts<B> {
             Some(lora) => {
                 let y = self.product(Proj::Down, h.clone(), &sizes);
                 let dtype = y.dtype();
-                y + lora.forward(h, &sizes).cast(dtype)
+                y + lora.forward(h, &sizes).to_dtype(dtype)
             }
         };
         // back to row order: row r sits at its rank in `order`

@@ -9,6 +9,7 @@
 //! * [`LayerNorm`]: `y = w ⊙ (x − μ)/sqrt(var + ε) + b`, the indexer's key norm (`k_norm`,
 //!   ε = 1e-6, HF `nn.LayerNorm`).
 
+use crate::ops::backend::ToDtype;
 use burn::module::{Initializer, Module, Param};
 use burn::tensor::activation::sigmoid;
 use burn::tensor::{backend::Backend, DType, Tensor};
@@ -18,7 +19,7 @@ use crate::ops::backend::{rms_norm, Glm5Backend};
 /// Unweighted RMS normalisation over the last dim, computed in fp32, returned in fp32
 /// (the backend op [`Glm5Backend::rms_norm`], `ops::rms`).
 pub(crate) fn rms_normalize<B: Glm5Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
-    rms_rows(x.cast(DType::F32), None, eps)
+    rms_rows(x.to_dtype(DType::F32), None, eps)
 }
 
 /// [`rms_norm`] over the last dim of a rank-`D` tensor.
@@ -56,7 +57,7 @@ impl<B: Backend> RmsNorm<B> {
             return rms_rows(x, Some(w), self.eps);
         }
         // the reference's rounding: normalise in fp32, round, then weight in the activation dtype
-        rms_normalize(x, self.eps).cast(dtype) * w.unsqueeze()
+        rms_normalize(x, self.eps).to_dtype(dtype) * w.unsqueeze()
     }
 }
 
@@ -81,8 +82,8 @@ impl<B: Backend> GatedRmsNorm<B> {
         B: Glm5Backend,
     {
         let dtype = x.dtype();
-        let y = rms_rows(x.cast(DType::F32), Some(self.weight.val().cast(DType::F32)), self.eps);
-        (y * sigmoid(gate.cast(DType::F32))).cast(dtype)
+        let y = rms_rows(x.to_dtype(DType::F32), Some(self.weight.val().to_dtype(DType::F32)), self.eps);
+        (y * sigmoid(gate.to_dtype(DType::F32))).to_dtype(dtype)
     }
 }
 
@@ -104,13 +105,16 @@ impl<B: Backend> LayerNorm<B> {
     }
 
     /// Normalises the last dim in fp32 (input dtype out).
-    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D>
+    where
+        B: Glm5Backend,
+    {
         let dtype = x.dtype();
-        let x = x.cast(DType::F32);
+        let x = x.to_dtype(DType::F32);
         let mean = x.clone().mean_dim(D - 1);
         let centered = x - mean;
         let var = centered.clone().square().mean_dim(D - 1);
-        let y = (centered * (var + self.eps).sqrt().recip()).cast(dtype);
+        let y = (centered * (var + self.eps).sqrt().recip()).to_dtype(dtype);
         y * self.weight.val().unsqueeze() + self.bias.val().unsqueeze()
     }
 }

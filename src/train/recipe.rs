@@ -164,6 +164,12 @@ pub struct ModelSection {
     /// gathered per layer (the other frozen weights stay whole).
     #[serde(default)]
     pub base_dtype: Option<BaseDtype>,
+    /// Under `dtype: bf16`, keep the mHC residual streams in fp32 (Megatron's
+    /// `fp32_residual_connection`; `ForwardOptions::fp32_residual`): closer to the fp32 truth,
+    /// `2·T·n·D` bytes more per checkpointed layer. Default `false`: rounded to bf16 after
+    /// every layer, as HF does.
+    #[serde(default)]
+    pub fp32_residual: bool,
 }
 
 /// `distributed`: parallel sizes, parameter sharding and activation checkpointing.

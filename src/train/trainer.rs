@@ -183,7 +183,12 @@ impl TrainOptions {
             precision: r.model.dtype,
             on_nonfinite: r.step_scheduler.on_nonfinite,
             freeze: r.freeze_config.clone(),
-            forward: ForwardOptions { attn_path: r.model.backend.attn, kda_path: r.model.backend.kda, ..ForwardOptions::default() },
+            forward: ForwardOptions {
+                attn_path: r.model.backend.attn,
+                kda_path: r.model.backend.kda,
+                fp32_residual: r.model.fp32_residual,
+                ..ForwardOptions::default()
+            },
             parallel: ParallelLayout {
                 shard_parameters: r.distributed.shard_parameters,
                 reshard_after_forward: r.distributed.reshard_after_forward,

@@ -17,6 +17,7 @@
 
 pub mod rope;
 
+use crate::ops::backend::ToDtype;
 use burn::module::{Initializer, Module, Param};
 use burn::tensor::activation::gelu;
 use burn::tensor::{backend::Backend, Tensor};
@@ -202,7 +203,7 @@ impl<B: Backend> VisionModel<B> {
     {
         let device = pixel_values.device();
         let dtype = self.patch_embed.proj.weight.val().dtype();
-        let mut x = self.patch_embed.proj.forward(pixel_values.cast(dtype));
+        let mut x = self.patch_embed.proj.forward(pixel_values.to_dtype(dtype));
         let [n, h] = x.dims();
         let head_dim = h / self.blocks.first().map(|b| b.attn.num_heads).unwrap_or(1);
         let (cos, sin) = rope::cos_sin::<B>(grid_thw, self.merge, head_dim, self.rope_theta, &device);
@@ -238,8 +239,8 @@ impl<B: Backend> VisionAttention<B> {
         let q = self.q_norm.forward(qkv.clone().slice([0..n, 0..1, 0..heads, 0..hd]).reshape([n, heads, hd]));
         let k = self.k_norm.forward(qkv.clone().slice([0..n, 1..2, 0..heads, 0..hd]).reshape([n, heads, hd]));
         let v = qkv.slice([0..n, 2..3, 0..heads, 0..hd]).reshape([n, heads, hd]);
-        let q = rope::apply(q, cos, sin).cast(dtype);
-        let k = rope::apply(k, cos, sin).cast(dtype);
+        let q = rope::apply(q, cos, sin).to_dtype(dtype);
+        let k = rope::apply(k, cos, sin).to_dtype(dtype);
         let scale = (hd as f64).powf(-0.5) as f32;
         let mut outs = Vec::with_capacity(segments.len());
         let mut start = 0;

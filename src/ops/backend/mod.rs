@@ -619,15 +619,27 @@ pub fn block_attention<B: Glm5Backend>(q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tens
 }
 
 /// `x` in `dtype`, rounded once to nearest even ([`Glm5Backend::cast_float`]); `x` itself when
-/// it already is. Flex's fused ops round their results through it, and so do the training
-/// casts (the bf16 compute copy of fp32 masters, gradients back to fp32, the loss's logits);
-/// the model's activation casts are still `Tensor::cast`, whose Flex rounding differs in about
-/// one value in 16k (`docs/parity.md`, "Rounding").
+/// it already is. Every cast of the library goes through it (or [`ToDtype::to_dtype`]): the
+/// model's activations, Flex's fused ops' results and the training casts (the bf16 compute
+/// copy of fp32 masters, gradients back to fp32, the loss's logits). `Tensor::cast` on Flex
+/// rounds differently in about one value in 16k (`docs/parity.md`, "Rounding").
 pub fn cast<B: Glm5Backend, const D: usize>(x: Tensor<B, D>, dtype: burn::tensor::DType) -> Tensor<B, D> {
     if x.dtype() == dtype {
         return x;
     }
     Tensor::from_primitive(TensorPrimitive::Float(B::cast_float(x.into_primitive().tensor(), dtype.into())))
+}
+
+/// [`cast`] as a method, where the model would write `Tensor::cast` (PyTorch's `.to(dtype)`).
+pub trait ToDtype {
+    /// `self` in `dtype`, rounded once to nearest even.
+    fn to_dtype(self, dtype: impl Into<burn::tensor::FloatDType>) -> Self;
+}
+
+impl<B: Glm5Backend, const D: usize> ToDtype for Tensor<B, D> {
+    fn to_dtype(self, dtype: impl Into<burn::tensor::FloatDType>) -> Self {
+        cast(self, dtype.into().into())
+    }
 }
 
 /// [`Glm5Backend::rms_norm`] on tensors.
