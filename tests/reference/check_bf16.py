@@ -57,14 +57,7 @@ def build(name, draw):
     torch.manual_seed(seed)
     model = Glm5NextForConditionalGeneration(F.build_config(text, extra)).eval()
     if name == "release_like":
-        # as make_fixtures.release_like_fixture: the reference's own init, routers, indexers and
-        # the LM head at trained-like scales, weights rounded to bf16 as released
-        with torch.no_grad():
-            model.lm_head.weight.mul_(8.0)
-            for n, p in model.named_parameters():
-                if n.endswith("mlp.gate.weight") or ".indexer.w" in n or "weights_proj" in n:
-                    p.mul_(25.0)
-                p.copy_(p.to(torch.bfloat16).float())
+        F.release_like_init(model)
     else:
         F.init_weights(model, gen)
     if model.config.tie_word_embeddings:
