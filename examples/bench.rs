@@ -42,6 +42,7 @@ use clap::{Parser, ValueEnum};
 use glm5_burn::config::Glm5Config;
 use glm5_burn::data::batch::MicroBatch;
 use glm5_burn::data::loader::SplitMix64;
+use glm5_burn::distributed::Distributed;
 use glm5_burn::text::AttentionImpl;
 use glm5_burn::train::recipe::{DecayStyle, FreezeConfig, NonFinitePolicy, Precision};
 use glm5_burn::train::schedule::LrSchedule;
@@ -111,7 +112,7 @@ struct Args {
     /// N shards; rank 0 reports (its peak RSS: the ranks hold alike).
     #[arg(long, default_value_t = 1)]
     cp: usize,
-    /// Train with activation checkpointing (`Autodiff<Flex, BalancedCheckpointing>`).
+    /// Train with activation checkpointing (`Autodiff<Distributed<Flex>, BalancedCheckpointing>`).
     #[arg(long)]
     checkpointing: bool,
     /// DSA attention form: `auto` (the library default: dense up to 1024 tokens, sparse
@@ -349,10 +350,11 @@ fn main() -> Result<()> {
     }
 
     if matches!(a.mode, Mode::Train | Mode::Both) {
+        // the decorator runs `--cp`'s collectives; with one process it is Flex itself
         let times = if a.checkpointing {
-            train::<Autodiff<Flex, BalancedCheckpointing>>(&a, &config, &ids, opts)?
+            train::<Autodiff<Distributed<Flex>, BalancedCheckpointing>>(&a, &config, &ids, opts)?
         } else {
-            train::<Autodiff<Flex>>(&a, &config, &ids, opts)?
+            train::<Autodiff<Distributed<Flex>>>(&a, &config, &ids, opts)?
         };
         report(if a.checkpointing { "train (activation checkpointing)" } else { "train" }, times, None);
     }

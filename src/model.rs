@@ -131,7 +131,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     /// A sharded model ends its forward here ([`crate::distributed::ShardPlan::end`]).
     pub fn head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3>
     where
-        B: crate::distributed::CollectiveBackend + crate::ops::backend::Glm5Backend,
+        B: crate::ops::backend::Glm5Backend,
     {
         let _t = crate::profile::scope("lm head");
         let lm = &self.language_model;
@@ -364,7 +364,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
     /// ([`crate::distributed::fsdp`]).
     fn gather_unused_vision(&self, embeds: &Tensor<B, 3>)
     where
-        B: crate::distributed::CollectiveBackend,
+        B: crate::ops::backend::Glm5Backend,
     {
         if let (Some(_), Some(visual)) = (&self.language_model.shards, &self.visual) {
             drop(self.language_model.unit_after(visual, embeds, self.language_model.reshardable()[0]));
@@ -390,7 +390,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         context: &crate::text::context::ContextShard<B>,
     ) -> Result<Option<Tensor<B, 1>>, crate::distributed::DistError>
     where
-        B: crate::distributed::CollectiveBackend,
+        B: crate::ops::backend::Glm5Backend,
     {
         let Some((mut tokens, probs_sum, total)) = self.aux_parts(router_logits, mask) else { return Ok(None) };
         let g = &context.group;
@@ -401,7 +401,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
         }
         let total = counts[tokens.len()] as f32;
         let mut chain = context.chain();
-        let probs_sum = crate::distributed::collective::all_reduce_sum(chain.tie(probs_sum), g)?;
+        let probs_sum = crate::ops::collective::all_reduce_sum(chain.tie(probs_sum), g)?;
         chain.link(&probs_sum);
         Ok(Some(self.aux_combine(tokens, probs_sum, total) / g.size() as f64))
     }

@@ -336,6 +336,15 @@ mod mpi_engine {
         let (y, dx) = run(t(rows[r], |i, c| xv(r, i, c)), |m| t(m, |i, c| wv(r, i, c)), |x| shift_rows(x, next, prev, rows[prev], &g).unwrap());
         assert_eq!(y, flat(rows[prev], &|i, c| xv(prev, i, c)), "shift forward");
         assert_eq!(dx, flat(rows[r], &|i, c| wv(next, i, c)), "shift adjoint");
+
+        // a plain backend is one process: a group of n is refused, naming the op and the way out
+        type Plain = burn::backend::Autodiff<burn::backend::Flex>;
+        let plain = burn::tensor::Tensor::<Plain, 2>::zeros([rows[r], W], &Default::default());
+        let e = all_gather_rows(plain.clone(), &rows, &g).unwrap_err();
+        assert!(matches!(e, DistError::OneProcess { op: "all_gather_rows", size, .. } if size == n), "{e}");
+        assert!(e.to_string().contains("Distributed<B>") && e.to_string().contains("Flex"), "{e}");
+        let e = all_reduce_sum(plain.inner(), &g).unwrap_err();
+        assert!(matches!(e, DistError::OneProcess { op: "all_reduce_sum", .. }), "{e}");
         println!("rank {r} of {n}: every collective and its adjoint match their definitions");
     }
 
@@ -353,7 +362,7 @@ mod mpi_engine {
         use glm5_burn::train::data_parallel::{all_reduce_grads, sum_f64};
         use glm5_burn::train::step::{accumulate, GlobalBatch, StepContext};
         use glm5_burn::{Glm5Config, Glm5ForCausalLM};
-        type AD = Autodiff<burn::backend::Flex>;
+        type AD = Autodiff<glm5_burn::distributed::Distributed<burn::backend::Flex>>;
 
         struct Flat<'a> {
             grads: &'a GradientsParams,
@@ -425,7 +434,7 @@ mod mpi_engine {
         use glm5_burn::train::recipe::Recipe;
         use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
         use glm5_burn::{Glm5Config, Glm5ForCausalLM};
-        type AD = Autodiff<burn::backend::Flex>;
+        type AD = Autodiff<glm5_burn::distributed::Distributed<burn::backend::Flex>>;
 
         let (r, n) = (g.rank(), g.size());
         let group: Group = g.clone();
@@ -460,7 +469,8 @@ mod mpi_engine {
         let mine: Vec<MicroBatch> = micro.iter().enumerate().filter(|(i, _)| i % n == r).map(|(_, m)| m.clone()).collect();
         let (checked, worst, issued, resharded) = sharded_grads::<AD>(&g, &config, &micro, &mine, true);
         let (_, worst_kept, issued_kept, _) = sharded_grads::<AD>(&g, &config, &micro, &mine, false);
-        type Ckpt = Autodiff<burn::backend::Flex, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
+        type Ckpt =
+            Autodiff<glm5_burn::distributed::Distributed<burn::backend::Flex>, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
         let (_, worst_ckpt, issued_ckpt, _) = sharded_grads::<Ckpt>(&g, &config, &micro, &mine, true);
         // every parameter of a resharded unit (vision tower, decoder layers) gathered once more
         assert_eq!(issued, issued_kept + resharded, "collectives per micro-batch resharded vs kept");
@@ -658,7 +668,7 @@ mod mpi_engine {
         use glm5_burn::train::recipe::Recipe;
         use glm5_burn::train::trainer::{TrainOptions, Trainer};
         use glm5_burn::{Glm5Config, Glm5ForCausalLM};
-        type AD = Autodiff<burn::backend::Flex>;
+        type AD = Autodiff<glm5_burn::distributed::Distributed<burn::backend::Flex>>;
         let (r, n) = (g.rank(), g.size());
         let checked = std::sync::Arc::new(CheckedGroup::new(Box::new(g)));
         let device = Default::default();
@@ -1447,7 +1457,7 @@ mod mpi_engine {
         use glm5_burn::train::params::param_ids;
         use glm5_burn::train::recipe::Recipe;
         use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
-        type AD = Autodiff<burn::backend::Flex>;
+        type AD = Autodiff<glm5_burn::distributed::Distributed<burn::backend::Flex>>;
 
         let ep: usize = spec.split(':').nth(1).unwrap().parse().unwrap();
         let (r, n) = (g.rank(), g.size());
@@ -1570,12 +1580,12 @@ mod mpi_engine {
                 })
                 .collect()
         }
-        // the reference: the world group handed to the trainer, on the plain backend
+        // the reference: the world group handed to the trainer, on a device bound to no mesh
         let mut explicit = options.clone();
         explicit.parallel.context_parallel = sizes.cp;
         explicit.parallel.expert_parallel = sizes.ep;
         explicit.parallel = explicit.parallel.with_world(g.clone() as Group).unwrap();
-        let want = steps::<Autodiff<Flex>>(&Default::default(), explicit, &config, &micro);
+        let want = steps::<Autodiff<glm5_burn::distributed::Distributed<Flex>>>(&Default::default(), explicit, &config, &micro);
 
         // the device carries the mesh; nothing in the options names a group
         let device = MeshDevice::from_env(Default::default(), Some(sizes)).unwrap();
@@ -1751,7 +1761,7 @@ mod mpi_engine {
         use burn::tensor::{Tensor, TensorData};
         use glm5_burn::distributed::Group;
         use glm5_burn::text::moe::{ExpertParallel, Moe};
-        type A = Autodiff<Flex>;
+        type A = Autodiff<glm5_burn::distributed::Distributed<Flex>>;
         let (r, n) = (g.rank(), g.size());
         let experts = if n == 3 { 12 } else { 8 };
         let group: Group = g.clone();
@@ -1783,7 +1793,7 @@ mod mpi_engine {
         let xv = |p: usize| -> Vec<f32> { (0..rows(p) * d).map(|i| ((i * 13 + p * 101) as f32 * 0.173).cos()).collect() };
         let wv = |p: usize| -> Vec<f32> { (0..rows(p) * d).map(|i| ((i * 7 + p * 31) % 11) as f32 * 0.1 - 0.5).collect() };
         let t3 = |v: Vec<f32>, m: usize| Tensor::<A, 3>::from_data(TensorData::new(v, [1, m, d]), &device);
-        let host = |t: Tensor<burn::backend::Flex, 3>| t.into_data().into_vec::<f32>().unwrap();
+        let host = |t: Tensor<glm5_burn::distributed::Distributed<Flex>, 3>| t.into_data().into_vec::<f32>().unwrap();
         let rel = |a: &[f32], b: &[f32]| {
             let m = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
             a.iter().zip(b).fold(0f32, |w, (x, y)| w.max((x - y).abs())) / m
@@ -1873,9 +1883,9 @@ mod mpi_engine {
         let group: Group = g.clone();
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/base_k4");
         let device = Default::default();
-        let full = load_causal_lm::<Flex>(&dir, &device, &LoadOptions::default()).unwrap();
+        let full = load_causal_lm::<glm5_burn::distributed::Distributed<Flex>>(&dir, &device, &LoadOptions::default()).unwrap();
         let opts = LoadOptions { experts: Some(ExpertShard { rank: r, size: n }), ..LoadOptions::default() };
-        let mut part = load_causal_lm::<Flex>(&dir, &device, &opts).unwrap();
+        let mut part = load_causal_lm::<glm5_burn::distributed::Distributed<Flex>>(&dir, &device, &opts).unwrap();
         let ep = std::sync::Arc::new(ExpertParallel::new(group, full.config.resolved.text_config.n_routed_experts).unwrap());
         for layer in part.model.language_model.layers.iter_mut() {
             if let Ffn::Moe(moe) = &mut layer.mlp {
@@ -1885,8 +1895,8 @@ mod mpi_engine {
         let v = full.config.resolved.text_config.vocab_size as i64;
         let s = 20 + 3 * r;
         let ids: Vec<i64> = (0..s).map(|t| ((t * 31 + r * 17 + 1) as i64) % v).collect();
-        let t = || glm5_burn::ModelInput::<Flex>::row(ids.clone());
-        let run = |m: &glm5_burn::Glm5ForCausalLM<Flex>| {
+        let t = || glm5_burn::ModelInput::<glm5_burn::distributed::Distributed<Flex>>::row(ids.clone());
+        let run = |m: &glm5_burn::Glm5ForCausalLM<glm5_burn::distributed::Distributed<Flex>>| {
             m.forward(t(), &ForwardOptions::default(), glm5_burn::Outputs::default()).unwrap().logits.into_data().into_vec::<f32>().unwrap()
         };
         let (want, got) = (run(&full.model), run(&part.model));
@@ -1918,7 +1928,7 @@ mod mpi_engine {
         use glm5_burn::train::recipe::Recipe;
         use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
         use glm5_burn::{Glm5Config, Glm5ForCausalLM};
-        type AD = Autodiff<burn::backend::Flex>;
+        type AD = Autodiff<glm5_burn::distributed::Distributed<burn::backend::Flex>>;
 
         let f: Vec<usize> = spec.split(':').skip(1).map(|x| x.parse().unwrap()).collect();
         let (p, e, shard, skew) = (f[0], f[1], f[2] == 1, f[3] == 1);
@@ -2070,7 +2080,7 @@ mod mpi_engine {
         use glm5_burn::train::recipe::Recipe;
         use glm5_burn::train::trainer::{PeftOptions, StepOutcome, TrainOptions, Trainer};
         use glm5_burn::{Glm5Config, Glm5ForCausalLM};
-        type AD = Autodiff<burn::backend::Flex>;
+        type AD = Autodiff<glm5_burn::distributed::Distributed<burn::backend::Flex>>;
 
         let f: Vec<usize> = spec.split(':').skip(1).map(|x| x.parse().unwrap()).collect();
         let (p, shard) = (f[0], f[1] == 1);
@@ -2200,7 +2210,7 @@ mod mpi_engine {
         use glm5_burn::text::context::{kda_context, Chain, ShardDocs};
         use glm5_burn::text::kda::KdaAttention;
         use glm5_burn::text::{ForwardOptions, KdaImpl, TokenMask};
-        type AD = Autodiff<Flex>;
+        type AD = Autodiff<glm5_burn::distributed::Distributed<Flex>>;
 
         let (r, n) = (g.rank(), g.size());
         let group: Group = g.clone();
@@ -2213,7 +2223,7 @@ mod mpi_engine {
         let (range, shard) = ShardDocs::of(&docs, s, r, n).unwrap();
         let noise = |len: usize, seed: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7919 + seed * 104729) % 2000) as f32 / 1000.0 - 1.0).collect() };
         let rows_of = |x: &[f32], width: usize| x[range.start * width..range.end * width].to_vec();
-        let host = |t: Tensor<Flex, 4>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+        let host = |t: Tensor<glm5_burn::distributed::Distributed<Flex>, 4>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
         let worst_of = |want: &[f32], got: &[f32], what: &str| -> f32 {
             assert_eq!(want.len(), got.len(), "{what}: size");
             let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-20);
@@ -2285,7 +2295,7 @@ mod mpi_engine {
                 let want = rows_of(&host(whole[k].grad(&grads).unwrap()), width);
                 worst = worst.max(worst_of(&want, &host(mine[k].grad(&my_grads).unwrap()), &format!("∂{name}")));
             }
-            let b_host = |t: Tensor<Flex, 3>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+            let b_host = |t: Tensor<glm5_burn::distributed::Distributed<Flex>, 3>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
             let want = rows_of(&b_host(whole_beta.grad(&grads).unwrap()), h);
             worst = worst.max(worst_of(&want, &b_host(mine_beta.grad(&my_grads).unwrap()), "∂β"));
             println!("rank {r} of {n} ({path:?}): KDA state handed over matches the whole row (worst {worst:.1e}; shard {range:?}, pieces {:?}, continues {})", shard.docs, shard.continues);
@@ -2301,7 +2311,7 @@ mod mpi_engine {
             let mask = TokenMask { documents: Some(docs.clone()), ..TokenMask::all(1, s, &device) };
             let y = layer.forward(u.clone(), &mask, &opts);
             let grads = (y.clone() * t3(w_host.clone(), s)).sum().backward();
-            let h3 = |t: Tensor<Flex, 3>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+            let h3 = |t: Tensor<glm5_burn::distributed::Distributed<Flex>, 3>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
             let u_r = t3(rows_of(&u_host, d), range.len()).require_grad();
             let mut chain = Chain::new();
             let y_r = layer.forward_context(u_r.clone(), &shard, &group, &mut chain, &opts).unwrap();
@@ -2344,7 +2354,7 @@ mod mpi_engine {
         use glm5_burn::text::context::{ContextShard, ShardDocs};
         use glm5_burn::text::mla::MlaAttention;
         use glm5_burn::text::{AttentionImpl, ForwardOptions};
-        type AD = Autodiff<Flex>;
+        type AD = Autodiff<glm5_burn::distributed::Distributed<Flex>>;
 
         let (r, n) = (g.rank(), g.size());
         let group: Group = g.clone();
@@ -2352,7 +2362,7 @@ mod mpi_engine {
         let (s, docs) = (48, vec![0..5, 5..30, 30..31, 31..48]);
         let (range, _) = ShardDocs::of(&docs, s, r, n).unwrap();
         let noise = |len: usize, seed: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7919 + seed * 104729) % 2000) as f32 / 1000.0 - 1.0).collect() };
-        let h3 = |t: Tensor<Flex, 3>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+        let h3 = |t: Tensor<glm5_burn::distributed::Distributed<Flex>, 3>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
         let worst_of = |want: &[f32], got: &[f32], what: &str| -> f32 {
             assert_eq!(want.len(), got.len(), "{what}: size");
             let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-20);
@@ -2441,7 +2451,7 @@ mod mpi_engine {
         use glm5_burn::text::context::ContextSplit;
         use glm5_burn::text::{AttentionImpl, ForwardOptions, KdaImpl};
         use glm5_burn::Glm5ForCausalLM;
-        type AD = Autodiff<Flex>;
+        type AD = Autodiff<glm5_burn::distributed::Distributed<Flex>>;
         let _ = std::marker::PhantomData::<Tensor<AD, 2, Int>>;
 
         let (r, n) = (g.rank(), g.size());
@@ -2488,7 +2498,7 @@ mod mpi_engine {
         assert!((sums[0] - want_loss).abs() <= 1e-5 * want_loss.abs(), "rank {r}: loss {} (cp {n}) vs {want_loss}", sums[0]);
 
         let vsz = config.text_config.vocab_size;
-        let host = |t: Tensor<Flex, 3>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+        let host = |t: Tensor<glm5_burn::distributed::Distributed<Flex>, 3>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
         let want = host(full.logits.inner())[shard.start * vsz..shard.end * vsz].to_vec();
         let got = host(out.logits.inner());
         let scale = want.iter().fold(0f32, |a, x| a.max(x.abs()));
@@ -2535,7 +2545,7 @@ mod mpi_engine {
         use glm5_burn::train::recipe::Recipe;
         use glm5_burn::train::trainer::{StepOutcome, TrainOptions, Trainer};
         use glm5_burn::{Glm5Config, Glm5ForCausalLM};
-        type AD = Autodiff<burn::backend::Flex>;
+        type AD = Autodiff<glm5_burn::distributed::Distributed<burn::backend::Flex>>;
 
         let f: Vec<usize> = spec.split(':').skip(1).map(|x| x.parse().unwrap()).collect();
         let (cp, ep, aux) = (f[0], f[1], f[2] == 1);
@@ -2692,9 +2702,10 @@ mod tensors {
     use glm5_burn::distributed::collective::{all_gather_rows, all_reduce_sum, all_to_all_rows, reduce_scatter_rows, shift_rows};
     use glm5_burn::distributed::{Group, LocalGroup};
 
-    pub(super) type A = Autodiff<Flex>;
+    pub(super) type A = Autodiff<glm5_burn::distributed::Distributed<Flex>>;
     pub(super) const W: usize = 3;
 
+    #[cfg(feature = "mpi")]
     pub(super) fn t(rows: usize, f: impl Fn(usize, usize) -> f32) -> Tensor<A, 2> {
         let v: Vec<f32> = (0..rows * W).map(|k| f(k / W, k % W)).collect();
         Tensor::from_data(TensorData::new(v, [rows, W]), &Default::default())
@@ -2705,6 +2716,7 @@ mod tensors {
     }
 
     /// Forward value and the gradient of `Σ w ⊙ op(x)` for one collective.
+    #[cfg(feature = "mpi")]
     pub(super) fn run(x: Tensor<A, 2>, w: impl Fn(usize) -> Tensor<A, 2>, op: impl Fn(Tensor<A, 2>) -> Tensor<A, 2>) -> (Vec<f32>, Vec<f32>) {
         let x = x.require_grad();
         let y = op(x.clone());
@@ -2713,29 +2725,44 @@ mod tensors {
         (host(y), host(x.grad(&grads).unwrap()))
     }
 
-    /// Bit for bit with one rank: every collective is the identity, and so is its adjoint.
+    /// Bit for bit with one rank: every collective is the identity, and so is its adjoint — on
+    /// the decorator (its engine on a group of one) and on the plain backend (its one-process
+    /// default bodies).
     #[test]
     fn world_of_one_is_the_identity_forward_and_backward() {
-        let g: Group = Arc::new(LocalGroup);
-        let x = || t(4, |i, c| (i * 7 + c) as f32 * 0.37 - 1.1);
-        let w = |rows| t(rows, |i, c| (i + 2 * c) as f32 * -0.29 + 0.5);
-        let (xv, wv) = (host(x()), host(w(4)));
-        type Op<'a> = Box<dyn Fn(Tensor<A, 2>) -> Tensor<A, 2> + 'a>;
-        let ops: [(&str, Op); 5] = [
-            ("all_gather_rows", Box::new(|x| all_gather_rows(x, &[4], &g).unwrap())),
-            ("reduce_scatter_rows", Box::new(|x| reduce_scatter_rows(x, &[4], &g).unwrap())),
-            ("all_to_all_rows", Box::new(|x| all_to_all_rows(x, &[4], &[4], &g).unwrap())),
-            ("all_reduce_sum", Box::new(|x| all_reduce_sum(x, &g).unwrap())),
-            ("shift_rows", Box::new(|x| shift_rows(x, 0, 0, 4, &g).unwrap())),
-        ];
-        for (name, op) in ops {
-            let (y, dx) = run(x(), w, op);
-            assert_eq!(y, xv, "{name}: forward");
-            assert_eq!(dx, wv, "{name}: gradient");
+        macro_rules! identity_on {
+            ($b:ty) => {{
+                type B = $b;
+                let g: Group = Arc::new(LocalGroup);
+                let t = |rows: usize, f: &dyn Fn(usize, usize) -> f32| {
+                    let v: Vec<f32> = (0..rows * W).map(|k| f(k / W, k % W)).collect();
+                    Tensor::<B, 2>::from_data(TensorData::new(v, [rows, W]), &Default::default())
+                };
+                let x = || t(4, &|i, c| (i * 7 + c) as f32 * 0.37 - 1.1);
+                let w = |rows| t(rows, &|i, c| (i + 2 * c) as f32 * -0.29 + 0.5);
+                let (xv, wv) = (host(x()), host(w(4)));
+                type Op<'a> = Box<dyn Fn(Tensor<B, 2>) -> Tensor<B, 2> + 'a>;
+                let ops: [(&str, Op); 5] = [
+                    ("all_gather_rows", Box::new(|x| all_gather_rows(x, &[4], &g).unwrap())),
+                    ("reduce_scatter_rows", Box::new(|x| reduce_scatter_rows(x, &[4], &g).unwrap())),
+                    ("all_to_all_rows", Box::new(|x| all_to_all_rows(x, &[4], &[4], &g).unwrap())),
+                    ("all_reduce_sum", Box::new(|x| all_reduce_sum(x, &g).unwrap())),
+                    ("shift_rows", Box::new(|x| shift_rows(x, 0, 0, 4, &g).unwrap())),
+                ];
+                for (name, op) in ops {
+                    let x = x().require_grad();
+                    let y = op(x.clone());
+                    let grads = (y.clone() * w(4)).sum().backward();
+                    assert_eq!(host(y), xv, "{name} on {}: forward", stringify!($b));
+                    assert_eq!(host(x.grad(&grads).unwrap()), wv, "{name} on {}: gradient", stringify!($b));
+                }
+                assert_eq!(g.size(), 1);
+                let err = all_gather_rows(x(), &[3], &g).unwrap_err();
+                assert!(err.to_string().contains("the tensor has 4 rows, the row counts say 3"), "{err}");
+            }};
         }
-        assert_eq!(g.size(), 1);
-        let err = all_gather_rows(x(), &[3], &g).unwrap_err();
-        assert!(err.to_string().contains("the tensor has 4 rows, the row counts say 3"), "{err}");
+        identity_on!(A);
+        identity_on!(Autodiff<Flex>);
     }
 }
 

@@ -24,12 +24,13 @@ import sys
 # may re-export its own children whatever their layer (that is its surface, not a dependency).
 LAYERS = [
     ["profile"],
-    # process groups and the collectives on tensors (host-side engines, Burn's `Backend` only)
-    ["distributed"],
+    # process groups: the communication interface the op traits' collectives name
+    ["comm"],
     # the op traits of our backend, their reference bodies and the kernels' dispatch
     ["ops"],
-    # the backend decorator implements the op traits
-    ["distributed::decorator"],
+    # the engines, the mesh and its device, FSDP, and the backend decorator that implements
+    # the op traits (and runs their collectives)
+    ["distributed"],
     ["config"],
     ["text", "vision"],
     ["model", "input", "loss", "peft"],

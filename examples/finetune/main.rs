@@ -43,7 +43,7 @@ use glm5_burn::data::fingerprint::DataFingerprint;
 use glm5_burn::data::image_processor::ImageProcessor;
 use glm5_burn::data::loader::{PackedDataset, PackingOptions, Sampler};
 use glm5_burn::distributed::typed::all_gather;
-use glm5_burn::distributed::{DistError, Group, Mesh, MeshSizes};
+use glm5_burn::distributed::{DistError, Distributed, Group, Mesh, MeshSizes};
 use glm5_burn::ops::OpImpl;
 use glm5_burn::train::checkpoint as ckpt;
 use glm5_burn::train::params::trainable_counts;
@@ -155,13 +155,14 @@ fn real_main() -> Result<()> {
         "recipe: {}  ({threads} threads)",
         args.recipe.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "embedded tiny_medpix".into())
     );
-    // Burn 0.21 fixes the checkpointing strategy in the autodiff type: one monomorphisation each
+    // Burn 0.21 fixes the checkpointing strategy in the autodiff type: one monomorphisation
+    // each; the distributed decorator runs the collectives (one process: it is `$b` itself)
     macro_rules! dispatch {
         ($b:ty) => {
             if recipe.distributed.activation_checkpointing {
-                run::<Autodiff<$b, BalancedCheckpointing>>(&recipe, &args)
+                run::<Autodiff<Distributed<$b>, BalancedCheckpointing>>(&recipe, &args)
             } else {
-                run::<Autodiff<$b, NoCheckpointing>>(&recipe, &args)
+                run::<Autodiff<Distributed<$b>, NoCheckpointing>>(&recipe, &args)
             }
         };
     }

@@ -22,8 +22,8 @@ use std::sync::{Arc, LazyLock, RwLock};
 
 use burn::tensor::backend::{Device, DeviceId, DeviceOps};
 
-use super::error::DistError;
 use super::mesh::Mesh;
+use crate::comm::DistError;
 
 type Registry = RwLock<HashMap<(TypeId, DeviceId), Arc<Mesh>>>;
 

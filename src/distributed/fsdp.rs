@@ -51,9 +51,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use super::collective::CollectiveBackend;
-use super::group::Group;
-use super::regather::{lock, ParamGather, Regather};
+use crate::comm::group::Group;
+use crate::comm::regather::{lock, ParamGather, Regather};
+use crate::ops::backend::Glm5Backend;
 
 /// Which parameters are sharded over which group, and the bookkeeping of the running forward.
 pub struct ShardPlan {
@@ -247,7 +247,7 @@ impl ShardPlan {
     /// reshards and the gathers will be followed by an anchored one: the caller's promise).
     /// Every rank must gather the same units in the same order. A unit without sharded
     /// parameters is returned as it is, without a collective.
-    pub fn gather<B: CollectiveBackend, M: Module<B>>(&self, unit: &M, after: Option<FloatTensor<B>>, reshard: bool) -> M {
+    pub fn gather<B: Glm5Backend, M: Module<B>>(&self, unit: &M, after: Option<FloatTensor<B>>, reshard: bool) -> M {
         let mut chain = lock(&self.chain);
         let link = chain.take().and_then(|a| a.downcast::<Tensor<B, 1>>().ok()).map(|a| *a);
         let mut gather = Gather { plan: self, link, after, reshard: reshard && self.reshard_after_forward };
@@ -339,7 +339,7 @@ struct Gather<'a, B: Backend> {
     reshard: bool,
 }
 
-impl<B: CollectiveBackend> ModuleMapper<B> for Gather<'_, B> {
+impl<B: Glm5Backend> ModuleMapper<B> for Gather<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let Some(&rows) = self.plan.rows.get(&param.id) else { return param };
         let (id, shard, mapper) = param.consume();

@@ -17,10 +17,10 @@
 
 use std::sync::Arc;
 
-use super::error::DistError;
-use super::group::Group;
-use super::local::LocalGroup;
-use super::typed::all_gather;
+use crate::comm::group::Group;
+use crate::comm::local::LocalGroup;
+use crate::comm::typed::all_gather;
+use crate::comm::DistError;
 
 /// How many ranks each parallelism takes: `dp × cp` processes in all, `ep` dividing them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,52 +1,42 @@
-//! The distributed layer's foundation: process groups over real engines.
+//! The distributed layer: process groups over real engines, the mesh, the backend decorator
+//! that carries it, and FSDP.
 //!
-//! * [`ProcessGroup`] (`group.rs`): one object-safe interface — rank, size, `split` into
-//!   sub-groups, barrier, all-reduce, all-gather(v), reduce-scatter(v), all-to-all(v),
-//!   broadcast and batched point-to-point — with MPI/NCCL semantics.
-//! * [`LocalGroup`] (`local.rs`): the size-1 group, the default, so single-process code runs
-//!   the same collectives at the cost of a copy.
+//! * [`ProcessGroup`], [`LocalGroup`], [`CheckedGroup`], [`typed`]: the communication
+//!   interface, from [`crate::comm`] (below the op traits, which name it), re-exported here.
 //! * [`MpiGroup`] (`mpi.rs`, cargo feature `mpi`): MPI through rsmpi — the engine for CPUs,
 //!   multi-node CPU clusters and CI (`mpirun -np N …`).
 //! * `NcclGroup` (`nccl.rs`, cargo feature `nccl`): NCCL through cudarc on CUDA machines,
 //!   bootstrapped over MPI.
-//! * [`CheckedGroup`] (`checked.rs`): a debug wrapper checking that every rank issues the same
-//!   collectives.
 //! * [`Mesh`] (`mesh.rs`): the world of a run and its data-, context- and expert-parallel
 //!   groups (Megatron's layout), from an explicit group or from the launcher's environment.
 //! * [`MeshDevice`] (`device.rs`): the device of [`Distributed`]`<B>` — `B`'s device and the
 //!   mesh bound to it, found again from every tensor made on it ([`mesh_of`]).
+//! * [`Distributed`]`<B>` (`decorator/`): the backend decorator; it runs the collective ops of
+//!   [`crate::Glm5Backend`] over the groups, which plain backends run as one process.
 //! * [`fsdp`]: parameter sharding over a group (FSDP), gathered per unit.
-//! * [`typed`]: element-typed helpers over the byte-level collectives.
+//! * [`collective`]: the collectives on tensors (from [`crate::ops::collective`]).
 //!
 //! The design (why MPI and NCCL, not Burn's `burn-collective`; the communication patterns of
 //! FSDP, expert and context parallelism) follows PyTorch's `torch.distributed` process groups
 //! and Megatron-LM's parallel state.
 
-pub mod checked;
-pub mod collective;
+pub use crate::comm::{checked, group, local, regather, typed};
+pub use crate::ops::collective;
+
 pub mod decorator;
 pub mod device;
-mod error;
 pub mod fsdp;
-pub mod group;
-pub mod local;
 pub mod mesh;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod node;
-pub mod regather;
-pub mod typed;
 
-pub use checked::CheckedGroup;
-pub use collective::CollectiveBackend;
+pub use crate::comm::{CheckedGroup, DistError, Group, LocalGroup, P2p, ProcessGroup, ReduceBuf, ReduceOp};
 pub use decorator::Distributed;
 pub use device::{mesh_of, MeshBinding, MeshDevice};
-pub use error::DistError;
 pub use fsdp::{PreSharded, RowShard, ShardPlan};
-pub use group::{Group, P2p, ProcessGroup, ReduceBuf, ReduceOp};
-pub use local::LocalGroup;
 pub use mesh::{ExpertMesh, Mesh, MeshSizes};
 #[cfg(feature = "mpi")]
 pub use mpi::MpiGroup;

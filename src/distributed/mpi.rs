@@ -22,8 +22,8 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
 
-use super::group::{check_counts, check_len, check_peer, P2p, ProcessGroup, ReduceBuf, ReduceOp};
-use super::DistError;
+use crate::comm::group::{check_counts, check_len, check_peer, P2p, ProcessGroup, ReduceBuf, ReduceOp};
+use crate::comm::DistError;
 
 /// Keeps MPI initialised while any group lives; finalises it when dropped.
 struct Runtime(#[allow(dead_code)] Universe);

@@ -10,7 +10,7 @@
 //!
 //! This engine implements [`ProcessGroup`] on host buffers: each call copies to the device, runs
 //! NCCL and copies back, so it is correct on any backend but pays two PCIe copies; the device
-//! path (a CUDA backend's `CollectiveBackend` handing its buffers to NCCL directly) is not
+//! path (`Distributed<Cuda>`'s intercepted collectives handing its buffers to NCCL directly) is not
 //! written yet.
 //!
 //! cudarc loads `libcuda` and `libnccl` at run time and panics when one is missing;
@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::{Comm, Id, NcclType, ReduceOp as NcclOp};
 
-use super::group::{check_counts, check_len, check_peer, P2p, ProcessGroup, ReduceBuf, ReduceOp};
-use super::DistError;
+use crate::comm::group::{check_counts, check_len, check_peer, P2p, ProcessGroup, ReduceBuf, ReduceOp};
+use crate::comm::DistError;
 
 fn err(what: &str, e: impl std::fmt::Debug) -> DistError {
     DistError::Engine { engine: "nccl", message: format!("{what}: {e:?}") }

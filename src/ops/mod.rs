@@ -28,6 +28,7 @@
 pub mod adamw;
 pub mod backend;
 pub mod block_attn;
+pub mod collective;
 pub mod conv;
 pub mod cross_entropy;
 pub mod e4m3;

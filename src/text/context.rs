@@ -32,9 +32,9 @@ use std::ops::Range;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 
-use crate::distributed::collective::{all_gather_rows, shift_rows, CollectiveBackend};
 use crate::distributed::{typed, DistError, Group};
 use crate::ops::backend::Glm5Backend;
+use crate::ops::collective::{all_gather_rows, shift_rows};
 use crate::ops::kda::{kda_chunked, KdaInputs};
 use crate::ops::PathKind;
 
@@ -200,7 +200,7 @@ impl<B: Backend> ContextShard<B> {
 /// `[1, keep, C]`, the previous rank's last rows of `x` `[1, T, C]` (zeros where they belong to
 /// another document, and everywhere when this shard's first document starts here). Every rank
 /// of `group` calls it (a collective); `T ≥ keep`.
-pub(crate) fn conv_halo<B: CollectiveBackend>(
+pub(crate) fn conv_halo<B: Glm5Backend>(
     x: Tensor<B, 3>,
     keep: usize,
     docs: &ShardDocs,
@@ -237,7 +237,7 @@ fn rows<B: burn::tensor::backend::Backend>(x: &Tensor<B, 4>, r: &Range<usize>) -
 /// document piece of `docs` from a zero state except the first, which continues from the
 /// state the previous shards hand over when `docs.continues` (module docs). `x.initial_state`
 /// must be `None`. Returns the outputs `[1, T, H, d_v]`. Every rank of `group` calls it.
-pub fn kda_context<B: CollectiveBackend + Glm5Backend>(
+pub fn kda_context<B: Glm5Backend>(
     x: KdaInputs<B>,
     docs: &ShardDocs,
     chunk: usize,

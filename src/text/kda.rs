@@ -27,7 +27,7 @@ use super::linear::{linear, Linear};
 use super::norm::GatedRmsNorm;
 use super::{ForwardOptions, KdaImpl, PathKind, TokenMask};
 use crate::config::{Activation, TextConfig};
-use crate::distributed::{CollectiveBackend, DistError, Group};
+use crate::distributed::{DistError, Group};
 use crate::ops::backend::{causal_conv1d, kda_forget_gate, Glm5Backend};
 use crate::ops::kda::{kda_chunked, kda_recurrent, KdaInputs};
 use crate::text::cache::KdaCache;
@@ -258,7 +258,7 @@ impl<B: Backend> KdaAttention<B> {
         opts: &ForwardOptions,
     ) -> Result<Tensor<B, 3>, DistError>
     where
-        B: Glm5Backend + CollectiveBackend,
+        B: Glm5Backend,
     {
         let chunk = match opts.kda {
             KdaImpl::Chunked(c) => c,

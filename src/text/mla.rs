@@ -23,10 +23,10 @@ use super::linear::{linear, Linear};
 use super::norm::RmsNorm;
 use super::{AttentionImpl, ForwardOptions, PathKind, TokenMask};
 use crate::config::TextConfig;
-use crate::distributed::collective::all_gather_rows;
-use crate::distributed::{CollectiveBackend, DistError};
+use crate::distributed::DistError;
 use crate::ops::backend::sparse_latent_attention;
 use crate::ops::backend::Glm5Backend;
+use crate::ops::collective::all_gather_rows;
 use crate::ops::sparse_attn::{dense_masked, masked_softmax};
 use crate::ops::OpImpl;
 use crate::text::cache::DsaCache;
@@ -143,7 +143,7 @@ impl<B: Backend> MlaAttention<B> {
         opts: &ForwardOptions,
     ) -> Result<MlaOutput<B>, DistError>
     where
-        B: Glm5Backend + CollectiveBackend,
+        B: Glm5Backend,
     {
         let (docs, shard, group) = (&cp.row_documents[..], cp.shard.clone(), &cp.group);
         let mut chain = cp.chain();

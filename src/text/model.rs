@@ -8,7 +8,7 @@
 //!
 //! Shapes: ids `[B, S]` → hidden `[B, S, D]`. No positional encoding anywhere (NoPE).
 
-use crate::ops::backend::ToDtype;
+use crate::ops::backend::{Glm5Backend, ToDtype};
 use std::borrow::Cow;
 use std::sync::Arc;
 
@@ -21,7 +21,7 @@ use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::{ForwardOptions, TokenMask};
 use crate::config::TextConfig;
-use crate::distributed::{CollectiveBackend, ShardPlan};
+use crate::distributed::ShardPlan;
 use crate::text::cache::{DecodeCache, LayerCache};
 use crate::text::Outputs;
 
@@ -118,7 +118,7 @@ impl<B: Backend> TextModel<B> {
     /// backward has used them).
     pub fn unit<'a, M: Module<B>>(&self, unit: &'a M) -> Cow<'a, M>
     where
-        B: CollectiveBackend,
+        B: Glm5Backend,
     {
         match &self.shards {
             Some(plan) => Cow::Owned(plan.gather(unit, None, false)),
@@ -132,7 +132,7 @@ impl<B: Backend> TextModel<B> {
     /// by another `unit_after` in the same forward (its backward re-gathers this one).
     pub fn unit_after<'a, M: Module<B>, const D: usize>(&self, unit: &'a M, input: &Tensor<B, D>, reshard: bool) -> Cow<'a, M>
     where
-        B: CollectiveBackend,
+        B: Glm5Backend,
     {
         match &self.shards {
             Some(plan) => Cow::Owned(plan.gather(unit, Some(input.clone().into_primitive().tensor()), reshard)),
@@ -219,7 +219,7 @@ impl<B: Backend> TextModel<B> {
     /// `select`, whose backward needs no weight, so the gathered table is freed at once.
     pub fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3>
     where
-        B: CollectiveBackend,
+        B: Glm5Backend,
     {
         let e = match &self.shards {
             Some(plan) => {

@@ -38,9 +38,9 @@ use super::fp8_weight::Fp8Experts;
 use super::lora::ExpertLora;
 use super::mlp::{clamped_swiglu, Mlp};
 use crate::config::{Activation, TextConfig};
-use crate::distributed::collective::all_to_all_rows;
 use crate::distributed::{typed, Group};
 use crate::ops::backend::{fp8_grouped_matmul, fp8_grouped_matmul_refetched, grouped_matmul};
+use crate::ops::collective::all_to_all_rows;
 
 /// Router (`mlp.gate`).
 #[derive(Module, Debug)]

@@ -155,7 +155,7 @@ pub(crate) fn gather_usize(group: &dyn ProcessGroup, x: usize) -> Result<Vec<usi
 /// replicated, so that AdamW leaves them alone as it does in one process (a shard would
 /// receive a zero gradient through the gather and weight decay would move it). Apply after
 /// freezing: frozen parameters stay replicated.
-pub fn shard_model<B: crate::distributed::CollectiveBackend>(
+pub fn shard_model<B: crate::ops::backend::Glm5Backend>(
     model: Glm5ForCausalLM<B>,
     group: Group,
     reshard_after_forward: bool,
@@ -186,7 +186,7 @@ pub(crate) fn is_routed_expert(path: &str) -> bool {
 ///
 /// Parameters loaded as this rank's slices ([`Glm5ForCausalLM::pre_sharded`]) are adopted as
 /// they are; an error names the first one loaded for another mesh or another selection.
-pub fn shard_model_where<B: crate::distributed::CollectiveBackend>(
+pub fn shard_model_where<B: crate::ops::backend::Glm5Backend>(
     model: Glm5ForCausalLM<B>,
     group: Group,
     reshard_after_forward: bool,
@@ -397,7 +397,7 @@ pub(crate) fn drop_grads<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &m
 /// The whole model of a sharded one, on every rank (one collective gathers every sharded
 /// parameter): for evaluation on one rank, export, or checks. Parameter ids are kept; the
 /// result is not sharded.
-pub fn unshard_model<B: crate::distributed::CollectiveBackend>(model: Glm5ForCausalLM<B>) -> Glm5ForCausalLM<B> {
+pub fn unshard_model<B: crate::ops::backend::Glm5Backend>(model: Glm5ForCausalLM<B>) -> Glm5ForCausalLM<B> {
     let Some(plan) = model.language_model.shards.clone() else { return model };
     // untracked shards: the gather must leave nothing on the autodiff graph (an unconsumed
     // node would keep its state — the group included — alive for the process's lifetime)

@@ -15,8 +15,10 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use burn::tensor::Tensor;
 
+use super::autodiff_collective as coll;
 use super::prim::*;
 use super::Glm5Backend;
+use crate::comm::{DistError, Group, ParamGather};
 use crate::ops::adamw::AdamWScalars;
 use crate::ops::backend::ScanInputs;
 use crate::ops::kpool::KpoolSelect;
@@ -689,5 +691,29 @@ impl<B: Glm5Backend, C: CheckpointStrategy> Glm5Backend for Autodiff<B, C> {
             }
             OpsKind::UnTracked(prep) => prep.finish(B::kda_pair_sums(k.primitive, q.primitive, gam.primitive)),
         }
+    }
+
+    fn all_gather_rows(x: FloatTensor<Self>, rows: &[usize], group: &Group) -> Result<FloatTensor<Self>, DistError> {
+        coll::all_gather_rows::<B, C>(x, rows, group)
+    }
+
+    fn reduce_scatter_rows(x: FloatTensor<Self>, rows: &[usize], group: &Group) -> Result<FloatTensor<Self>, DistError> {
+        coll::reduce_scatter_rows::<B, C>(x, rows, group)
+    }
+
+    fn all_to_all_rows(x: FloatTensor<Self>, send: &[usize], recv: &[usize], group: &Group) -> Result<FloatTensor<Self>, DistError> {
+        coll::all_to_all_rows::<B, C>(x, send, recv, group)
+    }
+
+    fn all_reduce_sum(x: FloatTensor<Self>, group: &Group) -> Result<FloatTensor<Self>, DistError> {
+        coll::all_reduce_sum::<B, C>(x, group)
+    }
+
+    fn shift_rows(x: FloatTensor<Self>, to: usize, from: usize, recv_rows: usize, group: &Group) -> Result<FloatTensor<Self>, DistError> {
+        coll::shift_rows::<B, C>(x, to, from, recv_rows, group)
+    }
+
+    fn gather_param(x: FloatTensor<Self>, links: [Option<FloatTensor<Self>>; 2], site: &ParamGather) -> Result<[FloatTensor<Self>; 2], DistError> {
+        coll::gather_param::<B, C>(x, links, site)
     }
 }

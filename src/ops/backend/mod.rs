@@ -4,8 +4,8 @@
 //! backward that calls `B`'s backward method — the custom-op pattern of Burn 0.21.
 //!
 //! Every backend the library runs on implements the trait; one with no fused code just writes
-//! `impl Glm5Backend for MyBackend {}` (and `impl CollectiveBackend for MyBackend {}`: the
-//! model gathers sharded parameters through it, `distributed::fsdp`).
+//! `impl Glm5Backend for MyBackend {}`: that includes the collectives, which a plain backend
+//! runs as one process and `Distributed<MyBackend>` over its process groups.
 //!
 //! | op | reference (default body) | Flex | CubeCL (`Vulkan`, `Cuda`) | `Autodiff<B>` |
 //! |---|---|---|---|---|
@@ -30,6 +30,7 @@
 //! | `hc_collapse`, `hc_post` (+ backwards) | `ops::hc_streams` | fused host loops | reference | hand-written backward |
 //! | `hc_sinkhorn` (+ backward) | `ops::sinkhorn` | fused host loops | reference | hand-written backward |
 //! | `block_attention` (+ backward; the vision tower's) | `ops::block_attn`: blocked online softmax | reference | reference | hand-written backward (recomputes blocks) |
+//! | `all_gather_rows`, `reduce_scatter_rows`, `all_to_all_rows`, `all_reduce_sum`, `shift_rows`, `gather_param` (the collectives, `ops::collective`) | one process: the input for a group of one, an error for more | the default | the default | the adjoint collectives (`autodiff_collective.rs`); `Distributed<B>` runs them over the group |
 //!
 //! The ops from `causal_conv1d` to `hc_sinkhorn` exist for the CPU path: as tensor ops they
 //! are chains of small broadcasting ops whose autodiff backward dominated Flex's train step;
@@ -73,13 +74,16 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Tensor, TensorPrimitive};
 
 use super::adamw::{self, AdamWScalars};
+use super::collective::local as collective_local;
 use super::kpool::{self, KpoolSelect};
 use super::OpImpl;
 use super::{block_attn, conv, hc_streams, kda_gate, kda_pairs, kda_scan, rms, sinkhorn, sparse_attn, swiglu};
 use super::{cross_entropy, fp8_linear, grouped_matmul, linear};
+use crate::comm::{DistError, Group, ParamGather};
 use prim::*;
 
 mod autodiff;
+mod autodiff_collective;
 #[cfg(any(feature = "vulkan", feature = "cuda"))]
 mod cube;
 mod flex;
@@ -115,8 +119,9 @@ impl<T, Tb> ScanInputs<T, Tb> {
 }
 
 /// The library's backend requirements: Burn's `Backend` plus the model's custom ops, and the
-/// collectives a sharded model gathers its parameters with.
-pub trait Glm5Backend: crate::distributed::CollectiveBackend {
+/// collectives a sharded model gathers its parameters with (one process unless the backend is
+/// the distributed decorator).
+pub trait Glm5Backend: burn::tensor::backend::Backend {
     /// `x` in `dtype`, every value rounded once to nearest, ties to even (PyTorch's `.to()`,
     /// `half`'s `from_f32`). Default: the backend's `float_cast`. Flex overrides it: its
     /// `float_cast` widens to f64 and rounds with `half`'s `from_f64`, which drops the f64's low
@@ -587,6 +592,52 @@ pub trait Glm5Backend: crate::distributed::CollectiveBackend {
         let f = |t| Tensor::<Self, 3>::from_primitive(TensorPrimitive::Float(t));
         let (dk, dq, dg) = kda_pairs::kda_pair_sums_backward(f(k), f(q), f(gam), f(grad));
         (dk.into_primitive().tensor(), dq.into_primitive().tensor(), dg.into_primitive().tensor())
+    }
+
+    // -- collectives along dim 0 ([`crate::ops::collective`]). The default bodies are one
+    // -- process: the input for a group of one, an error for a larger group. The distributed
+    // -- decorator runs them over the group; `Autodiff<B>` records their adjoints.
+
+    /// Every rank's `x` concatenated along dim 0 in rank order; rank `r` holds `rows[r]` rows
+    /// (the other dims equal everywhere).
+    fn all_gather_rows(x: FloatTensor<Self>, rows: &[usize], group: &Group) -> Result<FloatTensor<Self>, DistError> {
+        collective_local::all_gather_rows::<Self>(x, rows, group)
+    }
+
+    /// The sum over ranks of `x` (`Σ rows` rows, the same layout on every rank), of which rank
+    /// `r` keeps rows `Σ rows[..r] .. + rows[r]`.
+    fn reduce_scatter_rows(x: FloatTensor<Self>, rows: &[usize], group: &Group) -> Result<FloatTensor<Self>, DistError> {
+        collective_local::reduce_scatter_rows::<Self>(x, rows, group)
+    }
+
+    /// Rows `Σ send[..p] .. + send[p]` of `x` go to rank `p`; rank `p`'s rows for us arrive in
+    /// rank order (`recv[p]` rows from `p`).
+    fn all_to_all_rows(x: FloatTensor<Self>, send: &[usize], recv: &[usize], group: &Group) -> Result<FloatTensor<Self>, DistError> {
+        collective_local::all_to_all_rows::<Self>(x, send, recv, group)
+    }
+
+    /// The element-wise sum of every rank's `x` (same shape everywhere), on every rank.
+    fn all_reduce_sum(x: FloatTensor<Self>, group: &Group) -> Result<FloatTensor<Self>, DistError> {
+        collective_local::all_reduce_sum::<Self>(x, group)
+    }
+
+    /// Sends all of `x` to rank `to` and returns the `recv_rows` rows rank `from` sent us
+    /// (a ring step with `to = r + 1`, `from = r − 1`; both posted before either completes).
+    fn shift_rows(x: FloatTensor<Self>, to: usize, from: usize, recv_rows: usize, group: &Group) -> Result<FloatTensor<Self>, DistError> {
+        collective_local::shift_rows::<Self>(x, to, from, recv_rows, group)
+    }
+
+    /// One FSDP parameter gather ([`crate::distributed::fsdp`]): `[value, link]` where `value`
+    /// is `all_gather_rows(x)[..full_rows]` (every rank holds `x.rows` padded rows) and `link`
+    /// a 1-D handle for the next gather's `links[0]`. Other backends ignore the links and the
+    /// resharding; under `Autodiff` the gather takes `links` (the previous gather, the unit's
+    /// input activation) as parents, so the reduce-scatters of a forward's gathers run in
+    /// reverse forward order on every rank (Burn 0.21 orders backward steps by graph depth;
+    /// two collectives at one depth could run in either order), and a resharded `value` is
+    /// re-gathered in backward instead of kept.
+    fn gather_param(x: FloatTensor<Self>, links: [Option<FloatTensor<Self>>; 2], site: &ParamGather) -> Result<[FloatTensor<Self>; 2], DistError> {
+        let _ = links;
+        collective_local::gather_param::<Self>(x, site.full_rows, site.group)
     }
 }
 

@@ -1,4 +1,4 @@
-//! Errors of the distributed layer.
+//! Errors of the communication and distributed layers.
 
 /// Errors of the distributed layer, naming the collective or engine at fault.
 #[derive(Debug, thiserror::Error)]
@@ -28,6 +28,20 @@ pub enum DistError {
         engine: &'static str,
         /// What failed.
         message: String,
+    },
+    /// A collective over several ranks on a backend that runs one process (a plain backend:
+    /// the groups are run by the `Distributed<B>` decorator).
+    #[error(
+        "{op} over a group of {size} ranks on `{backend}`, a one-process backend: run the model on \
+         `Distributed<B>` (`Autodiff<Distributed<B>>` to train, on a `MeshDevice`) to use process groups"
+    )]
+    OneProcess {
+        /// The collective.
+        op: &'static str,
+        /// The group's size.
+        size: usize,
+        /// The backend's type.
+        backend: &'static str,
     },
     /// A mesh the processes cannot form (sizes against the launched world, ranks that disagree
     /// on their recipe), reached alike by every rank.

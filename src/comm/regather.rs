@@ -1,8 +1,8 @@
 //! What one FSDP parameter gather carries besides its tensors: the site ([`ParamGather`]: rows,
 //! group, whether to reshard) and the forward's re-gather store ([`Regather`]) through which
 //! the backward hands re-gathered weights to the ops that need them. The collective itself and
-//! its adjoint are [`CollectiveBackend::gather_param`](super::CollectiveBackend::gather_param);
-//! the sharding of modules that uses them is [`super::fsdp`].
+//! its adjoint are [`Glm5Backend::gather_param`](crate::ops::backend::Glm5Backend::gather_param);
+//! the sharding of modules that uses them is [`crate::distributed::fsdp`].
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -105,7 +105,7 @@ impl Regather {
     }
 }
 
-/// What one parameter's gather needs besides its tensors ([`CollectiveBackend::gather_param`](super::CollectiveBackend::gather_param)).
+/// What one parameter's gather needs besides its tensors ([`Glm5Backend::gather_param`](crate::ops::backend::Glm5Backend::gather_param)).
 #[derive(Debug, Clone, Copy)]
 pub struct ParamGather<'a> {
     /// The parameter's full dim-0 size (the gathered rows beyond it are padding).
