@@ -31,7 +31,7 @@
 use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 
 use super::backend::ScanInputs;
-use super::backend::{kda_chunk_scan, kda_pair_sums, Glm5Backend};
+use super::backend::{kda_chunk_scan, kda_pair_sums, Glm5Backend, ToDtype};
 use super::kda_pairs as reference;
 use super::kda_scan::last_in_chunk;
 use super::OpImpl;
@@ -232,7 +232,7 @@ pub fn kda_chunked<B: Glm5Backend>(x: KdaInputs<B>, chunk: usize, path: PathKind
         state = state * at(&last_decay, i) + at(&k_dec, i).swap_dims(1, 2).matmul(v_new);
     }
     let o = Tensor::cat(outs, 1).slice([0..bh, 0..t, 0..dv]).reshape([b, h, t, dv]);
-    (o.swap_dims(1, 2).cast(dtype), state.reshape([b, h, dk, dv]))
+    (o.swap_dims(1, 2).to_dtype(dtype), state.reshape([b, h, dk, dv]))
 }
 
 /// [`kda_chunked`] as one op, [`Glm5Backend::kda_chunk_scan`] (`ops::kda_scan`; Flex:
@@ -277,5 +277,5 @@ pub fn kda_packed_op<B: Glm5Backend>(x: KdaInputs<B>, chunk: usize, resets: &[us
     let beta = if tp == t { beta } else { Tensor::cat(vec![beta, Tensor::zeros([b, tp - t, h], (&device, DType::F32))], 1) };
     let (o, s) = kda_chunk_scan(ScanInputs { q: pad4(q), k: pad4(k), v: pad4(v), g: pad4(g), beta, h0: state }, chunk, resets);
     let o = if tp == t { o } else { o.slice([0..b, 0..t, 0..h, 0..dv]) };
-    (o.cast(dtype), s)
+    (o.to_dtype(dtype), s)
 }

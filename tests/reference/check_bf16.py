@@ -152,7 +152,7 @@ def checkpoint_mode(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--draws", type=int, default=20)
+    ap.add_argument("--draws", type=int, default=120)
     ap.add_argument("--cases", default=",".join(list(F.CASES) + ["release_like"]))
     ap.add_argument("--json")
     ap.add_argument("--bin", default=str(BIN), help="our logits binary (default: the release example)")

@@ -672,9 +672,9 @@ pub fn block_attention<B: Glm5Backend>(q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tens
 /// `x` in `dtype`, rounded once to nearest even ([`Glm5Backend::cast_float`]); `x` itself when
 /// it already is. The model's activation casts go through it (or [`ToDtype::to_dtype`]), as do
 /// Flex's fused ops' results and the training casts (the bf16 compute copy of fp32 masters,
-/// gradients back to fp32, the loss's logits). Not yet: the reference tensor-op paths generic
-/// over `Backend` and the KDA output rounding in `ops::kda`, which still use `Tensor::cast`,
-/// whose Flex rounding differs in about one value in 16k (`docs/parity.md`, "Rounding").
+/// gradients back to fp32, the loss's logits) and the KDA output's (`ops::kda`). Not the
+/// reference tensor-op paths generic over `Backend`, which use `Tensor::cast`, whose Flex
+/// rounding differs in about one value in 16k (`docs/parity.md`, "Rounding").
 pub fn cast<B: Glm5Backend, const D: usize>(x: Tensor<B, D>, dtype: burn::tensor::DType) -> Tensor<B, D> {
     if x.dtype() == dtype {
         return x;
