@@ -133,6 +133,16 @@ fn mesh_sizes_are_checked_and_a_mesh_device_reports_its_mesh() {
     assert!(MeshDevice::new(FlexDevice, mesh.clone()).is_ok(), "binding the same mesh again");
     let e = MeshDevice::new(FlexDevice, Mesh::single()).unwrap_err().to_string();
     assert!(e.contains("is already rank 0 of a mesh of 1") && e.contains("release that mesh first"), "{e}");
+    // a model on the bound device, prepared for another mesh: refused, naming both
+    use glm5_burn::train::parallel::ParallelTraining;
+    use glm5_burn::train::trainer::ParallelLayout;
+    let model = glm5_burn::Glm5ForCausalLM::<Autodiff<D>>::try_new(&glm5_burn::Glm5Config::tiny(), &device).unwrap();
+    let other = ParallelLayout::default().on_mesh(&Arc::new(Mesh::single())).unwrap();
+    let Err(e) = ParallelTraining::prepare(model.clone(), &other) else { panic!("another mesh than the device's was accepted") };
+    let e = e.to_string();
+    assert!(e.contains("bound to rank 0 of a mesh of 1, but the training layout names another mesh"), "{e}");
+    let same = ParallelLayout::default().on_mesh(&mesh).unwrap();
+    assert!(ParallelTraining::prepare(model.clone(), &same).is_ok() && ParallelTraining::prepare(model, &ParallelLayout::default()).is_ok());
     device.release();
     assert!(device.mesh().is_none() && mesh_of(&Tensor::<D, 1>::zeros([1], &device).device()).is_none());
 }

@@ -176,6 +176,22 @@ impl ParallelTraining {
         let device_mesh = mesh_of(&model.language_model.norm.weight.device());
         let layout = match (&layout.mesh, &device_mesh) {
             (None, Some(mesh)) => layout.clone().on_mesh(mesh)?,
+            // the collectives would pair this rank with the layout's processes while its
+            // tensors (and the batches made on its device) belong to the device's mesh
+            (Some(named), Some(bound)) if !Arc::ptr_eq(named, bound) && !Arc::ptr_eq(named.world(), bound.world()) => {
+                return Err(TrainError::Distributed(crate::distributed::DistError::Mesh {
+                    message: format!(
+                        "the model is on a device bound to rank {} of a mesh of {}, but the training layout names another mesh \
+                         (rank {} of {}): build the model on the layout's mesh device, or leave ParallelLayout::mesh unset \
+                         to train on the device's",
+                        bound.rank(),
+                        bound.size(),
+                        named.rank(),
+                        named.size()
+                    ),
+                    reported: false,
+                }));
+            }
             _ => layout.clone(),
         };
         let world = layout.world().cloned().filter(|g| g.size() > 1);
