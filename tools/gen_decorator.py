@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes src/distributed/decorator/ops_*.rs: the signatures of every op of Burn 0.21's backend
 traits and of this crate's `Glm5Backend` (FloatTensorOps, IntTensorOps, BoolTensorOps, ModuleOps, ActivationOps, QTensorOps),
-read from burn-backend's sources, as `forward!` lists that `Distributed<B>` delegates to `B`.
+read from burn-backend's sources, as `forward!` lists that `Distributed<B>` delegates to `B` —
+except `Glm5Backend`'s collectives (`INTERCEPTED`), which it runs itself (decorator/intercept.rs).
 
     python3 tools/gen_decorator.py ~/.cargo/registry/src/index.crates.io-*/burn-backend-0.21.0 [OUT_DIR]
 

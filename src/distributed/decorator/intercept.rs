@@ -13,7 +13,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorData, TensorMetadata, TensorPrimi
 use crate::comm::group::check_counts;
 use crate::comm::typed;
 use crate::comm::{DistError, Group, ParamGather, ReduceBuf, ReduceOp};
-use crate::ops::collective::local::{check_rows, narrow_rows};
+use crate::ops::collective::local::{check_rows, param_and_link};
 
 /// The geometry a host round trip keeps.
 struct HostShape<B: Backend> {
@@ -104,8 +104,5 @@ pub(super) fn gather_param<B: Backend>(
     let _ = links;
     let c = x.shape()[0];
     let gathered = all_gather_rows::<B>(x, &vec![c; site.group.size()], site.group)?;
-    let value = narrow_rows::<B>(gathered, site.full_rows);
-    let n = value.shape().num_elements();
-    let link = B::float_reshape(value.clone(), Shape::new([n]));
-    Ok([value, link])
+    Ok(param_and_link::<B>(gathered, site.full_rows))
 }

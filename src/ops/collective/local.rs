@@ -95,8 +95,14 @@ pub fn shift_rows<B: Backend>(x: FloatTensor<B>, to: usize, from: usize, recv_ro
 /// padding).
 pub fn gather_param<B: Backend>(x: FloatTensor<B>, full_rows: usize, group: &Group) -> Result<[FloatTensor<B>; 2], DistError> {
     one_process::<B>("gather_param", group)?;
-    let value = narrow_rows::<B>(x, full_rows);
+    Ok(param_and_link::<B>(x, full_rows))
+}
+
+/// A gathered parameter without a graph: its first `full_rows` rows (the padding cut off) and
+/// a 1-D link the next gather ignores.
+pub(crate) fn param_and_link<B: Backend>(gathered: FloatTensor<B>, full_rows: usize) -> [FloatTensor<B>; 2] {
+    let value = narrow_rows::<B>(gathered, full_rows);
     let n = value.shape().num_elements();
     let link = B::float_reshape(value.clone(), Shape::new([n]));
-    Ok([value, link])
+    [value, link]
 }
