@@ -39,6 +39,54 @@ fn nccl_engine_is_probed_at_run_time() {
     }
 }
 
+/// With `--features nccl,cuda` on a GPU (`cargo test --features mpi,nccl,cuda --test
+/// distributed device_path -- --ignored`): `Distributed<Cuda>`'s collectives hand the tensors'
+/// memory to NCCL in place. A one-rank communicator (one GPU cannot hold two ranks of one
+/// communicator), so each collective is the identity: f32 and bf16, a transposed (strided)
+/// input, through a `CheckedGroup` too, and NCCL's device-call counter says the device path ran.
+/// The uneven compositions are checked on a world of threads in the library's unit tests
+/// (`uneven_gather_and_scatter_match_their_definitions`).
+#[cfg(all(feature = "nccl", feature = "cuda"))]
+#[test]
+#[ignore = "needs a GPU with libnccl"]
+fn device_path_hands_cuda_tensors_to_nccl() {
+    use std::sync::Arc;
+
+    use burn::tensor::{DType, Tensor, TensorData};
+    use glm5_burn::distributed::nccl::NcclGroup;
+    use glm5_burn::distributed::{CheckedGroup, Distributed, Group, MeshDevice};
+    use glm5_burn::Glm5Backend;
+
+    type D = Distributed<burn::backend::Cuda>;
+    let nccl = Arc::new(NcclGroup::new(Box::new(LocalGroup), None).expect("NCCL on this machine"));
+    let device = MeshDevice::from(burn::backend::cuda::CudaDevice::new(nccl.ordinal()));
+    let plain: Group = nccl.clone();
+    let checked: Group = Arc::new(CheckedGroup::new(Box::new(NcclGroup::new(Box::new(LocalGroup), None).unwrap())));
+    let values: Vec<f32> = (0..6 * 4).map(|i| i as f32 * 0.375 - 3.0).collect();
+    for group in [&plain, &checked] {
+        for dtype in [DType::F32, DType::BF16] {
+            let x = Tensor::<D, 2>::from_data(TensorData::new(values.clone(), [4, 6]), &device).cast(dtype).transpose();
+            let want = x.clone().into_data().convert::<f32>();
+            let prim = || x.clone().into_primitive().tensor();
+            let back = |t| Tensor::<D, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(t)).into_data().convert::<f32>();
+            let before = nccl.device_calls();
+            for (what, got) in [
+                ("all_gather_rows", D::all_gather_rows(prim(), &[6], group).unwrap()),
+                ("reduce_scatter_rows", D::reduce_scatter_rows(prim(), &[6], group).unwrap()),
+                ("all_to_all_rows", D::all_to_all_rows(prim(), &[6], &[6], group).unwrap()),
+                ("all_reduce_sum", D::all_reduce_sum(prim(), group).unwrap()),
+                ("shift_rows", D::shift_rows(prim(), 0, 0, 6, group).unwrap()),
+            ] {
+                assert_eq!(back(got), want, "{what} {dtype:?} over {group:?}");
+            }
+            if Arc::ptr_eq(group, &plain) {
+                assert_eq!(nccl.device_calls() - before, 5, "every collective ran on the device path");
+            }
+        }
+    }
+    println!("Distributed<Cuda> collectives on NCCL device buffers: GPU {}", nccl.ordinal());
+}
+
 #[test]
 fn local_group_collectives_are_identities() {
     let g = LocalGroup;

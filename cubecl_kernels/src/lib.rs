@@ -37,10 +37,12 @@ pub mod kpool;
 pub mod kpool_compress;
 pub mod sparse_attn;
 
+/// A tensor's data in row-major order (the input itself when it already is): what a
+/// collective engine reading the buffer in place needs (`glm5_burn::distributed`).
+pub use burn_cubecl::kernel::into_contiguous;
 pub use burn_cubecl::{tensor::CubeTensor, BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use burn::tensor::{DType, Shape, TensorMetadata};
-use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor as T;
 use cubecl::prelude::*;

@@ -12,6 +12,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::device::{DeviceBuf, DeviceCollectives, DeviceP2p};
 use super::group::{P2p, ProcessGroup, ReduceBuf, ReduceOp};
 use super::DistError;
 
@@ -29,7 +30,20 @@ struct Tag {
     args: u64,
 }
 
-const KINDS: [&str; 8] = ["split", "barrier", "all_reduce", "reduce_scatter_v", "all_gather_v", "all_to_all_v", "broadcast", "exchange"];
+const KINDS: [&str; 12] = [
+    "split",
+    "barrier",
+    "all_reduce",
+    "reduce_scatter_v",
+    "all_gather_v",
+    "all_to_all_v",
+    "broadcast",
+    "exchange",
+    "device all_gather",
+    "device reduce_scatter",
+    "device all_reduce",
+    "device exchange",
+];
 
 fn digest(values: &[u64]) -> u64 {
     // FNV-1a over the words: stable across processes and machines
@@ -148,7 +162,51 @@ impl ProcessGroup for CheckedGroup {
         self.inner.exchange(ops)
     }
 
+    fn device(&self) -> Option<&dyn DeviceCollectives> {
+        self.inner.device().map(|_| self as &dyn DeviceCollectives)
+    }
+
     fn abort(&self, code: i32) -> ! {
         self.inner.abort(code)
+    }
+}
+
+impl CheckedGroup {
+    fn inner_device(&self) -> Result<&dyn DeviceCollectives, DistError> {
+        self.inner
+            .device()
+            .ok_or(DistError::Counts { op: "device collective", message: "the checked group's engine has no device collectives".into() })
+    }
+}
+
+/// The device collectives are checked like the host ones: the tag travels through the inner
+/// group's host path, then the collective runs on the device.
+impl DeviceCollectives for CheckedGroup {
+    fn ordinal(&self) -> usize {
+        self.inner.device().map_or(0, |d| d.ordinal())
+    }
+
+    unsafe fn all_gather(&self, send: DeviceBuf, recv: DeviceBuf) -> Result<(), DistError> {
+        self.check("device all_gather", &[send.bytes as u64])?;
+        // SAFETY: the caller's contract, passed on
+        unsafe { self.inner_device()?.all_gather(send, recv) }
+    }
+
+    unsafe fn reduce_scatter_sum_f32(&self, send: DeviceBuf, recv: DeviceBuf) -> Result<(), DistError> {
+        self.check("device reduce_scatter", &[send.bytes as u64])?;
+        // SAFETY: the caller's contract, passed on
+        unsafe { self.inner_device()?.reduce_scatter_sum_f32(send, recv) }
+    }
+
+    unsafe fn all_reduce_sum_f32(&self, send: DeviceBuf, recv: DeviceBuf) -> Result<(), DistError> {
+        self.check("device all_reduce", &[send.bytes as u64])?;
+        // SAFETY: the caller's contract, passed on
+        unsafe { self.inner_device()?.all_reduce_sum_f32(send, recv) }
+    }
+
+    unsafe fn exchange(&self, ops: &[DeviceP2p]) -> Result<(), DistError> {
+        self.check("device exchange", &[])?;
+        // SAFETY: the caller's contract, passed on
+        unsafe { self.inner_device()?.exchange(ops) }
     }
 }

@@ -115,6 +115,12 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// group), so rings and halo exchanges cannot deadlock on ordering.
     fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<(), DistError>;
 
+    /// The same group's collectives on device buffers, where the engine runs on an
+    /// accelerator (NCCL: [`super::device`]); `None` (the default) for host-buffer engines.
+    fn device(&self) -> Option<&dyn super::device::DeviceCollectives> {
+        None
+    }
+
     /// Ends every process of the job with `code` (`MPI_Abort`): what a rank does on an error
     /// the others cannot know about — returning would leave them blocked in their next
     /// collective. A single process just exits.

@@ -3,6 +3,9 @@
 //! * [`ProcessGroup`] (`group.rs`): one object-safe interface — rank, size, `split` into
 //!   sub-groups, barrier, all-reduce, all-gather(v), reduce-scatter(v), all-to-all(v),
 //!   broadcast and batched point-to-point — with MPI/NCCL semantics, on host byte buffers.
+//! * [`DeviceCollectives`] (`device.rs`): an accelerator engine's equal-count collectives on
+//!   device buffers ([`ProcessGroup::device`]), which `Distributed<B>` hands a CUDA backend's
+//!   tensors to.
 //! * [`LocalGroup`] (`local.rs`): the size-1 group, the default.
 //! * [`CheckedGroup`] (`checked.rs`): a debug wrapper checking that every rank issues the same
 //!   collectives.
@@ -18,6 +21,7 @@
 //! the ops, in [`crate::distributed`], which re-exports this module's items.
 
 pub mod checked;
+pub mod device;
 mod error;
 pub mod group;
 pub mod local;
@@ -25,6 +29,7 @@ pub mod regather;
 pub mod typed;
 
 pub use checked::CheckedGroup;
+pub use device::{DeviceBuf, DeviceCollectives, DeviceP2p};
 pub use error::DistError;
 pub use group::{Group, P2p, ProcessGroup, ReduceBuf, ReduceOp};
 pub use local::LocalGroup;

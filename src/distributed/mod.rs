@@ -33,7 +33,7 @@ pub mod mpi;
 pub mod nccl;
 mod node;
 
-pub use crate::comm::{CheckedGroup, DistError, Group, LocalGroup, P2p, ProcessGroup, ReduceBuf, ReduceOp};
+pub use crate::comm::{CheckedGroup, DeviceBuf, DeviceCollectives, DeviceP2p, DistError, Group, LocalGroup, P2p, ProcessGroup, ReduceBuf, ReduceOp};
 pub use decorator::Distributed;
 pub use device::{mesh_of, MeshBinding, MeshDevice};
 pub use fsdp::{PreSharded, RowShard, ShardPlan};

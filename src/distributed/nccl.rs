@@ -8,19 +8,26 @@
 //! grouped sends and receives (`ncclGroupStart/End`). Sub-groups split the bootstrap group and
 //! start a communicator on each part.
 //!
-//! This engine implements [`ProcessGroup`] on host buffers: each call copies to the device, runs
-//! NCCL and copies back, so it is correct on any backend but pays two PCIe copies; the device
-//! path (`Distributed<Cuda>`'s intercepted collectives handing its buffers to NCCL directly) is not
-//! written yet.
+//! This engine implements [`ProcessGroup`] on host buffers — each call copies to the device,
+//! runs NCCL and copies back, so it serves any backend at the price of two PCIe copies — and
+//! [`DeviceCollectives`] on device buffers, which `Distributed<Cuda>`'s collectives hand their
+//! tensors' memory to in place (`super::decorator::device`). Those buffers belong to the
+//! backend's allocator (CubeCL's), not cudarc's: they are wrapped as raw addresses ([`Raw`])
+//! and the caller orders the streams (its backend synchronised before, this engine's stream
+//! synchronised before returning). Both allocators use the device's primary context, so the
+//! addresses are valid in the communicator's.
 //!
 //! cudarc loads `libcuda` and `libnccl` at run time and panics when one is missing;
 //! [`NcclGroup::new`] probes both first and returns [`DistError::Engine`] instead.
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use std::marker::PhantomData;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop, ValidAsZeroBits};
 use cudarc::nccl::{Comm, Id, NcclType, ReduceOp as NcclOp};
 
+use crate::comm::device::{DeviceBuf, DeviceCollectives, DeviceP2p};
 use crate::comm::group::{check_counts, check_len, check_peer, P2p, ProcessGroup, ReduceBuf, ReduceOp};
 use crate::comm::DistError;
 
@@ -72,6 +79,7 @@ pub struct NcclGroup {
     ordinal: usize,
     rank: usize,
     size: usize,
+    device_calls: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for NcclGroup {
@@ -107,12 +115,18 @@ impl NcclGroup {
         let id = Id::uninit(id.map(|b| b as std::ffi::c_char));
         let (rank, size) = (bootstrap.rank(), bootstrap.size());
         let comm = Comm::from_rank(stream.clone(), rank, size, id).map_err(|e| err("ncclCommInitRank", e))?;
-        Ok(Self { ctx: Mutex::new(Ctx { comm, stream }), bootstrap, ordinal, rank, size })
+        Ok(Self { ctx: Mutex::new(Ctx { comm, stream }), bootstrap, ordinal, rank, size, device_calls: Default::default() })
     }
 
     /// The GPU this rank's communicator runs on.
     pub fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    /// Collectives run on device buffers so far ([`DeviceCollectives`]): how to tell that a
+    /// backend's tensors went to NCCL in place rather than through the host.
+    pub fn device_calls(&self) -> u64 {
+        self.device_calls.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn ctx(&self) -> std::sync::MutexGuard<'_, Ctx> {
@@ -254,7 +268,7 @@ impl ProcessGroup for NcclGroup {
             ops.push(P2p::Recv { peer: p, data: mine });
             rest = tail;
         }
-        self.exchange(&mut ops)
+        ProcessGroup::exchange(self, &mut ops)
     }
 
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<(), DistError> {
@@ -310,7 +324,133 @@ impl ProcessGroup for NcclGroup {
         Ok(())
     }
 
+    fn device(&self) -> Option<&dyn DeviceCollectives> {
+        Some(self)
+    }
+
     fn abort(&self, code: i32) -> ! {
         self.bootstrap.abort(code)
+    }
+}
+
+/// Another allocator's device memory as cudarc's slice of `T`: its address and length, no
+/// events (module docs: the caller orders the streams).
+struct Raw<T> {
+    ptr: u64,
+    len: usize,
+    stream: Arc<CudaStream>,
+    _t: PhantomData<T>,
+}
+
+impl<T> Raw<T> {
+    fn new(buf: DeviceBuf, stream: &Arc<CudaStream>, what: &'static str) -> Result<Self, DistError> {
+        let size = std::mem::size_of::<T>();
+        if !buf.bytes.is_multiple_of(size) {
+            return Err(DistError::Counts {
+                op: what,
+                message: format!("a buffer of {} bytes is not a whole number of {size}-byte elements", buf.bytes),
+            });
+        }
+        Ok(Self { ptr: buf.ptr, len: buf.bytes / size, stream: stream.clone(), _t: PhantomData })
+    }
+}
+
+impl<T> DeviceSlice<T> for Raw<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for Raw<T> {
+    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for Raw<T> {
+    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl NcclGroup {
+    /// Runs `f` on the communicator with the GPU's context current, then waits for the stream:
+    /// the results are written when this returns.
+    fn on_device(&self, what: &'static str, f: impl FnOnce(&Ctx) -> Result<(), DistError>) -> Result<(), DistError> {
+        self.device_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let c = self.ctx();
+        c.stream.context().bind_to_thread().map_err(|e| err("making the GPU's context current", e))?;
+        f(&c)?;
+        c.stream.synchronize().map_err(|e| err(what, e))
+    }
+}
+
+impl DeviceCollectives for NcclGroup {
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    unsafe fn all_gather(&self, send: DeviceBuf, recv: DeviceBuf) -> Result<(), DistError> {
+        check_len("device all_gather", "recv", recv.bytes, send.bytes * self.size)?;
+        if send.bytes == 0 {
+            return Ok(());
+        }
+        self.on_device("ncclAllGather", |c| {
+            let s = Raw::<u8>::new(send, &c.stream, "device all_gather")?;
+            let mut r = Raw::<u8>::new(recv, &c.stream, "device all_gather")?;
+            c.comm.all_gather(&s, &mut r).map(drop).map_err(|e| err("ncclAllGather", e))
+        })
+    }
+
+    unsafe fn reduce_scatter_sum_f32(&self, send: DeviceBuf, recv: DeviceBuf) -> Result<(), DistError> {
+        check_len("device reduce_scatter", "send", send.bytes, recv.bytes * self.size)?;
+        if recv.bytes == 0 {
+            return Ok(());
+        }
+        self.on_device("ncclReduceScatter", |c| {
+            let s = Raw::<f32>::new(send, &c.stream, "device reduce_scatter")?;
+            let mut r = Raw::<f32>::new(recv, &c.stream, "device reduce_scatter")?;
+            c.comm.reduce_scatter(&s, &mut r, &NcclOp::Sum).map(drop).map_err(|e| err("ncclReduceScatter", e))
+        })
+    }
+
+    unsafe fn all_reduce_sum_f32(&self, send: DeviceBuf, recv: DeviceBuf) -> Result<(), DistError> {
+        check_len("device all_reduce", "recv", recv.bytes, send.bytes)?;
+        if send.bytes == 0 {
+            return Ok(());
+        }
+        self.on_device("ncclAllReduce", |c| {
+            let s = Raw::<f32>::new(send, &c.stream, "device all_reduce")?;
+            let mut r = Raw::<f32>::new(recv, &c.stream, "device all_reduce")?;
+            c.comm.all_reduce(&s, &mut r, &NcclOp::Sum).map(drop).map_err(|e| err("ncclAllReduce", e))
+        })
+    }
+
+    unsafe fn exchange(&self, ops: &[DeviceP2p]) -> Result<(), DistError> {
+        for op in ops {
+            let (DeviceP2p::Send { peer, .. } | DeviceP2p::Recv { peer, .. }) = op;
+            check_peer(self, "device exchange", *peer)?;
+        }
+        self.on_device("ncclSend/ncclRecv", |c| {
+            cudarc::nccl::result::group_start().map_err(|e| err("ncclGroupStart", e))?;
+            let posted = ops
+                .iter()
+                .filter(|op| !matches!(op, DeviceP2p::Send { buf, .. } | DeviceP2p::Recv { buf, .. } if buf.bytes == 0))
+                .try_for_each(|op| match *op {
+                    DeviceP2p::Send { peer, buf } => {
+                        c.comm.send(&Raw::<u8>::new(buf, &c.stream, "device exchange")?, peer as i32).map_err(|e| err("ncclSend", e))
+                    }
+                    DeviceP2p::Recv { peer, buf } => {
+                        c.comm.recv(&mut Raw::<u8>::new(buf, &c.stream, "device exchange")?, peer as i32).map(drop).map_err(|e| err("ncclRecv", e))
+                    }
+                });
+            // the group is closed whatever happened, or NCCL stays in group mode
+            let ended = cudarc::nccl::result::group_end().map(drop).map_err(|e| err("ncclGroupEnd", e));
+            posted.and(ended)
+        })
     }
 }

@@ -1,16 +1,18 @@
 //! The ops `Distributed<B>` runs itself instead of forwarding to `B` (the table in `mod.rs`):
 //! the collectives of [`Glm5Backend`], over the group's engine.
 //!
-//! The host path: read the tensor, run the [`crate::comm::ProcessGroup`] collective on f32
-//! (bf16 and f16 travel as f32, exactly), write the result back in the input's dtype on its
-//! device. Where `B` is a CUDA backend and the group NCCL, this is the seam for handing the
-//! device buffers to NCCL instead; today every engine is reached through host buffers.
+//! Two paths. The device path (`device.rs`): where `B`'s tensors are CUDA memory and the
+//! group's engine runs on their GPU (NCCL), the buffers are handed to it in place. The host
+//! path, for every other backend and engine: read the tensor, run the
+//! [`crate::comm::ProcessGroup`] collective on f32 (bf16 and f16 travel as f32, exactly), write
+//! the result back in the input's dtype on its device.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
-use crate::comm::group::check_counts;
+use super::device::{self, Route};
+use crate::comm::group::{check_counts, check_peer};
 use crate::comm::typed;
 use crate::comm::{DistError, Group, ParamGather, ReduceBuf, ReduceOp};
 use crate::ops::collective::local::{check_rows, param_and_link};
@@ -45,8 +47,12 @@ fn back<B: Backend>(data: Vec<f32>, s: &HostShape<B>, rows: usize) -> FloatTenso
 /// [`Glm5Backend::all_gather_rows`](crate::Glm5Backend::all_gather_rows) over the group.
 pub(super) fn all_gather_rows<B: Backend>(x: FloatTensor<B>, rows: &[usize], group: &Group) -> Result<FloatTensor<B>, DistError> {
     check_counts(&**group, "all_gather_rows", rows)?;
+    check_rows("all_gather_rows", &x.shape(), rows[group.rank()])?;
+    let x = match device::all_gather_rows::<B>(x, rows, group)? {
+        Route::Done(y) => return Ok(y),
+        Route::Host(x) => x,
+    };
     let (data, s) = host(x);
-    check_rows("all_gather_rows", &s.dims, rows[group.rank()])?;
     let counts: Vec<usize> = rows.iter().map(|r| r * s.width).collect();
     let out = typed::all_gather_v(&**group, &data, &counts)?;
     Ok(back::<B>(out, &s, rows.iter().sum()))
@@ -55,8 +61,12 @@ pub(super) fn all_gather_rows<B: Backend>(x: FloatTensor<B>, rows: &[usize], gro
 /// [`Glm5Backend::reduce_scatter_rows`](crate::Glm5Backend::reduce_scatter_rows) over the group.
 pub(super) fn reduce_scatter_rows<B: Backend>(x: FloatTensor<B>, rows: &[usize], group: &Group) -> Result<FloatTensor<B>, DistError> {
     check_counts(&**group, "reduce_scatter_rows", rows)?;
+    check_rows("reduce_scatter_rows", &x.shape(), rows.iter().sum())?;
+    let x = match device::reduce_scatter_rows::<B>(x, rows, group)? {
+        Route::Done(y) => return Ok(y),
+        Route::Host(x) => x,
+    };
     let (mut data, s) = host(x);
-    check_rows("reduce_scatter_rows", &s.dims, rows.iter().sum())?;
     let counts: Vec<usize> = rows.iter().map(|r| r * s.width).collect();
     let mut out = vec![0f32; counts[group.rank()]];
     group.reduce_scatter_v(ReduceBuf::F32(&mut data), ReduceBuf::F32(&mut out), &counts, ReduceOp::Sum)?;
@@ -66,8 +76,13 @@ pub(super) fn reduce_scatter_rows<B: Backend>(x: FloatTensor<B>, rows: &[usize],
 /// [`Glm5Backend::all_to_all_rows`](crate::Glm5Backend::all_to_all_rows) over the group.
 pub(super) fn all_to_all_rows<B: Backend>(x: FloatTensor<B>, send: &[usize], recv: &[usize], group: &Group) -> Result<FloatTensor<B>, DistError> {
     check_counts(&**group, "all_to_all_rows", send)?;
+    check_counts(&**group, "all_to_all_rows", recv)?;
+    check_rows("all_to_all_rows", &x.shape(), send.iter().sum())?;
+    let x = match device::all_to_all_rows::<B>(x, send, recv, group)? {
+        Route::Done(y) => return Ok(y),
+        Route::Host(x) => x,
+    };
     let (data, s) = host(x);
-    check_rows("all_to_all_rows", &s.dims, send.iter().sum())?;
     let w = |c: &[usize]| c.iter().map(|r| r * s.width).collect::<Vec<_>>();
     let out = typed::all_to_all_v(&**group, &data, &w(send), &w(recv))?;
     Ok(back::<B>(out, &s, recv.iter().sum()))
@@ -75,6 +90,10 @@ pub(super) fn all_to_all_rows<B: Backend>(x: FloatTensor<B>, send: &[usize], rec
 
 /// [`Glm5Backend::all_reduce_sum`](crate::Glm5Backend::all_reduce_sum) over the group.
 pub(super) fn all_reduce_sum<B: Backend>(x: FloatTensor<B>, group: &Group) -> Result<FloatTensor<B>, DistError> {
+    let x = match device::all_reduce_sum::<B>(x, group)? {
+        Route::Done(y) => return Ok(y),
+        Route::Host(x) => x,
+    };
     let (mut data, s) = host(x);
     group.all_reduce(ReduceBuf::F32(&mut data), ReduceOp::Sum)?;
     let rows = s.dims[0];
@@ -89,6 +108,12 @@ pub(super) fn shift_rows<B: Backend>(
     recv_rows: usize,
     group: &Group,
 ) -> Result<FloatTensor<B>, DistError> {
+    check_peer(&**group, "shift_rows", to)?;
+    check_peer(&**group, "shift_rows", from)?;
+    let x = match device::shift_rows::<B>(x, to, from, recv_rows, group)? {
+        Route::Done(y) => return Ok(y),
+        Route::Host(x) => x,
+    };
     let (data, s) = host(x);
     let out = typed::shift(&**group, &data, to, recv_rows * s.width, from)?;
     Ok(back::<B>(out, &s, recv_rows))

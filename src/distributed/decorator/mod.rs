@@ -26,10 +26,11 @@
 //! | `shift_rows` | one ring step (send to `to`, receive from `from`; context halos) |
 //! | `gather_param` | an FSDP parameter's all-gather, its padding cut off |
 //!
-//! Each reads the tensor to the host, runs the group's engine (MPI, NCCL) and writes the
-//! result back in the tensor's dtype on its device. That is the seam where a CUDA `B` with an
-//! NCCL group would hand device pointers to NCCL instead; not written yet, every engine is
-//! reached through host buffers today.
+//! Where `B` is CUDA (`burn::backend::Cuda`) and the group's engine runs on the tensors' GPU
+//! (NCCL), each hands the tensor's memory to NCCL in place (`device.rs`: the uneven forms
+//! composed from NCCL's equal-count collectives with `B`'s own ops; sums in f32, rounded once).
+//! Otherwise each reads the tensor to the host, runs the group's engine (MPI, or NCCL through
+//! host buffers) and writes the result back in the tensor's dtype on its device.
 //!
 //! **Below `Autodiff`, not above it** (`Autodiff<Distributed<B>>`). The collectives' adjoints
 //! (all-gather ↔ reduce-scatter, the FSDP gather's re-gather) are autodiff ops whose backward
@@ -73,6 +74,7 @@ macro_rules! forward {
     };
 }
 
+mod device;
 mod intercept;
 
 // generated, one signature per line (`tools/gen_decorator.py`; CI regenerates and compares)
