@@ -202,9 +202,21 @@ mod avx512 {
         for gi in 0..groups {
             let (go, width) = (o0 + gi * g, g.min(o1 - o0 - gi * g));
             let block = &mut dst[gi * pairs * g..(gi + 1) * pairs * g];
+            // a pair of adjacent elements is one 32-bit word of its outer row: whole 16 × 16
+            // blocks of words are transposed in registers (a transposed `B`, the backward's
+            // `∂y·Wᵀ`), and the loop below fills the rest
+            let (pw, cw) = if inner == 1 && outer != 1 {
+                // SAFETY: `gemm` runs only where AVX512F is (`available`); the words read are
+                // whole pairs inside `src` (the caller checked the operand's extent)
+                unsafe { pack_words(block, src, outer, go, width, t0, (t1 - t0) / 2, g) }
+            } else {
+                (0, 0)
+            };
             for p in 0..pairs {
                 let t = t0 + 2 * p;
-                let lanes = &mut block[p * g..p * g + width];
+                let skip = if p < pw { cw } else { 0 };
+                let (go, width) = (go + skip, width - skip);
+                let lanes = &mut block[p * g + skip..p * g + skip + width];
                 if t + 1 < t1 {
                     if outer == 1 {
                         // two contiguous runs (row-major B's rows, or a transposed A's)
@@ -218,6 +230,78 @@ mod avx512 {
                 }
             }
         }
+    }
+
+    /// [`pack`]'s lanes where each pair is one 32-bit word of an outer row (`inner == 1`):
+    /// 16 outer indices × 16 pairs at a time, loaded as 16 rows of words and transposed in
+    /// registers, into `block` (`g` lanes per pair). Fills pairs `0..pw` × outer `0..cw` of the
+    /// group at `go` (`pw`, `cw` the whole multiples of 16 of `pairs` and `width`) and returns
+    /// them; the caller fills the rest.
+    ///
+    /// # Safety
+    /// AVX512F; `src` holds elements `(go + i)·outer + t0 + j` for `i < width`, `j < 2·pairs`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pack_words(
+        block: &mut [u32],
+        src: &[bf16],
+        outer: usize,
+        go: usize,
+        width: usize,
+        t0: usize,
+        pairs: usize,
+        g: usize,
+    ) -> (usize, usize) {
+        let (pw, cw) = (pairs / 16 * 16, width / 16 * 16);
+        let base = src.as_ptr();
+        for p0 in (0..pw).step_by(16) {
+            for c0 in (0..cw).step_by(16) {
+                let rows: [__m512i; 16] = std::array::from_fn(|i| _mm512_loadu_si512(base.add((go + c0 + i) * outer + t0 + 2 * p0) as *const _));
+                for (j, v) in transpose16(rows).into_iter().enumerate() {
+                    debug_assert!((p0 + j) * g + c0 + 16 <= block.len());
+                    _mm512_storeu_si512(block.as_mut_ptr().add((p0 + j) * g + c0) as *mut _, v);
+                }
+            }
+        }
+        (pw, cw)
+    }
+
+    /// The transpose of a 16 × 16 matrix of 32-bit words held as 16 row registers: words
+    /// interleaved, then pairs of words, then the four 128-bit lanes of four registers.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+        // t[2i], t[2i+1]: rows 2i and 2i+1 interleaved (words 0,1 | 2,3 of each 128-bit lane)
+        let t: [__m512i; 16] = std::array::from_fn(|i| {
+            let (a, b) = (r[i & !1], r[i | 1]);
+            if i % 2 == 0 {
+                _mm512_unpacklo_epi32(a, b)
+            } else {
+                _mm512_unpackhi_epi32(a, b)
+            }
+        });
+        // u[4j + e]: in each 128-bit lane L, word 4L + e of rows 4j..4j+4
+        let u: [__m512i; 16] = std::array::from_fn(|i| {
+            let (j, e) = (i / 4, i % 4);
+            let (a, b) = (t[4 * j + e / 2], t[4 * j + 2 + e / 2]);
+            if e % 2 == 0 {
+                _mm512_unpacklo_epi64(a, b)
+            } else {
+                _mm512_unpackhi_epi64(a, b)
+            }
+        });
+        // output row 4L + e: lane L of u[e], u[4 + e], u[8 + e], u[12 + e]
+        let mut out = [_mm512_setzero_si512(); 16];
+        for e in 0..4 {
+            let (a0, a1, a2, a3) = (u[e], u[4 + e], u[8 + e], u[12 + e]);
+            let (v0, v1) = (_mm512_shuffle_i32x4::<0x88>(a0, a1), _mm512_shuffle_i32x4::<0xDD>(a0, a1));
+            let (v2, v3) = (_mm512_shuffle_i32x4::<0x88>(a2, a3), _mm512_shuffle_i32x4::<0xDD>(a2, a3));
+            out[e] = _mm512_shuffle_i32x4::<0x88>(v0, v2);
+            out[8 + e] = _mm512_shuffle_i32x4::<0xDD>(v0, v2);
+            out[4 + e] = _mm512_shuffle_i32x4::<0x88>(v1, v3);
+            out[12 + e] = _mm512_shuffle_i32x4::<0xDD>(v1, v3);
+        }
+        out
     }
 
     /// See [`super::gemm_bf16`].
