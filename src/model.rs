@@ -191,7 +191,7 @@ impl<B: Backend> Glm5ForCausalLM<B> {
             return Ok(self.language_model.forward_embeds(embeds, &mask, opts, outputs));
         };
         let err = |message: String| ModelError::Input { name: "context".into(), message };
-        let group = self.language_model.context_group_on(&embeds.device()).ok_or_else(|| {
+        let group = self.language_model.context_group_on(&embeds.device()).map_err(|e| err(e.to_string()))?.ok_or_else(|| {
             err(format!(
                 "shard {} of {} of a context-parallel row, but the model has no context-parallel group: prepare it on a layout \
                  with cp_size > 1 (ParallelTraining::prepare) or build it on a mesh device with cp > 1",

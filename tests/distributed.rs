@@ -191,8 +191,61 @@ fn mesh_sizes_are_checked_and_a_mesh_device_reports_its_mesh() {
     assert!(e.contains("bound to rank 0 of a mesh of 1, but the training layout names another mesh"), "{e}");
     let same = ParallelLayout::default().on_mesh(&mesh).unwrap();
     assert!(ParallelTraining::prepare(model.clone(), &same).is_ok() && ParallelTraining::prepare(model, &ParallelLayout::default()).is_ok());
+    // the seams ask the device for their group: its mesh's where the model was cut alike, an
+    // error naming both where it was cut for another mesh, the held group on a plain device
+    use glm5_burn::distributed::{seam_group, Group, MeshRole};
+    let local: Group = Arc::new(LocalGroup);
+    let held = seam_group(&device, MeshRole::World, &local).unwrap();
+    assert!(Arc::ptr_eq(&held, mesh.world()), "the device's mesh decides");
+    assert!(Arc::ptr_eq(&seam_group(&FlexDevice, MeshRole::World, &local).unwrap(), &local), "a plain device: the held group");
+    assert!(Arc::ptr_eq(&seam_group(&device, MeshRole::Expert, &local).unwrap(), &local), "a group of one needs no mesh group");
+    let two: Group = Arc::new(RankOfTwo);
+    let e = seam_group(&device, MeshRole::World, &two).unwrap_err().to_string();
+    assert!(e.contains("prepared with rank 1 of a data-parallel world of 2") && e.contains("puts this process at rank 0 of 1"), "{e}");
+    let e = seam_group(&device, MeshRole::Context, &two).unwrap_err().to_string();
+    assert!(e.contains("have no context-parallel group") && e.contains("prepare the model on the device's mesh"), "{e}");
     device.release();
     assert!(device.mesh().is_none() && mesh_of(&Tensor::<D, 1>::zeros([1], &device).device()).is_none());
+}
+
+/// Rank 1 of a group of 2 that is never asked to communicate (the seams' group checks).
+#[derive(Debug)]
+struct RankOfTwo;
+
+impl ProcessGroup for RankOfTwo {
+    fn rank(&self) -> usize {
+        1
+    }
+    fn size(&self) -> usize {
+        2
+    }
+    fn engine(&self) -> &'static str {
+        "none"
+    }
+    fn split(&self, _: usize, _: usize) -> Result<Box<dyn ProcessGroup>, DistError> {
+        Err(DistError::Engine { engine: "none", message: "not a communicator".into() })
+    }
+    fn barrier(&self) -> Result<(), DistError> {
+        self.split(0, 0).map(drop)
+    }
+    fn all_reduce(&self, _: ReduceBuf<'_>, _: ReduceOp) -> Result<(), DistError> {
+        self.barrier()
+    }
+    fn reduce_scatter_v(&self, _: ReduceBuf<'_>, _: ReduceBuf<'_>, _: &[usize], _: ReduceOp) -> Result<(), DistError> {
+        self.barrier()
+    }
+    fn all_gather_v(&self, _: &[u8], _: &mut [u8], _: &[usize]) -> Result<(), DistError> {
+        self.barrier()
+    }
+    fn all_to_all_v(&self, _: &[u8], _: &[usize], _: &mut [u8], _: &[usize]) -> Result<(), DistError> {
+        self.barrier()
+    }
+    fn broadcast(&self, _: &mut [u8], _: usize) -> Result<(), DistError> {
+        self.barrier()
+    }
+    fn exchange(&self, _: &mut [P2p<'_>]) -> Result<(), DistError> {
+        self.barrier()
+    }
 }
 
 #[cfg(feature = "mpi")]

@@ -22,8 +22,8 @@ use std::sync::{Arc, LazyLock, RwLock};
 
 use burn::tensor::backend::{Device, DeviceId, DeviceOps};
 
-use super::mesh::Mesh;
-use crate::comm::DistError;
+use super::mesh::{Mesh, MeshRole};
+use crate::comm::{DistError, Group};
 
 type Registry = RwLock<HashMap<(TypeId, DeviceId), Arc<Mesh>>>;
 
@@ -107,6 +107,38 @@ impl<D: DeviceOps> Drop for MeshBinding<D> {
 /// an unbound one and for every plain backend's device (one process).
 pub fn mesh_of<D: DeviceOps>(device: &D) -> Option<Arc<Mesh>> {
     registry_read().get(&(TypeId::of::<D>(), device.to_id())).cloned()
+}
+
+/// The group a parallel seam of the model runs over, asked of the tensors' device at each call:
+/// the group of `role` in the mesh `device` is bound to. `held` is the group the model was cut
+/// for when it was prepared — a sharded parameter's rows and an expert-parallel layer's experts
+/// are a function of its size and rank — so the device's group must put this process at the
+/// same rank of as many; an error naming both otherwise (the model was prepared on another
+/// mesh: prepare it on this one). On a device bound to no mesh (a plain backend's, or groups
+/// handed explicitly) the seam runs over `held`: a plain backend then runs a group of one, and
+/// refuses a larger one (`DistError::OneProcess`).
+pub fn seam_group<D: DeviceOps>(device: &D, role: MeshRole, held: &Group) -> Result<Group, DistError> {
+    let Some(mesh) = mesh_of(device) else { return Ok(held.clone()) };
+    match mesh.group(role) {
+        Some(g) if Arc::ptr_eq(g, held) || (g.size() == held.size() && g.rank() == held.rank()) => Ok(g.clone()),
+        None if held.size() == 1 => Ok(held.clone()),
+        found => Err(DistError::Mesh {
+            message: format!(
+                "the model was prepared with rank {} of a {} of {}, but its device is bound to a mesh (rank {} of {}) whose {}: \
+                 prepare the model on the device's mesh",
+                held.rank(),
+                role.name(),
+                held.size(),
+                mesh.rank(),
+                mesh.size(),
+                match found {
+                    Some(g) => format!("{} puts this process at rank {} of {}", role.name(), g.rank(), g.size()),
+                    None => format!("sizes {:?} have no {}", mesh.sizes(), role.name()),
+                }
+            ),
+            reported: false,
+        }),
+    }
 }
 
 impl<D> From<D> for MeshDevice<D> {

@@ -51,6 +51,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use super::device::seam_group;
+use super::mesh::MeshRole;
 use crate::comm::group::Group;
 use crate::comm::regather::{lock, ParamGather, Regather};
 use crate::ops::backend::Glm5Backend;
@@ -344,13 +346,12 @@ impl<B: Glm5Backend> ModuleMapper<B> for Gather<'_, B> {
         let Some(&rows) = self.plan.rows.get(&param.id) else { return param };
         let (id, shard, mapper) = param.consume();
         let after = self.after.take();
-        let site = ParamGather {
-            full_rows: rows,
-            group: self.plan.group_of(id),
-            reshard: self.reshard,
-            regather_before: after.is_some(),
-            regather: &self.plan.regather,
-        };
+        // the device's mesh decides the group (its experts' shards over the expert-data group)
+        let role = if self.plan.groups.contains_key(&id) { MeshRole::ExpertData } else { MeshRole::World };
+        let group =
+            seam_group(&shard.device(), role, self.plan.group_of(id)).unwrap_or_else(|e| panic!("the FSDP gather of a sharded parameter: {e}"));
+        let site =
+            ParamGather { full_rows: rows, group: &group, reshard: self.reshard, regather_before: after.is_some(), regather: &self.plan.regather };
         let prim = |t: Tensor<B, 1>| t.into_primitive().tensor();
         // a failing engine aborts the MPI job; the counts are equal by construction
         let [value, link] = B::gather_param(shard.into_primitive().tensor(), [self.link.take().map(prim), after], &site)

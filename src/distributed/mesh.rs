@@ -125,6 +125,32 @@ impl ExpertMesh {
     }
 }
 
+/// Which of a [`Mesh`]'s groups a parallel seam of the model runs over
+/// ([`super::device::seam_group`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MeshRole {
+    /// The data-parallel world (FSDP's dense shards).
+    World,
+    /// The context-parallel group (a packed row's shards).
+    Context,
+    /// The expert-parallel group (the routed experts' exchanges).
+    Expert,
+    /// The expert-data-parallel group (the experts' FSDP shards).
+    ExpertData,
+}
+
+impl MeshRole {
+    /// The role as messages name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::World => "data-parallel world",
+            Self::Context => "context-parallel group",
+            Self::Expert => "expert-parallel group",
+            Self::ExpertData => "expert-data-parallel group",
+        }
+    }
+}
+
 /// A world of processes and the groups of its parallelisms (module docs).
 #[derive(Debug, Clone)]
 pub struct Mesh {
@@ -225,6 +251,16 @@ impl Mesh {
     /// This rank's expert-parallel and expert-data-parallel groups (`None` when `ep` is 1).
     pub fn expert(&self) -> Option<&ExpertMesh> {
         self.expert.as_ref()
+    }
+
+    /// The group of `role` (`None` where the mesh has none: `cp` or `ep` of 1).
+    pub fn group(&self, role: MeshRole) -> Option<&Group> {
+        match role {
+            MeshRole::World => Some(&self.world),
+            MeshRole::Context => self.context.as_ref(),
+            MeshRole::Expert => self.expert.as_ref().map(|e| &e.ep),
+            MeshRole::ExpertData => self.expert.as_ref().map(|e| &e.edp),
+        }
     }
 
     /// This rank's data-parallel replica (`rank / cp`) and the replicas (`dp`): which share

@@ -35,9 +35,9 @@ mod node;
 
 pub use crate::comm::{CheckedGroup, DeviceBuf, DeviceCollectives, DeviceP2p, DistError, Group, LocalGroup, P2p, ProcessGroup, ReduceBuf, ReduceOp};
 pub use decorator::Distributed;
-pub use device::{mesh_of, MeshBinding, MeshDevice};
+pub use device::{mesh_of, seam_group, MeshBinding, MeshDevice};
 pub use fsdp::{PreSharded, RowShard, ShardPlan};
-pub use mesh::{ExpertMesh, Mesh, MeshSizes};
+pub use mesh::{ExpertMesh, Mesh, MeshRole, MeshSizes};
 #[cfg(feature = "mpi")]
 pub use mpi::MpiGroup;
 #[cfg(feature = "nccl")]

@@ -192,10 +192,16 @@ impl<B: Backend> TextModel<B> {
         [projections, experts]
     }
 
-    /// The context-parallel group a packed row's shards run over: [`Self::context_group`],
-    /// else the context-parallel group of `device`'s mesh ([`crate::distributed::MeshDevice`]).
-    pub fn context_group_on(&self, device: &B::Device) -> Option<crate::distributed::Group> {
-        self.context_group.clone().or_else(|| crate::distributed::mesh_of(device).and_then(|m| m.context().cloned()))
+    /// The context-parallel group a packed row's shards run over: the context-parallel group
+    /// of `device`'s mesh ([`crate::distributed::MeshDevice`]), checked against
+    /// [`Self::context_group`] where `prepare` set one ([`crate::distributed::seam_group`]);
+    /// that group itself on a device bound to no mesh.
+    pub fn context_group_on(&self, device: &B::Device) -> Result<Option<crate::distributed::Group>, crate::distributed::DistError> {
+        use crate::distributed::{mesh_of, seam_group, MeshRole};
+        match &self.context_group {
+            Some(held) => seam_group(device, MeshRole::Context, held).map(Some),
+            None => Ok(mesh_of(device).and_then(|m| m.context().cloned())),
+        }
     }
 
     /// Under a shard plan, for each unit boundary `k` (before layer `k`, `k = layers` before the

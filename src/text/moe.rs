@@ -400,11 +400,13 @@ impl<B: Backend> Experts<B> {
     {
         let [n, width] = x.dims();
         let k = routing.experts.len() / n.max(1);
-        let (p, el) = (ep.group.size(), ep.local_experts());
-        let g = &*ep.group;
         fn fail(e: crate::distributed::DistError) -> ! {
             panic!("expert-parallel MoE exchange failed: {e}")
         }
+        // the device's mesh decides the group; the layer's experts were cut for one alike
+        let group = crate::distributed::seam_group(&x.device(), crate::distributed::MeshRole::Expert, &ep.group).unwrap_or_else(|e| fail(e));
+        let (p, el) = (group.size(), ep.local_experts());
+        let g = &*group;
         // slots by destination rank (stable: slot order inside a rank)
         let mut order: Vec<usize> = (0..n * k).collect();
         order.sort_by_key(|&s| routing.experts[s] / el);
@@ -422,7 +424,7 @@ impl<B: Backend> Experts<B> {
         let tokens: Vec<i64> = order.iter().map(|&s| (s / k) as i64).collect();
         let device = x.device();
         let rows = x.select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(tokens, [n * k]), &device));
-        let arrived = all_to_all_rows(rows, &send, &recv, &ep.group).unwrap_or_else(|e| fail(e));
+        let arrived = all_to_all_rows(rows, &send, &recv, &group).unwrap_or_else(|e| fail(e));
         let m = recv_ids.len();
         // a rank that received nothing passes its empty block on, so its graph still holds both
         // exchanges and the backward runs them on every rank
@@ -432,7 +434,7 @@ impl<B: Backend> Experts<B> {
             let identity: Vec<i64> = (0..m as i64).collect();
             self.grouped(arrived, &identity, &recv_ids)
         };
-        let y = all_to_all_rows(done, &recv, &send, &ep.group).unwrap_or_else(|e| fail(e));
+        let y = all_to_all_rows(done, &recv, &send, &group).unwrap_or_else(|e| fail(e));
         let me = g.rank();
         let remote = |counts: &[usize]| counts.iter().enumerate().filter(|(j, _)| *j != me).map(|(_, c)| c).sum::<usize>() as u64;
         let row_bytes = (width * y.dtype().size()) as u64;
