@@ -28,7 +28,10 @@ impl DeviceBuf {
     /// inside this buffer.
     pub fn slice(&self, what: &'static str, offset: usize, bytes: usize) -> Result<DeviceBuf, DistError> {
         if offset.checked_add(bytes).is_none_or(|end| end > self.bytes) {
-            return Err(DistError::Counts { op: what, message: format!("bytes {offset}..{} outside a buffer of {}", offset + bytes, self.bytes) });
+            return Err(DistError::Counts {
+                op: what,
+                message: format!("bytes {offset}..{} outside a buffer of {}", offset.saturating_add(bytes), self.bytes),
+            });
         }
         Ok(DeviceBuf { ptr: self.ptr + offset as u64, bytes })
     }

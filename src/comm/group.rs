@@ -129,6 +129,11 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     }
 }
 
+/// Where consecutive blocks of the given sizes start (the `_v` collectives' displacements).
+pub(crate) fn offsets(counts: &[usize]) -> Vec<usize> {
+    counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect()
+}
+
 /// Checks shared by the engines: a count per rank, and buffers that match the counts.
 pub(crate) fn check_counts(g: &dyn ProcessGroup, what: &'static str, counts: &[usize]) -> Result<(), DistError> {
     if counts.len() != g.size() {

@@ -22,7 +22,7 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
 
-use crate::comm::group::{check_counts, check_len, check_peer, P2p, ProcessGroup, ReduceBuf, ReduceOp};
+use crate::comm::group::{check_counts, check_len, check_peer, offsets, P2p, ProcessGroup, ReduceBuf, ReduceOp};
 use crate::comm::DistError;
 
 /// Keeps MPI initialised while any group lives; finalises it when dropped.
@@ -257,16 +257,4 @@ impl ProcessGroup for MpiGroup {
         });
         Ok(())
     }
-}
-
-/// Byte offsets of consecutive blocks of the given sizes.
-fn offsets(counts: &[usize]) -> Vec<usize> {
-    counts
-        .iter()
-        .scan(0, |acc, &c| {
-            let at = *acc;
-            *acc += c;
-            Some(at)
-        })
-        .collect()
 }

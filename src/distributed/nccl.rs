@@ -28,7 +28,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut
 use cudarc::nccl::{Comm, Id, NcclType, ReduceOp as NcclOp};
 
 use crate::comm::device::{DeviceBuf, DeviceCollectives, DeviceP2p};
-use crate::comm::group::{check_counts, check_len, check_peer, P2p, ProcessGroup, ReduceBuf, ReduceOp};
+use crate::comm::group::{check_counts, check_len, check_peer, offsets, P2p, ProcessGroup, ReduceBuf, ReduceOp};
 use crate::comm::DistError;
 
 fn err(what: &str, e: impl std::fmt::Debug) -> DistError {
@@ -182,10 +182,6 @@ fn nccl_op(op: ReduceOp) -> NcclOp {
         ReduceOp::Max => NcclOp::Max,
         ReduceOp::Min => NcclOp::Min,
     }
-}
-
-fn offsets(counts: &[usize]) -> Vec<usize> {
-    counts.iter().scan(0, |a, &c| Some(std::mem::replace(a, *a + c))).collect()
 }
 
 impl ProcessGroup for NcclGroup {

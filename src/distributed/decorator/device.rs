@@ -29,6 +29,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::comm::device::{DeviceBuf, DeviceCollectives, DeviceP2p};
+use crate::comm::group::offsets;
 use crate::comm::{DistError, Group};
 use crate::ops::collective::local::pad_rows;
 
@@ -71,10 +72,6 @@ fn unrows<B: Backend>(t: Tensor<B, 2>, mut dims: Vec<usize>) -> FloatTensor<B> {
 
 /// `t` with zero rows appended up to `rows`.
 fn padded<B: Backend>(t: Tensor<B, 2>, rows: usize) -> Tensor<B, 2> {
-    if t.dims()[0] == 0 {
-        let w = t.dims()[1];
-        return Tensor::from_primitive(TensorPrimitive::Float(B::float_zeros(Shape::new([rows, w]), &t.device(), FloatDType::from(t.dtype()))));
-    }
     Tensor::from_primitive(TensorPrimitive::Float(pad_rows::<B>(t.into_primitive().tensor(), rows)))
 }
 
@@ -117,10 +114,6 @@ fn narrowed<B: Backend>(t: Tensor<B, 2>, dtype: DType) -> Tensor<B, 2> {
         DType::F32 => t,
         _ => Tensor::from_primitive(TensorPrimitive::Float(B::float_cast(t.into_primitive().tensor(), FloatDType::from(dtype)))),
     }
-}
-
-fn offsets(counts: &[usize]) -> Vec<usize> {
-    counts.iter().scan(0, |a, &c| Some(std::mem::replace(a, *a + c))).collect()
 }
 
 /// An uneven all-gather from an equal-count one: `t` (this rank's `[rows[rank], w]`) padded to

@@ -30,8 +30,13 @@ pub(crate) fn pad_rows<B: Backend>(x: FloatTensor<B>, rows: usize) -> FloatTenso
     if dims[0] == rows {
         return x;
     }
-    dims[0] = rows - dims[0];
+    let held = dims[0];
+    dims[0] = rows - held;
     let zeros = B::float_zeros(Shape::from(dims), &B::float_device(&x), x.dtype().into());
+    // a rank may hold no rows: nothing to concatenate onto
+    if held == 0 {
+        return zeros;
+    }
     B::float_cat(vec![x, zeros], 0)
 }
 
