@@ -88,9 +88,10 @@ struct Args {
     /// DSA attention form.
     #[arg(long, value_enum, default_value = "auto")]
     attention: Attention,
-    /// Under --dtype bf16, keep the mHC residual streams in fp32 (`ForwardOptions::fp32_residual`;
-    /// default: bf16, as HF does).
-    #[arg(long)]
+    /// Under --dtype bf16, keep the mHC residual streams in fp32 (`true`, the library's
+    /// default) or round them to bf16 after every layer as HF does (`false`):
+    /// `ForwardOptions::fp32_residual`.
+    #[arg(long, action = clap::ArgAction::Set, default_value_t = ForwardOptions::default().fp32_residual)]
     fp32_residual: bool,
 }
 

@@ -56,7 +56,9 @@ struct Args {
     /// Keep gathered weights until backward (FSDP `reshard_after_forward=False`).
     #[arg(long)]
     keep_gathered: bool,
-    /// The mHC residual streams in fp32 (recipe `model.fp32_residual: true`).
+    /// The mHC residual streams in fp32, as our recipes keep them by default (recipe
+    /// `model.fp32_residual`). Without it the plan models NeMo's run, whose streams are bf16
+    /// and whose published memory figures it is compared with.
     #[arg(long)]
     fp32_residual: bool,
     /// LoRA on a frozen base: `r=…[,alpha=…][,rslora][,targets=group+name+…]`.

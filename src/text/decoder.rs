@@ -9,7 +9,7 @@
 
 use crate::ops::backend::ToDtype;
 use burn::module::Module;
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::{backend::Backend, DType, Tensor};
 
 use super::kda::KdaAttention;
 use super::linear::Linear;
@@ -224,8 +224,8 @@ impl<B: Backend> DecoderLayer<B> {
         };
         let hc = profile::scope("mhc");
         let streams = HyperConnection::post(w, y.to_dtype(streams.dtype()), streams);
-        let (w, h) = self.ffn_hc.pre(streams.clone());
-        let h = h.to_dtype(act);
+        let (w, collapsed) = self.ffn_hc.pre(streams.clone());
+        let h = collapsed.clone().to_dtype(act);
         drop(hc);
         let h = self.post_attention_layernorm.forward(h);
         let (y, router_logits) = match &self.mlp {
@@ -235,7 +235,10 @@ impl<B: Backend> DecoderLayer<B> {
             }
             Ffn::Moe(moe) => {
                 let _t = profile::scope("moe (router + experts + shared)");
-                let (y, logits) = moe.forward(h);
+                // on fp32 streams the router (fp32, as HF's) reads the collapse before its
+                // rounding: a choice that rounding would flip is made as the fp32 model makes it
+                let route = (collapsed.dtype() == DType::F32 && act != DType::F32).then(|| self.post_attention_layernorm.forward_fp32(collapsed));
+                let (y, logits) = moe.forward_routed(h, route);
                 (y, Some(logits))
             }
         };

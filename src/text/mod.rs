@@ -70,10 +70,14 @@ pub struct ForwardOptions {
     /// Keep the mHC residual streams in fp32 when the model computes in bf16/f16 (Megatron's
     /// `fp32_residual_connection`): each sublayer still reads its input rounded to the model's
     /// dtype and writes its output in it, but the streams it is added to are not rounded after
-    /// every layer. Measured closer to the fp32 truth (`docs/precision.md`); costs the
-    /// streams' extra bytes (under activation checkpointing, `2·T·n·D` bytes more per layer).
-    /// Off by default: HF (and NeMo, whose memory `plan` models) keeps them in the model's
-    /// dtype. A no-op for an fp32 model; with it, [`Outputs::layer_streams`] are fp32.
+    /// every layer, and the MoE router reads them unrounded (normalised in fp32). **On by
+    /// default**: with it our bf16 is closer to the fp32 truth than HF's own bf16 on every
+    /// measured case, without it only within noise (`docs/precision.md`), and it costs no
+    /// measurable time. Its price is memory kept for backward: `2·T·n·D` bytes more per
+    /// layer under activation checkpointing. `false`
+    /// rounds the streams to the model's dtype after every layer, as HF (and NeMo, whose
+    /// memory `plan` models by default) does. A no-op for an fp32 model; with it,
+    /// [`Outputs::layer_streams`] are fp32.
     pub fp32_residual: bool,
 }
 
@@ -85,7 +89,7 @@ impl Default for ForwardOptions {
             sparse_block: 256,
             attn_path: PathKind::Op,
             kda_path: PathKind::Op,
-            fp32_residual: false,
+            fp32_residual: true,
         }
     }
 }

@@ -569,9 +569,18 @@ impl<B: Backend> Moe<B> {
     where
         B: crate::ops::backend::Glm5Backend,
     {
+        self.forward_routed(x, None)
+    }
+
+    /// [`Self::forward`] with the router reading `route` `[B, S, D]` (the same hidden state
+    /// before its rounding to `x`'s dtype) instead of `x`.
+    pub fn forward_routed(&self, x: Tensor<B, 3>, route: Option<Tensor<B, 3>>) -> (Tensor<B, 3>, Tensor<B, 2>)
+    where
+        B: crate::ops::backend::Glm5Backend,
+    {
         let [b, s, d] = x.dims();
         let flat = x.clone().reshape([b * s, d]);
-        let routing = self.gate.forward(flat.clone());
+        let routing = self.gate.forward(route.map_or_else(|| flat.clone(), |r| r.reshape([b * s, d])));
         let routed = self.experts.forward(flat, &routing).reshape([b, s, d]);
         (routed + self.shared_experts.forward(x), routing.logits)
     }

@@ -59,6 +59,15 @@ impl<B: Backend> RmsNorm<B> {
         // the reference's rounding: normalise in fp32, round, then weight in the activation dtype
         rms_normalize(x, self.eps).to_dtype(dtype) * w.unsqueeze()
     }
+
+    /// The norm in fp32 throughout (normalised and weighted in fp32, returned in fp32), for a
+    /// reader that computes in fp32 from an fp32 input: the router on fp32 residual streams.
+    pub fn forward_fp32<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D>
+    where
+        B: Glm5Backend,
+    {
+        rms_rows(x.to_dtype(DType::F32), Some(self.weight.val().to_dtype(DType::F32)), self.eps)
+    }
 }
 
 /// Gated RMSNorm with a sigmoid gate (`weight`: `[d]`), fp32 throughout.

@@ -165,10 +165,10 @@ pub struct ModelSection {
     #[serde(default)]
     pub base_dtype: Option<BaseDtype>,
     /// Under `dtype: bf16`, keep the mHC residual streams in fp32 (Megatron's
-    /// `fp32_residual_connection`; `ForwardOptions::fp32_residual`): closer to the fp32 truth,
-    /// `2·T·n·D` bytes more per checkpointed layer. Default `false`: rounded to bf16 after
-    /// every layer, as HF does.
-    #[serde(default)]
+    /// `fp32_residual_connection`; `ForwardOptions::fp32_residual`). Default `true`: closer
+    /// to the fp32 truth than HF's bf16, at `2·T·n·D` bytes more per checkpointed layer;
+    /// `false` rounds them to bf16 after every layer, as HF does.
+    #[serde(default = "yes")]
     pub fp32_residual: bool,
 }
 
