@@ -130,6 +130,11 @@ struct Args {
     /// of the release config keep its widths and vocabulary.
     #[arg(long = "set", value_name = "PATH=JSON")]
     set: Vec<String>,
+    /// Under `--dtype bf16`, keep the mHC residual streams in fp32 (`true`) or round them to
+    /// bf16 after every layer as HF does (`false`): `ForwardOptions::fp32_residual`, whose
+    /// default this takes.
+    #[arg(long, action = clap::ArgAction::Set, default_value_t = ForwardOptions::default().fp32_residual)]
+    fp32_residual: bool,
     /// Parts a train step leaves frozen, comma-separated (`embeddings,head`): at the real
     /// width the two 154,880 × 4,096 matrices' fp32 AdamW state alone is 20 GB.
     #[arg(long, value_enum, value_delimiter = ',')]
@@ -293,12 +298,12 @@ fn main() -> Result<()> {
         println!(
             "{}",
             json!({"impl": "glm5-burn-flex", "mode": mode, "tokens": tokens, "median_s": med, "min_s": min, "max_s": max,
-                   "warmup": a.warmup, "dtype": format!("{:?}", a.dtype).to_lowercase(), "tokens_per_s": tokens as f64 / med,
+                   "warmup": a.warmup, "dtype": format!("{:?}", a.dtype).to_lowercase(), "fp32_residual": a.fp32_residual, "tokens_per_s": tokens as f64 / med,
                    "peak_rss_mb": process, "run_peak_rss_mb": run,
                    "threads": threads, "active_non_embedding": active_non_embedding})
         );
     };
-    let mut opts = ForwardOptions::default();
+    let mut opts = ForwardOptions { fp32_residual: a.fp32_residual, ..Default::default() };
     match a.attention {
         Attention::Auto => {}
         Attention::Dense => opts.attention = AttentionImpl::Dense,
@@ -342,7 +347,7 @@ fn main() -> Result<()> {
             "{}",
             json!({"impl": "glm5-burn-flex", "mode": "decode", "prompt_tokens": tokens, "context": cache.len(), "median_s": med,
                    "min_s": times.iter().copied().fold(f64::INFINITY, f64::min), "max_s": times.iter().copied().fold(0.0, f64::max),
-                   "warmup": a.warmup, "dtype": format!("{:?}", a.dtype).to_lowercase(), "tokens_per_s": a.batch as f64 / med, "prefill_s": prefill_s,
+                   "warmup": a.warmup, "dtype": format!("{:?}", a.dtype).to_lowercase(), "fp32_residual": a.fp32_residual, "tokens_per_s": a.batch as f64 / med, "prefill_s": prefill_s,
                    "cache_bytes": after.total(), "cache_bytes_per_token": grown / a.batch as f64, "kda_cache_bytes": after.kda,
                    "peak_rss_mb": peak_rss_mb(), "threads": threads})
         );

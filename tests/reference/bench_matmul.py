@@ -3,8 +3,10 @@
 `torch.nn.functional.linear(x, w)` with `x` `[tokens, in]` and `w` `[out, in]` (nn.Linear's
 layout), in fp32 (MKL on x86) or bf16 (oneDNN), at the shapes and with the timing rule of
 `examples/bench.rs`'s `MATMUL_SHAPES` / `matmul_gflops`: two warm-up calls, then the best of
-timed calls repeated for ~2 s (at least three). Prints one JSON line per dtype, the same shape
-as `bench --matmul`'s, so the two can be compared side by side:
+timed calls repeated for ~2 s (at least three). At the real width's shapes it also times the
+backward's two products as autograd runs them for `linear`: `dx = dy @ w` and `dw = dy.T @ x`
+(keys ` dx`, ` dw`, as `bench --matmul`'s `linear_layer_backward` products). Prints one JSON
+line per dtype, the same shape as `bench --matmul`'s, so the two can be compared side by side:
 
     python tests/reference/bench_matmul.py --threads 2 --dtype f32 bf16
     cargo run --release --example bench -- --matmul --dtype f32
@@ -29,16 +31,22 @@ SHAPES = [
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
-def gflops(n, k, m, dtype):
+def gflops(n, k, m, dtype, product="forward"):
     x = torch.randn(n, k).to(dtype)
     w = torch.randn(m, k).to(dtype)
+    g = torch.randn(n, m).to(dtype)
+    call = {
+        "forward": lambda: torch.nn.functional.linear(x, w),
+        "dx": lambda: g @ w,
+        "dw": lambda: g.t() @ x,
+    }[product]
     with torch.inference_mode():
         for _ in range(2):
-            torch.nn.functional.linear(x, w)
+            call()
         best, reps, t0 = float("inf"), 0, time.perf_counter()
         while reps < 3 or time.perf_counter() - t0 < 2.0:
             t = time.perf_counter()
-            torch.nn.functional.linear(x, w)
+            call()
             best = min(best, time.perf_counter() - t)
             reps += 1
     return 2.0 * n * k * m / best / 1e9
@@ -51,7 +59,12 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     for d in a.dtype:
-        rates = {name: round(gflops(n, k, m, DTYPES[d]), 1) for name, n, k, m in SHAPES}
+        rates = {}
+        for name, n, k, m in SHAPES:
+            for product, suffix in (("forward", ""), ("dx", " dx"), ("dw", " dw")):
+                if product != "forward" and name.split()[0] in ("small", "square"):
+                    continue
+                rates[name + suffix] = round(gflops(n, k, m, DTYPES[d], product), 1)
         print(json.dumps({"impl": f"torch {torch.__version__}", "dtype": d, "threads": a.threads, "gflops": rates}), flush=True)
 
 
