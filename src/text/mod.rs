@@ -74,10 +74,9 @@ pub struct ForwardOptions {
     /// default**: with it our bf16 is closer to the fp32 truth than HF's own bf16 on every
     /// measured case, without it only within noise (`docs/precision.md`), and it costs no
     /// measurable time. Its price is memory kept for backward: `2·T·n·D` bytes more per
-    /// layer under activation checkpointing. `false`
-    /// rounds the streams to the model's dtype after every layer, as HF (and NeMo, whose
-    /// memory `plan` models by default) does. A no-op for an fp32 model; with it,
-    /// [`Outputs::layer_streams`] are fp32.
+    /// layer under activation checkpointing. `false` rounds the streams to the model's dtype
+    /// after every layer, as HF (and NeMo, whose memory `plan` models by default) does. A
+    /// no-op for an fp32 model; with it, [`Outputs::layer_streams`] are fp32.
     pub fp32_residual: bool,
 }
 
